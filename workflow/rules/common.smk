@@ -1,0 +1,101 @@
+# Config validation, paths and input functions: the only place paths are computed.
+import json
+import os
+from pathlib import Path
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+validate(config, schema="../schemas/config.schema.yaml")
+
+RUN = config["run"]
+OUT = f"results/{RUN}"
+SCRIPTS = Path(workflow.current_basedir).parent / "scripts"
+# stage scripts import the shared package; vLLM servers they start import the CPU connector from it
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(SCRIPTS), os.environ.get("PYTHONPATH", "")) if p
+)
+REPLICAS = list(range(config["extraction"]["replicas"]))
+
+
+def out(*parts):
+    return "/".join((OUT,) + parts)
+
+
+def log_of(name):
+    return out("logs", f"{name}.log")
+
+
+def target_dir():
+    """The target model: a user path, or the one a build rule makes."""
+    if config["target"]["path"]:
+        return config["target"]["path"]
+    if not config["target"]["build"]:
+        raise ValueError(
+            "config: set target.path to a model directory or target.build to build one"
+        )
+    return out("target")
+
+
+def data_sources():
+    if config["regenerate"]["enabled"]:
+        return [out("data", "regenerated.jsonl")]
+    if not config["data"]["sources"]:
+        raise ValueError(
+            "config: data.sources is empty and regenerate.enabled is false; give at least one source"
+        )
+    return [s["path"] for s in config["data"]["sources"]]
+
+
+def data_source_formats():
+    if config["regenerate"]["enabled"]:
+        return ["sharegpt"]
+    return [s["format"] for s in config["data"]["sources"]]
+
+
+def resolved_config_json():
+    """Rules depending on this param rerun when any config value changes."""
+    return json.dumps(config, sort_keys=True)
+
+
+def section_json(*keys):
+    """A config section as a param: only changes to it rerun the rule."""
+    return json.dumps({k: config[k] for k in keys}, sort_keys=True)
+
+
+def gpu_resources(gpus):
+    """SLURM resources for a GPU rule (plugin >= 2.7.1 reads `gpu`/`gpu_model`)."""
+    res = {"gpu": gpus}
+    if gpus and config["slurm"]["gpu_model"]:
+        res["gpu_model"] = config["slurm"]["gpu_model"]
+    partition = config["slurm"]["gpu_partition"] if gpus else config["slurm"]["cpu_partition"]
+    if partition:
+        res["slurm_partition"] = partition
+    return res
+
+
+def final_outputs():
+    return [
+        out("provenance.json"),
+        out("data", "manifest.json"),
+        out("checks", "api_compat.json"),
+        out("checks", "canary.json"),
+        out("hidden_states", "validation.json"),
+        out("draft"),
+        out("eval", "acceptance.json"),
+        out("report.html"),
+    ]
+
+
+rule record_provenance:
+    output:
+        out("provenance.json"),
+    params:
+        config=resolved_config_json(),
+    log:
+        log_of("record_provenance"),
+    localrule: True
+    script:
+        "../scripts/record_provenance.py"

@@ -1,0 +1,25 @@
+# EAGLE-3 training with speculators. Checkpoints go to train_work/ (not a declared output) so that a rerun
+# after a kill resumes from the last one; draft/ holds the final vLLM-loadable checkpoint and metrics.csv.
+
+
+rule train_draft:
+    input:
+        target=target_dir(),
+        prepared=out("data", "prepared"),
+        token_freq=out("data", "token_freq.pt"),
+        api_compat=out("checks", "api_compat.json"),
+        validation=out("hidden_states", "validation.json"),
+    output:
+        draft=directory(out("draft")),
+    params:
+        files_dir=out("hidden_states", "files"),
+        work_dir=out("train_work"),
+        settings=section_json("train"),
+    threads: 2
+    resources:
+        **gpu_resources(config["train"]["gpus"]),
+        runtime=lambda wc, attempt: config["train"]["runtime_minutes"] * attempt,
+    log:
+        log_of("train_draft"),
+    script:
+        "../scripts/train_draft.py"

@@ -1,0 +1,5 @@
+"""Snakemake entry for rule `check_api`: the work is in eagle3_workflow.api_checks."""
+
+from eagle3_workflow.api_checks import main
+
+main(snakemake)  # noqa: F821 - injected by Snakemake's script directive

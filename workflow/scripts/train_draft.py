@@ -1,0 +1,5 @@
+"""Snakemake entry for rule `train_draft`: the work is in eagle3_workflow.training."""
+
+from eagle3_workflow.training import main
+
+main(snakemake)  # noqa: F821 - injected by Snakemake's script directive
