@@ -12,7 +12,8 @@ validate(config, schema="../schemas/config.schema.yaml")
 
 RUN = config["run"]
 OUT = f"results/{RUN}"
-SCRIPTS = Path(workflow.current_basedir).parent / "scripts"
+WORKFLOW_ROOT = Path(workflow.current_basedir).parent.parent
+SCRIPTS = WORKFLOW_ROOT / "workflow" / "scripts"
 # stage scripts import the shared package; vLLM servers they start import the CPU connector from it
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(SCRIPTS), os.environ.get("PYTHONPATH", "")) if p
@@ -39,6 +40,15 @@ def target_dir():
     return out("target")
 
 
+def shipped(path):
+    """A relative path from a config: the working directory's file, else the one shipped with the workflow
+    (so presets that name config/data/... run from any working directory)."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = WORKFLOW_ROOT / path
+    return str(candidate) if candidate.exists() else path
+
+
 def data_sources():
     if config["regenerate"]["enabled"]:
         return [out("data", "regenerated.jsonl")]
@@ -46,7 +56,7 @@ def data_sources():
         raise ValueError(
             "config: data.sources is empty and regenerate.enabled is false; give at least one source"
         )
-    return [s["path"] for s in config["data"]["sources"]]
+    return [shipped(s["path"]) for s in config["data"]["sources"]]
 
 
 def data_source_formats():

@@ -5,8 +5,8 @@ if config["target"]["build"] and config["target"]["build"]["kind"] == "tiny":
 
     rule build_tiny_target:
         input:
-            corpus=[s["path"] for s in config["data"]["sources"]]
-            + ["config/data/seed_prompts.txt"],
+            corpus=[shipped(s["path"]) for s in config["data"]["sources"]]
+            + [shipped("config/data/seed_prompts.txt")],
         output:
             target=directory(out("target")),
         params:

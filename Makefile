@@ -1,0 +1,42 @@
+# Front door. `make demo` and `make test` set the environment up themselves (idempotent, seconds when done).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+SNAKEMAKE := $(VENV)/bin/snakemake
+PRESET ?= config/presets/tiny.yaml
+CORES ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint format dryrun install-profile clean-demo
+
+setup:
+	bash envs/setup_cpu.sh
+
+demo: setup
+	$(SNAKEMAKE) --cores $(CORES) --configfile $(PRESET) --printshellcmds
+	@echo "report: results/$$($(PY) -c 'import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))["run"])' $(PRESET))/report.html"
+
+dryrun: setup
+	$(SNAKEMAKE) -n --configfile $(PRESET)
+
+lint: setup
+	$(VENV)/bin/ruff check workflow tests bench
+	$(VENV)/bin/ruff format --check workflow tests bench
+	$(VENV)/bin/snakefmt --check Snakefile workflow/rules
+	$(SNAKEMAKE) --lint --configfile config/presets/tiny.yaml
+
+format: setup
+	$(VENV)/bin/ruff format workflow tests bench
+	$(VENV)/bin/ruff check --fix workflow tests bench
+	$(VENV)/bin/snakefmt Snakefile workflow/rules
+
+test: setup lint
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+install-profile:
+	mkdir -p "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake"
+	ln -sfn "$(CURDIR)/profiles/slurm" "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake/slurm"
+	@echo "linked $${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake/slurm -> $(CURDIR)/profiles/slurm"

@@ -1,0 +1,79 @@
+"""Shared fixtures: repository paths, tiny targets built once per session, and a workflow runner.
+
+Tests run the real thing: real tokenizers, real vLLM (CPU build), the real speculators trainer. A tiny target
+per architecture is built once per session (a few seconds each).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+SNAKEMAKE = str(VENV_BIN / "snakemake")
+TINY_PRESET = REPO / "config" / "presets" / "tiny.yaml"
+TINY_DATA = REPO / "config" / "data" / "tiny_conversations.jsonl"
+SEED_PROMPTS = REPO / "config" / "data" / "seed_prompts.txt"
+
+
+def tiny_config(run: str = "t", **overrides: dict) -> dict:
+    """The tiny preset with absolute data paths (tests run in temporary working directories)."""
+    config = yaml.safe_load(TINY_PRESET.read_text())
+    config["run"] = run
+    config["data"]["sources"] = [{"path": str(TINY_DATA), "format": "sharegpt"}]
+    for section, values in overrides.items():
+        if isinstance(values, dict) and isinstance(config.get(section), dict):
+            config[section] = {**config[section], **values}
+        else:
+            config[section] = values
+    return config
+
+
+def run_workflow(
+    workdir: Path, config: dict, targets: list[str] | None = None, extra: list[str] | None = None,
+    check: bool = True, timeout: float = 1500, env: dict | None = None,
+) -> subprocess.CompletedProcess:
+    """Run the real workflow in `workdir` with `config`; returns the completed process (output captured)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / f"config-{config['run']}.yaml"
+    config_path.write_text(yaml.safe_dump(copy.deepcopy(config)))
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--cores", "2",
+           "--configfile", str(config_path), *(extra or []), *(targets or [])]
+    full_env = {**os.environ, **(env or {})}
+    full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-6000:]}\n"
+                             f"STDERR:\n{proc.stderr[-12000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tmp_path_factory):
+    """Build tiny targets lazily, once per architecture: tiny_targets('llama') -> Path."""
+    from eagle3_workflow.tiny_target import build_tiny_target
+
+    root = tmp_path_factory.mktemp("tiny_targets")
+    built: dict[str, Path] = {}
+
+    def get(arch: str = "llama", num_layers: int = 4) -> Path:
+        key = f"{arch}-{num_layers}"
+        if key not in built:
+            built[key] = build_tiny_target(root / key, [TINY_DATA, SEED_PROMPTS], arch=arch, num_layers=num_layers)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_targets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_targets("llama"))
