@@ -41,9 +41,7 @@ class TokenizedConversation:
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     if not isinstance(text, str):
         raise TemplateError(
             f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str; "

@@ -96,6 +96,7 @@ class ApiCompatReport:
     device: str
     layer_ids: list[int]
     checks: list[CheckRow]
+    target: TargetInfo
 
 
 @dataclasses.dataclass

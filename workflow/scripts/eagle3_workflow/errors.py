@@ -46,6 +46,7 @@ def setup_logging(log_path: str | Path | None = None) -> logging.Logger:
         handlers=handlers,
         force=True,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
     return logging.getLogger("eagle3")
 
 

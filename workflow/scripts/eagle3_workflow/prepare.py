@@ -105,9 +105,7 @@ def messages_of(record: RawRecord, declared_format: str) -> list[dict[str, str]]
         return normalize_messages(payload["conversations"], role_key="from", content_key="value")
     if declared_format in ("messages", "auto", "parquet") and "messages" in payload:
         return normalize_messages(payload["messages"], role_key="role", content_key="content")
-    raise ValueError(
-        f"record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(payload)}"
-    )
+    raise ValueError(f"record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(payload)}")
 
 
 @dataclasses.dataclass
@@ -241,8 +239,9 @@ def write_prepared(result: PreparationResult, out_dir: Path, token_freq_path: Pa
     torch.save(token_frequencies(result.samples), token_freq_path)
 
 
-def build_manifest(result: PreparationResult, sources: list[str], max_seq_len: int, prepared_dir: Path,
-                   token_freq_path: Path) -> DataManifest:
+def build_manifest(
+    result: PreparationResult, sources: list[str], max_seq_len: int, prepared_dir: Path, token_freq_path: Path
+) -> DataManifest:
     lengths = [len(s.input_ids) for s in result.samples]
     return DataManifest(
         records_read=result.manifest_counts["records_read"],
@@ -288,12 +287,19 @@ def main(snakemake: Any) -> None:
         prepared_dir = Path(snakemake.output.prepared)
         token_freq_path = Path(snakemake.output.token_freq)
         write_prepared(result, prepared_dir, token_freq_path)
-        manifest = build_manifest(result, [str(p) for p, _ in sources], cfg["max_seq_len"], prepared_dir,
-                                  token_freq_path)
+        manifest = build_manifest(
+            result, [str(p) for p, _ in sources], cfg["max_seq_len"], prepared_dir, token_freq_path
+        )
         for b in result.bad_records[:MAX_REPORTED_BAD]:
             log.warning("skipped %s: %s (%s)", b.where(), b.reason, b.detail)
-        log.info("kept %d of %d records; dropped %s; %d tokens (%d assistant)", manifest.records_kept,
-                 manifest.records_read, manifest.dropped, manifest.total_tokens, manifest.assistant_tokens)
+        log.info(
+            "kept %d of %d records; dropped %s; %d tokens (%d assistant)",
+            manifest.records_kept,
+            manifest.records_read,
+            manifest.dropped,
+            manifest.total_tokens,
+            manifest.assistant_tokens,
+        )
         write_json_atomic(snakemake.output.manifest, manifest)
 
     run_stage("prepare_data", snakemake.log[0], body)

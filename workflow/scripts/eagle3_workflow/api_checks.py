@@ -1,0 +1,357 @@
+"""Stage `check_api`: every vLLM / speculators / transformers surface the workflow touches, checked in the
+environment that will run vLLM, before any model is loaded.
+
+Each check is a row (name, expected, found, pass). A check that raises becomes a FAIL row carrying repr() of
+the error, so one broken surface never hides the others. Any FAIL: a table in the log, non-zero exit and no
+api_compat.json, so the canary and extraction (which take it as input) never start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from packaging.version import Version
+
+from eagle3_workflow.contracts import ApiCompatReport, CheckRow, TargetInfo, check_table, write_json_atomic
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.hidden_states import resolve_layer_ids
+
+log = logging.getLogger("eagle3.check_api")
+
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+# speculators train fields the train_draft rule passes (checked against speculators' TrainConfig schema)
+DEFAULT_TRAINER_FIELDS = [
+    "verifier_name_or_path",
+    "data_path",
+    "save_path",
+    "epochs",
+    "lr",
+    "draft_vocab_size",
+    "ttt_steps",
+    "target_layer_ids",
+    "num_layers",
+    "total_seq_len",
+    "draft_attn_impl",
+    "loss_implementation",
+    "train_data_ratio",
+    "num_workers",
+    "token_freq_path",
+]
+
+
+def read_target_info(target_dir: str | Path) -> TargetInfo:
+    config_path = Path(target_dir) / "config.json"
+    if not config_path.exists():
+        raise StageError(f"{config_path} does not exist: target.path must be a HF model directory")
+    config = json.loads(config_path.read_text())
+    text = config.get("text_config") or config  # multimodal wrappers keep the LM's shape in text_config
+    architectures = config.get("architectures") or []
+    return TargetInfo(
+        path=str(target_dir),
+        architecture=architectures[0] if architectures else "",
+        model_type=config.get("model_type", ""),
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text.get("vocab_size", 0)),
+    )
+
+
+def _row(name: str, expected: str, check: Callable[[], tuple[str, bool]]) -> CheckRow:
+    try:
+        found, passed = check()
+    except Exception as exc:  # noqa: BLE001 - a broken surface is a FAIL row with its cause, never a crash
+        return CheckRow(name, expected, f"error: {exc!r}", False)
+    return CheckRow(name, expected, found, passed)
+
+
+def _signature_has(func: Any, params: list[str]) -> tuple[str, bool]:
+    signature = inspect.signature(func)
+    names = list(signature.parameters)
+    return f"{func.__qualname__}{signature}", all(p in names for p in params)
+
+
+def check_vllm_version(low: str, high: str) -> tuple[str, bool]:
+    import vllm
+
+    found = vllm.__version__
+    base = Version(Version(found).base_version)
+    return found, Version(low) <= base < Version(high)
+
+
+def check_speculative_method() -> tuple[str, bool]:
+    import typing
+
+    from vllm.config import speculative
+
+    def flatten(tp: Any) -> list[str]:
+        out: list[str] = []
+        for arg in typing.get_args(tp):
+            out += flatten(arg) if typing.get_args(arg) else [arg]
+        return out
+
+    methods = flatten(speculative.SpeculativeMethod)
+    return (
+        "extract_hidden_states in SpeculativeMethod" if "extract_hidden_states" in methods else f"methods: {methods}"
+    ), "extract_hidden_states" in methods and "eagle3" in methods
+
+
+def check_connector_registered(name: str) -> tuple[str, bool]:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory.get_connector_class_by_name(name)
+    return f"{cls.__module__}.{cls.__qualname__}", True
+
+
+def check_cpu_connector() -> tuple[str, bool]:
+    """The CPU subclass imports and every parent internal it relies on still exists."""
+    module = importlib.import_module(CONNECTOR_MODULE)
+    parent = module.ExampleHiddenStatesConnector
+    ours = importlib.import_module("eagle3_workflow.cpu_hs_connector")
+    source = inspect.getsource(parent)
+    missing = []
+    for attribute, kind in ours.INTERNALS_USED:
+        if kind == "method":
+            if not callable(getattr(parent, attribute, None)):
+                missing.append(f"method {attribute}")
+        elif f"self.{attribute}" not in source:
+            missing.append(f"attribute {attribute}")
+    if missing:
+        return f"{parent.__qualname__} lacks {missing}", False
+    return f"{len(ours.INTERNALS_USED)} internals present", True
+
+
+def check_overridden_method() -> tuple[str, bool]:
+    module = importlib.import_module(CONNECTOR_MODULE)
+    found, ok = _signature_has(module.ExampleHiddenStatesConnector._submit_async_write, ["self", "pending"])
+    fields = [f.name for f in dataclasses.fields(module.PendingSave)]
+    ok = ok and all(f in fields for f in ("req_id", "filename", "token_ids", "block_ids"))
+    return f"{found}; PendingSave{fields}", ok
+
+
+def check_extract_from_kv_cache() -> tuple[str, bool]:
+    module = importlib.import_module(CONNECTOR_MODULE)
+    return _signature_has(module.extract_from_kv_cache, ["kv_cache", "slot_mapping", "num_tokens"])
+
+
+def check_render_endpoint() -> tuple[str, bool]:
+    from vllm.entrypoints.launchers import cli_args
+
+    fields = {f.name for f in dataclasses.fields(cli_args.FrontendArgs)}
+    return (
+        "--enable-scale-out" if "enable_scale_out" in fields else "no enable_scale_out field"
+    ), "enable_scale_out" in fields
+
+
+def check_completion_protocol() -> tuple[str, bool]:
+    from vllm.entrypoints.openai.completion import protocol
+
+    request_fields = protocol.CompletionRequest.model_fields
+    response_fields = protocol.CompletionResponse.model_fields
+    ok = "return_token_ids" in request_fields and "kv_transfer_params" in response_fields
+    return (
+        f"return_token_ids={'return_token_ids' in request_fields}, kv_transfer_params="
+        f"{'kv_transfer_params' in response_fields}",
+        ok,
+    )
+
+
+def check_architecture(architecture: str, trust_remote_code: bool) -> tuple[str, bool]:
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        return f"{architecture} not in vLLM's model registry", False
+    model_cls = ModelRegistry._try_load_model_cls(architecture)
+    if model_cls is None:
+        return f"{architecture} registered but its class failed to import", False
+    ok = bool(supports_eagle3(model_cls))
+    return f"{model_cls.__name__}: supports_eagle3={ok}", ok
+
+
+def check_layer_ids(num_layers: int, configured: list[int] | None) -> tuple[str, bool]:
+    ids = resolve_layer_ids(num_layers, configured)
+    return f"{ids} of {num_layers} layers", True
+
+
+def check_trainer_fields(fields_used: list[str]) -> tuple[str, bool]:
+    from speculators.train.config.schema import TrainConfig
+
+    known: set[str] = set()
+    for name, field in TrainConfig.model_fields.items():
+        known.add(name)
+        annotation = field.annotation
+        if inspect.isclass(annotation) and hasattr(annotation, "model_fields"):
+            known |= set(annotation.model_fields)
+    missing = [f for f in fields_used if f not in known]
+    return (f"missing {missing}" if missing else f"{len(fields_used)} fields present"), not missing
+
+
+def check_trainer_shim() -> tuple[str, bool]:
+    shim = importlib.import_module("eagle3_workflow.cpu_train_shim")
+    results = shim.shim_patch_points_present()
+    missing = [f"{name} ({detail})" for name, ok, detail in results if not ok]
+    return (f"missing {missing}" if missing else f"{len(results)} patch points present"), not missing
+
+
+def check_speculators_model() -> tuple[str, bool]:
+    from hs_connectors import FileTransfer
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    return f"{Eagle3DraftModel.__name__}, {FileTransfer.__name__}", True
+
+
+def check_chat_template(target_dir: str, prepared_dir: str | None, trust_remote_code: bool) -> tuple[str, bool]:
+    """apply_chat_template(tokenize=False) returns a str and re-preparing stored rows gives the same ids."""
+    from transformers import AutoTokenizer
+
+    from eagle3_workflow.chat import render, tokenize_conversation
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
+    if not getattr(tokenizer, "chat_template", None):
+        return "the tokenizer has no chat template", False
+    text = render(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    if prepared_dir is None:
+        return f"renders a {len(text)}-char prompt", True
+    import datasets
+
+    dataset = datasets.load_from_disk(prepared_dir).with_format(None)
+    rows = min(3, len(dataset))
+    for i in range(rows):
+        messages = json.loads(dataset[i]["messages"])
+        again = tokenize_conversation(tokenizer, messages).input_ids
+        stored = list(dataset[i]["input_ids"])
+        if again[: len(stored)] != stored:
+            return f"row {i}: re-tokenizing gives different ids than prepare_data stored", False
+    return f"{rows} prepared rows reproduce", True
+
+
+def run_api_checks(
+    *,
+    target_dir: str,
+    prepared_dir: str | None,
+    configured_layer_ids: list[int] | None,
+    vllm_min: str,
+    vllm_max_exclusive: str,
+    device: str,
+    trust_remote_code: bool,
+    trainer_fields: list[str] | None = None,
+    need_render_endpoint: bool = True,
+) -> ApiCompatReport:
+    """All rows; pure apart from imports. The report's `passed` is the AND of the rows."""
+    target = read_target_info(target_dir)
+    rows = [
+        _row(
+            "vllm version",
+            f">= {vllm_min}, < {vllm_max_exclusive}",
+            lambda: check_vllm_version(vllm_min, vllm_max_exclusive),
+        ),
+        _row("speculative method extract_hidden_states", "accepted by vllm.config", check_speculative_method),
+        _row(
+            "hidden-states connector",
+            "ExampleHiddenStatesConnector registered",
+            lambda: check_connector_registered("ExampleHiddenStatesConnector"),
+        ),
+        _row("connector write hook signature", "_submit_async_write(self, pending)", check_overridden_method),
+        _row("extract_from_kv_cache signature", "(kv_cache, slot_mapping, num_tokens)", check_extract_from_kv_cache),
+        _row("completion protocol", "return_token_ids + kv_transfer_params", check_completion_protocol),
+        _row(
+            "target architecture",
+            f"{target.architecture} registered, supports EAGLE-3 capture",
+            lambda: check_architecture(target.architecture, trust_remote_code),
+        ),
+        _row(
+            "layer ids",
+            f"within 1..{target.num_layers}, last = {target.num_layers}",
+            lambda: check_layer_ids(target.num_layers, configured_layer_ids),
+        ),
+        _row("speculators model + transfer", "Eagle3DraftModel, FileTransfer", check_speculators_model),
+        _row(
+            "speculators train fields",
+            "TrainConfig has every flag the rule passes",
+            lambda: check_trainer_fields(trainer_fields or DEFAULT_TRAINER_FIELDS),
+        ),
+        _row(
+            "chat template",
+            "str from apply_chat_template; prepared ids reproduce",
+            lambda: check_chat_template(target_dir, prepared_dir, trust_remote_code),
+        ),
+    ]
+    if need_render_endpoint:
+        rows.append(_row("render endpoint", "--enable-scale-out available", check_render_endpoint))
+    if device == "cpu":
+        rows.append(_row("CPU connector internals", "parent internals the CPU subclass uses", check_cpu_connector))
+        rows.append(
+            _row("CPU trainer shim patch points", "every patched speculators symbol exists", check_trainer_shim)
+        )
+    try:
+        layer_ids = resolve_layer_ids(target.num_layers, configured_layer_ids)
+    except ValueError:
+        layer_ids = list(configured_layer_ids or [])
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    import vllm
+
+    return ApiCompatReport(
+        passed=all(r.passed for r in rows),
+        vllm_version=getattr(vllm, "__version__", "unknown"),
+        speculators_version=version("speculators"),
+        transformers_version=version("transformers"),
+        torch_version=version("torch"),
+        device=device,
+        layer_ids=layer_ids,
+        checks=rows,
+        target=target,
+    )
+
+
+def trainer_fields_used() -> list[str]:
+    """The training module's own list, when it declares one (it is the source of truth for flags)."""
+    try:
+        training = importlib.import_module("eagle3_workflow.training")
+    except ImportError:
+        return DEFAULT_TRAINER_FIELDS
+    return list(getattr(training, "TRAINER_FIELDS_USED", DEFAULT_TRAINER_FIELDS))
+
+
+def main(snakemake: Any) -> None:
+    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.vllm_server import resolve_device
+
+    def body(log: logging.Logger) -> None:
+        config = snakemake.config
+        report = run_api_checks(
+            target_dir=str(snakemake.input.target),
+            prepared_dir=str(snakemake.input.prepared),
+            configured_layer_ids=config["hidden_states"]["layer_ids"],
+            vllm_min=config["check_api"]["vllm_min"],
+            vllm_max_exclusive=config["check_api"]["vllm_max_exclusive"],
+            device=resolve_device(config["vllm"]["device"]),
+            trust_remote_code=config["target"]["trust_remote_code"],
+            trainer_fields=trainer_fields_used(),
+        )
+        table = check_table(report.checks)
+        if not report.passed:
+            failed = [r for r in report.checks if not r.passed]
+            details = "\n".join(f"- {r.name}: {r.found}" for r in failed)
+            raise StageError(
+                f"API compatibility check failed ({len(failed)} of {len(report.checks)}):\n{table}\n"
+                f"{details}\nThe environment does not match what this workflow was verified with "
+                "(envs/); install the pinned versions or update the adapted code and its checks."
+            )
+        log.info("API compatibility: all %d checks pass\n%s", len(report.checks), table)
+        write_json_atomic(snakemake.output.report, report)
+
+    run_stage("check_api", snakemake.log[0], body)

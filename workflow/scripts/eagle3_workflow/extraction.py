@@ -1,0 +1,467 @@
+"""Stage `extract_hidden_states`: one replica's shard, through a vLLM server this stage owns.
+
+Flow: disk preflight -> resume scan (valid files are kept, partial/invalid ones redone) -> start the server
+(vllm_server) -> an async client sends each sample's token ids as a 1-token completion; the connector writes
+``<req_id>.safetensors`` into a scratch dir; the client waits for the writer's lock, checks the header and
+token ids, and renames the file to ``hs_<row>.safetensors`` (atomic on one filesystem) -> progress.json every
+few seconds -> manifest. A watchdog checks the server twice a second: a dead server ends the stage at once.
+The canary calls `extract_samples` too, so the gate exercises exactly this path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from eagle3_workflow.contracts import ExtractionManifest, ProgressSnapshot, read_json, write_json_atomic
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.hidden_states import (
+    check_file,
+    estimate_bytes,
+    hs_file,
+    human_bytes,
+    shard_rows,
+)
+from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
+
+log = logging.getLogger("eagle3.extraction")
+
+
+@dataclasses.dataclass
+class ClientSettings:
+    concurrency: int = 8
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    progress_interval_s: float = 5.0
+    fail_after_samples: int | None = None
+
+
+@dataclasses.dataclass
+class Sample:
+    row: int
+    input_ids: list[int]
+
+
+def load_prepared_input_ids(prepared_dir: str | Path) -> list[list[int]]:
+    import datasets
+
+    dataset = datasets.load_from_disk(str(prepared_dir))
+    return [list(map(int, ids)) for ids in dataset.with_format(None)["input_ids"]]
+
+
+def disk_preflight(
+    samples: list[Sample],
+    files_dir: Path,
+    layer_count: int,
+    hidden_size: int,
+    margin: float,
+    available_override: int | None,
+) -> tuple[int, int]:
+    """Refuse to start (StageError with the numbers) when the filesystem cannot hold the output."""
+    needed = estimate_bytes([len(s.input_ids) for s in samples], layer_count, hidden_size)
+    files_dir.mkdir(parents=True, exist_ok=True)
+    available = available_override if available_override is not None else shutil.disk_usage(files_dir).free
+    if needed * margin > available:
+        raise StageError(
+            f"not enough disk for hidden states: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} "
+            f"tokens x {layer_count} layers x hidden {hidden_size} x 2 B = {human_bytes(needed)} "
+            f"(x{margin} margin = {human_bytes(needed * margin)}), but {files_dir} has {human_bytes(available)} "
+            "free. Free space, point results/ at a larger filesystem, split into more replicas on other "
+            "filesystems, or lower extraction.disk_margin if you know the estimate is pessimistic."
+        )
+    return needed, available
+
+
+def resume_scan(
+    samples: list[Sample], files_dir: Path, layer_count: int, hidden_size: int
+) -> tuple[list[Sample], list[Sample], dict[int, str]]:
+    """Split into (already done and valid, to do); invalid or partial files are deleted and redone."""
+    done, todo, redone = [], [], {}
+    for sample in samples:
+        path = hs_file(files_dir, sample.row)
+        if not path.exists():
+            todo.append(sample)
+            continue
+        reason = check_file(path, sample.input_ids, layer_count, hidden_size, full=False)
+        if reason is None:
+            done.append(sample)
+        else:
+            redone[sample.row] = reason
+            path.unlink(missing_ok=True)
+            todo.append(sample)
+    return done, todo, redone
+
+
+class ProgressTracker:
+    """Counts, rates and ETA; writes progress.json atomically and a bar line into the log."""
+
+    def __init__(self, path: Path | None, replica: int, total: int, already_done: int):
+        self.path, self.replica, self.total = path, replica, total
+        self.done = already_done
+        self.done_this_run = 0
+        self.tokens = 0
+        self.started = time.monotonic()
+        self.state = "starting"
+
+    def add(self, tokens: int) -> None:
+        self.done += 1
+        self.done_this_run += 1
+        self.tokens += tokens
+
+    def snapshot(self, message: str = "") -> ProgressSnapshot:
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        samples_per_s = self.done_this_run / elapsed
+        remaining = self.total - self.done
+        eta = remaining / samples_per_s if samples_per_s > 0 else (0.0 if remaining == 0 else None)
+        return ProgressSnapshot(
+            state=self.state,
+            replica=self.replica,
+            samples_done=self.done,
+            samples_total=self.total,
+            tokens_done=self.tokens,
+            tokens_per_s=round(self.tokens / elapsed, 1),
+            eta_s=None if eta is None else round(eta, 1),
+            updated_unix=time.time(),
+            message=message,
+        )
+
+    def write(self, message: str = "") -> None:
+        snap = self.snapshot(message)
+        if self.path is not None:
+            write_json_atomic(self.path, snap)
+        width = 30
+        filled = int(width * snap.samples_done / max(snap.samples_total, 1))
+        eta = "?" if snap.eta_s is None else f"{snap.eta_s:.0f}s"
+        log.info(
+            "[%s%s] %d/%d samples, %.0f tok/s, ETA %s%s",
+            "#" * filled,
+            "." * (width - filled),
+            snap.samples_done,
+            snap.samples_total,
+            snap.tokens_per_s,
+            eta,
+            f" ({message})" if message else "",
+        )
+
+
+async def _wait_for_file(path: str, timeout_s: float) -> None:
+    """Block until the connector's writer releases its lock on `path` (shared flock, like vLLM's reader)."""
+    lock_path = path + ".lock"
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(lock_path) and not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"neither {path} nor its lock appeared within {timeout_s:.0f} s")
+            time.sleep(0.01)
+        if os.path.exists(lock_path):
+            with open(lock_path) as handle:
+                fcntl.flock(handle, fcntl.LOCK_SH)
+            os.unlink(lock_path)
+
+    await asyncio.to_thread(wait)
+
+
+async def _request_one(client: Any, server: VLLMServer, sample: Sample, settings: ClientSettings) -> str:
+    import httpx
+
+    body = {
+        "model": server.spec.served_model_name,
+        "prompt": sample.input_ids,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    last_error: BaseException | None = None
+    for attempt in range(settings.max_retries + 1):
+        try:
+            response = await client.post(
+                f"{server.base_url}/v1/completions",
+                json=body,
+                headers=server.headers(),
+                timeout=settings.request_timeout_s,
+            )
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            server.check()  # a dead server is not retried: it fails the stage with its log
+            last_error = exc
+            await asyncio.sleep(min(2**attempt, 30))
+            continue
+        if response.status_code >= 500:
+            server.check()
+            last_error = RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
+            await asyncio.sleep(min(2**attempt, 30))
+            continue
+        if response.status_code != 200:
+            raise StageError(
+                f"row {sample.row}: the server rejected the request with HTTP {response.status_code}: "
+                f"{response.text[:1000]}"
+            )
+        payload = response.json()
+        params = payload.get("kv_transfer_params") or {}
+        path = params.get("hidden_states_path")
+        if not path:
+            raise StageError(
+                f"row {sample.row}: the response has no kv_transfer_params.hidden_states_path "
+                f"(is the hidden-states connector configured?): {json.dumps(payload)[:800]}"
+            )
+        echoed = (payload.get("choices") or [{}])[0].get("prompt_token_ids")
+        if echoed is not None and list(echoed) != sample.input_ids:
+            raise StageError(
+                f"row {sample.row}: the server tokenised the prompt differently "
+                f"({len(echoed)} ids back for {len(sample.input_ids)} sent)"
+            )
+        return path
+    raise StageError(f"row {sample.row}: request failed after {settings.max_retries + 1} attempts: {last_error!r}")
+
+
+async def _extract_async(
+    server: VLLMServer,
+    samples: list[Sample],
+    files_dir: Path,
+    layer_count: int,
+    hidden_size: int,
+    settings: ClientSettings,
+    tracker: ProgressTracker,
+    on_file: Callable[[Sample, Path], None] | None,
+) -> int:
+    import httpx
+
+    semaphore = asyncio.Semaphore(settings.concurrency)
+    bytes_written = 0
+    completed_this_run = 0
+
+    async def one(client: httpx.AsyncClient, sample: Sample) -> None:
+        nonlocal bytes_written, completed_this_run
+        async with semaphore:
+            if settings.fail_after_samples is not None and completed_this_run >= settings.fail_after_samples:
+                raise StageError(
+                    f"fault injection: extraction.fail_after_samples={settings.fail_after_samples} "
+                    "stopped this replica on purpose"
+                )
+            produced = await _request_one(client, server, sample, settings)
+            await _wait_for_file(produced, settings.request_timeout_s)
+            reason = check_file(Path(produced), sample.input_ids, layer_count, hidden_size, full=False)
+            if reason is not None:
+                raise StageError(f"row {sample.row}: the file the server wrote ({produced}) is invalid: {reason}")
+            final = hs_file(files_dir, sample.row)
+            os.replace(produced, final)  # atomic: a reader sees no file or the whole file
+            bytes_written += final.stat().st_size
+            completed_this_run += 1
+            tracker.add(len(sample.input_ids))
+            if on_file is not None:
+                on_file(sample, final)
+
+    async def watchdog(tasks: list[asyncio.Task]) -> None:
+        while True:
+            try:
+                server.check()
+            except ServerFailure:
+                for task in tasks:
+                    task.cancel()
+                raise
+            await asyncio.sleep(0.5)
+
+    async def reporter() -> None:
+        while True:
+            await asyncio.sleep(settings.progress_interval_s)
+            tracker.write()
+
+    limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
+    async with httpx.AsyncClient(limits=limits) as client:
+        tasks = [asyncio.create_task(one(client, s)) for s in samples]
+        guard = asyncio.create_task(watchdog(tasks))
+        report = asyncio.create_task(reporter())
+        try:
+            gathered = asyncio.gather(*tasks)
+            done, _ = await asyncio.wait({gathered, guard}, return_when=asyncio.FIRST_COMPLETED)
+            if guard in done:
+                guard.result()  # raises the ServerFailure
+            await gathered
+        finally:
+            for task in (*tasks, guard, report):
+                task.cancel()
+            await asyncio.gather(*tasks, guard, report, return_exceptions=True)
+    return bytes_written
+
+
+def extract_samples(
+    server: VLLMServer,
+    samples: list[Sample],
+    files_dir: Path,
+    *,
+    layer_count: int,
+    hidden_size: int,
+    settings: ClientSettings,
+    tracker: ProgressTracker,
+    on_file: Callable[[Sample, Path], None] | None = None,
+) -> int:
+    """Extract `samples` through a ready server into files_dir; returns bytes written. Raises StageError."""
+    files_dir.mkdir(parents=True, exist_ok=True)
+    if not samples:
+        return 0
+    try:
+        return asyncio.run(
+            _extract_async(server, samples, files_dir, layer_count, hidden_size, settings, tracker, on_file)
+        )
+    except ServerFailure:
+        raise
+    except StageError:
+        server.check()  # prefer the server's cause when it died under the client
+        raise
+
+
+def extract_replica(
+    *,
+    prepared_dir: Path,
+    replica: int,
+    replicas: int,
+    files_dir: Path,
+    scratch_dir: Path,
+    progress_path: Path | None,
+    server_spec_factory: Callable[[str], Any],
+    server_log: Path,
+    layer_count: int,
+    hidden_size: int,
+    settings: ClientSettings,
+    disk_margin: float,
+    available_bytes_override: int | None,
+) -> ExtractionManifest:
+    """The whole replica: preflight, resume, server, client, manifest."""
+    started = time.monotonic()
+    all_ids = load_prepared_input_ids(prepared_dir)
+    rows = shard_rows(len(all_ids), replicas, replica)
+    samples = [Sample(r, all_ids[r]) for r in rows]
+    done, todo, redone = resume_scan(samples, files_dir, layer_count, hidden_size)
+    for row, reason in list(redone.items())[:20]:
+        log.warning("row %d: existing file is invalid (%s); it will be extracted again", row, reason)
+    log.info(
+        "replica %d/%d: %d samples in shard, %d already valid on disk, %d to extract",
+        replica,
+        replicas,
+        len(samples),
+        len(done),
+        len(todo),
+    )
+    needed, available = disk_preflight(todo, files_dir, layer_count, hidden_size, disk_margin, available_bytes_override)
+    log.info(
+        "disk preflight: need %s (x%.2f margin), %s free", human_bytes(needed), disk_margin, human_bytes(available)
+    )
+    tracker = ProgressTracker(progress_path, replica, len(samples), len(done))
+    tracker.write("starting the vLLM server" if todo else "nothing to extract")
+    bytes_written, ready_s = 0, 0.0
+    client_started = time.monotonic()
+    if todo:
+        if scratch_dir.exists():
+            shutil.rmtree(scratch_dir)  # leftovers of a killed run: never trusted
+        scratch_dir.mkdir(parents=True)
+        try:
+            with VLLMServer(server_spec_factory(str(scratch_dir)), server_log) as server:
+                ready_s = server.ready_s
+                tracker.started = client_started = time.monotonic()
+                tracker.state = "running"
+                tracker.write("server ready")
+                bytes_written = extract_samples(
+                    server,
+                    todo,
+                    files_dir,
+                    layer_count=layer_count,
+                    hidden_size=hidden_size,
+                    settings=settings,
+                    tracker=tracker,
+                )
+        except BaseException as exc:
+            tracker.state = "failed"
+            tracker.write(f"failed: {exc!r}"[:500])
+            raise
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+    client_s = time.monotonic() - client_started
+    tracker.state = "done"
+    tracker.write("done")
+    tokens = sum(len(s.input_ids) for s in todo)
+    return ExtractionManifest(
+        replica=replica,
+        replicas=replicas,
+        samples_total=len(samples),
+        samples_extracted=len(todo),
+        samples_reused=len(done),
+        tokens=tokens,
+        bytes_written=bytes_written,
+        wall_s=round(time.monotonic() - started, 2),
+        server_ready_s=round(ready_s, 2),
+        tokens_per_s=round(tokens / client_s, 1) if todo and client_s > 0 else 0.0,
+        files_dir=str(files_dir),
+        rows=rows,
+    )
+
+
+def main(snakemake: Any) -> None:
+    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.vllm_server import hidden_states_server_spec
+
+    def body(log: logging.Logger) -> None:
+        config = snakemake.config
+        extraction = config["extraction"]
+        api = read_json(snakemake.input.api_compat)
+        canary = read_json(snakemake.input.canary)
+        if not api.get("passed") or not canary.get("passed"):
+            raise StageError(
+                "the gates did not pass (api_compat.json / canary.json say passed=false); extraction will not start"
+            )
+        layer_ids = api["layer_ids"]
+        target = api["target"]
+
+        def spec_factory(storage_dir: str):
+            return hidden_states_server_spec(
+                config["vllm"],
+                model=str(snakemake.input.target),
+                layer_ids=layer_ids,
+                storage_dir=storage_dir,
+                device=api["device"],
+                tensor_parallel_size=extraction["tensor_parallel_size"] if api["device"] == "cuda" else 1,
+                trust_remote_code=config["target"]["trust_remote_code"],
+                dtype=config["target"]["dtype"],
+                enable_render_endpoint=False,
+            )
+
+        replica = int(snakemake.wildcards.replica)
+        manifest = extract_replica(
+            prepared_dir=Path(snakemake.input.prepared),
+            replica=replica,
+            replicas=extraction["replicas"],
+            files_dir=Path(snakemake.params.files_dir),
+            scratch_dir=Path(snakemake.params.scratch_dir),
+            progress_path=Path(snakemake.params.progress),
+            server_spec_factory=spec_factory,
+            server_log=Path(snakemake.log[0]),
+            layer_count=len(layer_ids),
+            hidden_size=target["hidden_size"],
+            settings=ClientSettings(
+                concurrency=extraction["concurrency"],
+                request_timeout_s=extraction["request_timeout_s"],
+                max_retries=extraction["max_retries"],
+                progress_interval_s=extraction["progress_interval_s"],
+                fail_after_samples=extraction["fail_after_samples"],
+            ),
+            disk_margin=extraction["disk_margin"],
+            available_bytes_override=extraction["available_bytes_override"],
+        )
+        log.info(
+            "replica %d: %d extracted, %d reused, %s written, %.0f tok/s",
+            replica,
+            manifest.samples_extracted,
+            manifest.samples_reused,
+            human_bytes(manifest.bytes_written),
+            manifest.tokens_per_s,
+        )
+        write_json_atomic(snakemake.output.manifest, manifest)
+
+    run_stage("extract_hidden_states", snakemake.log[0], body)

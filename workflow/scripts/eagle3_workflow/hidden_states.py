@@ -1,0 +1,109 @@
+"""Hidden-state files: naming, the layer-id convention, size estimates and per-file checks.
+
+File layout (what vLLM's hidden-states connector writes and speculators' FileTransfer reads):
+``hs_<row>.safetensors`` with ``hidden_states`` [T, L, H] (bf16) and ``token_ids`` int64 [T], where row is the
+sample's index in the prepared dataset and L the number of captured layer ids.
+
+Layer ids follow vLLM's convention: id k in 1..N-1 is the residual stream after decoder layer k-1 (= HF
+``output_hidden_states[k]``); id N is the pre-norm output of the last layer (NOT HF ``hidden_states[-1]``,
+which is post-norm). EAGLE-3 uses [2, N//2, N-3] as draft input plus N as the verifier's last state.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+SAFETENSORS_OVERHEAD = 256  # header and alignment per file, generous
+
+
+def eagle3_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default capture: [2, N//2, N-3] for the draft plus N for the verifier's last state."""
+    return [2, num_layers // 2, num_layers - 3, num_layers]
+
+
+def resolve_layer_ids(num_layers: int, configured: list[int] | None) -> list[int]:
+    """The configured ids, or EAGLE-3's default; raises ValueError naming the problem."""
+    ids = list(configured) if configured else eagle3_layer_ids(num_layers)
+    problems = []
+    if len(ids) < 2:
+        problems.append("need at least two ids (draft inputs plus the verifier's last state)")
+    out_of_range = [i for i in ids if not 1 <= i <= num_layers]
+    if out_of_range:
+        problems.append(f"ids {out_of_range} are outside 1..{num_layers} (the target has {num_layers} layers)")
+    if ids and ids[-1] != num_layers:
+        problems.append(f"the last id must be {num_layers} (the verifier's final pre-norm state), got {ids[-1]}")
+    if len(set(ids)) != len(ids):
+        problems.append(
+            f"ids {ids} contain duplicates (the target has only {num_layers} layers; set "
+            "hidden_states.layer_ids explicitly)"
+        )
+    if problems:
+        raise ValueError(f"hidden_states.layer_ids {ids}: " + "; ".join(problems))
+    return ids
+
+
+def hs_file(files_dir: str | Path, row: int) -> Path:
+    return Path(files_dir) / f"hs_{row}.safetensors"
+
+
+def shard_rows(num_rows: int, replicas: int, replica: int) -> list[int]:
+    """Rows of one replica: disjoint, covering, balanced (row % replicas == replica)."""
+    if not 0 <= replica < replicas:
+        raise ValueError(f"replica {replica} is outside 0..{replicas - 1}")
+    return list(range(replica, num_rows, replicas))
+
+
+def estimate_bytes(token_counts: list[int], layer_count: int, hidden_size: int, dtype: str = "bfloat16") -> int:
+    """Disk needed for these samples: tokens x layers x hidden x bytes, plus token ids and headers."""
+    per_token = layer_count * hidden_size * BYTES_PER_ELEMENT[dtype] + 8
+    return sum(token_counts) * per_token + SAFETENSORS_OVERHEAD * len(token_counts)
+
+
+def human_bytes(n: float) -> str:
+    if n <= 0:
+        return "0 B"
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    k = min(int(math.log(n, 1024)), len(units) - 1)
+    return f"{n / 1024**k:.2f} {units[k]}"
+
+
+def check_file(path: Path, expected_ids: list[int], layer_count: int, hidden_size: int, *, full: bool) -> str | None:
+    """None if the file is a valid sample, else the reason. `full` also reads the tensor (finite, non-constant).
+
+    The quick form reads only the header and token ids, so resume scans are cheap; the full form is what
+    validate_hidden_states runs on every file.
+    """
+    from safetensors import safe_open
+
+    if not path.exists():
+        return "missing"
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            keys = set(handle.keys())
+            if keys != {"hidden_states", "token_ids"}:
+                return f"keys {sorted(keys)} != ['hidden_states', 'token_ids']"
+            hs_slice = handle.get_slice("hidden_states")
+            shape = list(hs_slice.get_shape())
+            dtype = hs_slice.get_dtype()
+            token_ids = handle.get_tensor("token_ids")
+            expected_shape = [len(expected_ids), layer_count, hidden_size]
+            if shape != expected_shape:
+                return f"hidden_states shape {shape} != expected {expected_shape} [T, L, H]"
+            if dtype.upper() not in ("BF16", "F16", "F32", "F8_E4M3"):
+                return f"hidden_states dtype {dtype} is not a float type"
+            if token_ids.tolist() != list(expected_ids):
+                return "token_ids differ from the prepared input_ids"
+            if full:
+                hidden = handle.get_tensor("hidden_states")
+                if not bool(torch.isfinite(hidden).all()):
+                    return "hidden_states contain NaN or Inf"
+                flat = hidden.float().reshape(hidden.shape[0] * hidden.shape[1], -1)
+                if hidden.shape[0] > 1 and float(flat.std()) == 0.0:
+                    return "hidden_states are constant (degenerate)"
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a bad sample; the reason is kept
+        return f"unreadable: {exc!r}"
+    return None

