@@ -33,7 +33,7 @@ def target_dir():
     """The target model: a user path, or the one a build rule makes."""
     if config["target"]["path"]:
         return config["target"]["path"]
-    if not config["target"]["build"]:
+    if not config["target"].get("build"):
         raise ValueError(
             "config: set target.path to a model directory or target.build to build one"
         )
@@ -47,6 +47,13 @@ def shipped(path):
         return path
     candidate = WORKFLOW_ROOT / path
     return str(candidate) if candidate.exists() else path
+
+
+def target_build_kind():
+    """'tiny', 'smollm2' or None (a user-provided target.path)."""
+    if config["target"]["path"]:
+        return None
+    return (config["target"].get("build") or {}).get("kind")
 
 
 def data_sources():
@@ -76,11 +83,20 @@ def section_json(*keys):
 
 
 def gpu_resources(gpus):
-    """SLURM resources for a GPU rule (plugin >= 2.7.1 reads `gpu`/`gpu_model`)."""
-    res = {"gpu": gpus}
-    if gpus and config["slurm"]["gpu_model"]:
-        res["gpu_model"] = config["slurm"]["gpu_model"]
-    partition = config["slurm"]["gpu_partition"] if gpus else config["slurm"]["cpu_partition"]
+    """SLURM resources for a rule using `gpus` GPUs, 0 = a CPU job (plugin >= 2.7.1 reads `gpu`/`gpu_model`).
+    The run's config names partitions and the GPU model; where it says null, the site's SNAKEMAKE_SLURM_*
+    variables do (set in the shell, or by profiles/slurm from its local-overrides.yaml). Local runs ignore
+    all of it."""
+    slurm = config["slurm"]
+    site = os.environ.get
+    res = {"gpu": gpus, "mem_mb": slurm["mem_mb_gpu_job"] if gpus else slurm["mem_mb_cpu_job"]}
+    gpu_model = slurm["gpu_model"] or site("SNAKEMAKE_SLURM_GPU_MODEL")
+    if gpus and gpu_model:
+        res["gpu_model"] = gpu_model
+    if gpus:
+        partition = slurm["gpu_partition"] or site("SNAKEMAKE_SLURM_GPU_PARTITION")
+    else:
+        partition = slurm["cpu_partition"] or site("SNAKEMAKE_SLURM_CPU_PARTITION")
     if partition:
         res["slurm_partition"] = partition
     return res

@@ -1,7 +1,7 @@
 # The target model: built locally for the self-contained presets (no model hub is needed).
 
 
-if config["target"]["build"] and config["target"]["build"]["kind"] == "tiny":
+if target_build_kind() == "tiny":
 
     rule build_tiny_target:
         input:
@@ -17,7 +17,7 @@ if config["target"]["build"] and config["target"]["build"]["kind"] == "tiny":
             "../scripts/build_tiny_target.py"
 
 
-if config["target"]["build"] and config["target"]["build"]["kind"] == "smollm2":
+if target_build_kind() == "smollm2":
 
     rule build_smollm2_target:
         output:

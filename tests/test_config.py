@@ -1,0 +1,63 @@
+"""The config schema: presets validate, defaults are filled, bad values name their key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, tiny_config
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+SCHEMA = str(REPO / "workflow" / "schemas" / "config.schema.yaml")
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "config" / "presets").glob("*.yaml")))
+def test_every_preset_is_schema_valid(preset):
+    config = yaml.safe_load((REPO / "config" / "presets" / preset).read_text())
+    validate(config, SCHEMA)
+    assert config["run"]
+
+
+def test_defaults_are_filled():
+    config = {"run": "x", "target": {"path": "/m"}, "data": {"sources": [{"path": "a.jsonl"}]}}
+    validate(config, SCHEMA)
+    assert config["extraction"]["replicas"] == 1
+    assert config["data"]["on_bad_record"] == "fail"
+    assert config["data"]["sources"][0]["format"] == "auto"
+
+
+@pytest.mark.parametrize(
+    "section,values,needle",
+    [
+        ("extraction", {"replicas": 0}, "replicas"),
+        ("data", {"on_bad_record": "ignore"}, "on_bad_record"),
+        ("train", {"lr": -1}, "lr"),
+        ("vllm", {"gpu_memory_utilization": 2}, "gpu_memory_utilization"),
+        ("hidden_states", {"layer_ids": [0, 3]}, "layer_ids"),
+        ("extraction", {"concurency": 3}, "concurency"),
+    ],
+)
+def test_bad_value_is_rejected_with_its_key(section, values, needle):
+    config = tiny_config()
+    config[section] = {**config.get(section, {}), **values}
+    with pytest.raises(WorkflowError) as info:
+        validate(config, SCHEMA)
+    assert needle in str(info.value)
+
+
+def test_bad_run_name_is_rejected():
+    config = tiny_config(run="has space")
+    with pytest.raises(WorkflowError, match="run"):
+        validate(config, SCHEMA)
+
+
+def test_snakemake_refuses_a_bad_config_before_planning(tmp_path: Path):
+    from conftest import run_workflow
+
+    config = tiny_config()
+    config["extraction"]["replicas"] = 0
+    proc = run_workflow(tmp_path, config, extra=["-n"], check=False)
+    assert proc.returncode != 0
+    assert "replicas" in proc.stderr + proc.stdout

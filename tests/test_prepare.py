@@ -1,0 +1,160 @@
+"""prepare_data: loss masks on several chat templates, every bad-record path, and the zero-kept failure."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_workflow.chat import tokenize_conversation
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.prepare import prepare_conversations, token_frequencies
+
+CHATML = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WITH_GENERATION = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m['content'] }}<|im_end|>"
+    "{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Llama-3 style: system folded into a header, no generation markers, assistant header added by the prompt
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>\n\n{{ m['content'] | trim }}"
+    "<|end_of_text|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>\n\n{% endif %}"
+)
+
+MULTI_TURN = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2 plus 2?"},
+    {"role": "assistant", "content": "2 plus 2 is 4."},
+    {"role": "user", "content": "And 3 times 3?"},
+    {"role": "assistant", "content": "3 times 3 is 9."},
+]
+
+
+def with_template(tokenizer, template):
+    clone = copy.deepcopy(tokenizer)
+    clone.chat_template = template
+    return clone
+
+
+def decoded_assistant_text(tokenizer, conv) -> str:
+    return tokenizer.decode([t for t, m in zip(conv.input_ids, conv.loss_mask, strict=True) if m])
+
+
+@pytest.mark.parametrize("template", [CHATML, WITH_GENERATION, LLAMA3_STYLE], ids=["chatml", "generation", "llama3"])
+def test_mask_covers_exactly_the_assistant_turns(tiny_tokenizer, template):
+    tokenizer = with_template(tiny_tokenizer, template)
+    conv = tokenize_conversation(tokenizer, MULTI_TURN)
+    text = decoded_assistant_text(tokenizer, conv)
+    assert "2 plus 2 is 4." in text and "3 times 3 is 9." in text
+    for leaked in ("You are terse", "What is 2 plus 2", "And 3 times 3", "system", "user"):
+        assert leaked not in text, f"{leaked!r} is trained on"
+    assert conv.input_ids == tokenizer(conv.text, add_special_tokens=False)["input_ids"]
+
+
+def test_mask_matches_transformers_generation_mask(tiny_tokenizer):
+    """Where the template has {% generation %}, the render-diff mask equals transformers' own mask, except
+    that render-diff also trains the newline the template emits after the end-of-turn marker."""
+    tokenizer = with_template(tiny_tokenizer, WITH_GENERATION)
+    ours = tokenize_conversation(tokenizer, MULTI_TURN)
+    theirs = tokenizer.apply_chat_template(MULTI_TURN, tokenize=True, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+    assert list(theirs["input_ids"]) == ours.input_ids
+    reference = list(theirs["assistant_masks"])
+    extra = [i for i, (a, b) in enumerate(zip(ours.loss_mask, reference, strict=True)) if a != b]
+    assert all(reference[i] == 0 and tokenizer.decode([ours.input_ids[i]]).strip() == "" for i in extra)
+    assert sum(reference) > 0 and sum(ours.loss_mask) >= sum(reference)
+
+
+def test_end_of_turn_token_is_trained(tiny_tokenizer):
+    conv = tokenize_conversation(tiny_tokenizer, MULTI_TURN)
+    end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    trained_ends = [m for t, m in zip(conv.input_ids, conv.loss_mask, strict=True) if t == end]
+    assert trained_ends.count(1) == 2  # the two assistant turns' ends, not the system/user ones
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+GOOD = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]}
+GOOD_MESSAGES = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"}]}
+
+
+def test_sharegpt_messages_and_parquet_are_read(tiny_tokenizer, tmp_path):
+    import pandas as pd
+
+    a = write_jsonl(tmp_path / "a.jsonl", [GOOD, GOOD])
+    b = write_jsonl(tmp_path / "b.jsonl", [GOOD_MESSAGES])
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps([GOOD]))
+    d = tmp_path / "d.parquet"
+    pd.DataFrame([GOOD_MESSAGES, GOOD_MESSAGES]).to_parquet(d)
+    result = prepare_conversations([(a, "sharegpt"), (b, "messages"), (c, "auto"), (d, "parquet")], tiny_tokenizer,
+                                   max_seq_len=128)
+    assert len(result.samples) == 6 and result.manifest_counts["records_read"] == 6
+    assert sum(token_frequencies(result.samples).values()) == sum(sum(s.loss_mask) for s in result.samples)
+
+
+BAD_CASES = {
+    "malformed_json": '{"conversations": [',
+    "invalid_record": {"text": "no conversation here"},
+    "no_assistant_turn": {"conversations": [{"from": "human", "value": "only a question"}]},
+    "unknown_role": {"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},
+    "non_string_content": {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_record_fails_with_file_and_line(tiny_tokenizer, tmp_path, case):
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, BAD_CASES[case], GOOD])
+    with pytest.raises(StageError) as info:
+        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
+    message = str(info.value)
+    assert f"{path}:2" in message and "on_bad_record: skip" in message
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_record_skipped_and_counted(tiny_tokenizer, tmp_path, case):
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, BAD_CASES[case], GOOD])
+    result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
+    assert len(result.samples) == 2
+    assert sum(result.manifest_counts["dropped"].values()) == 1
+
+
+def test_truncation_that_removes_every_assistant_token_is_a_bad_record(tiny_tokenizer, tmp_path):
+    long_user = {"conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "ok"}]}
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_user])
+    with pytest.raises(StageError, match="no_assistant_tokens"):
+        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=32)
+    result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=32, on_bad_record="skip")
+    assert result.manifest_counts["dropped"] == {"no_assistant_tokens": 1}
+
+
+def test_overlength_drop_and_truncate(tiny_tokenizer, tmp_path):
+    long_answer = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "word " * 200}]}
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_answer])
+    dropped = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=64, overlength="drop")
+    assert len(dropped.samples) == 1 and dropped.manifest_counts["dropped"] == {"overlength": 1}
+    truncated = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=64, overlength="truncate")
+    assert len(truncated.samples) == 2 and truncated.manifest_counts["truncated"] == 1
+    assert max(len(s.input_ids) for s in truncated.samples) == 64
+
+
+def test_zero_kept_fails_with_the_reason(tiny_tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "data.jsonl", [BAD_CASES["no_assistant_turn"]] * 3)
+    with pytest.raises(StageError, match="no record survived") as info:
+        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
+    assert "no_assistant_turn" in str(info.value)
+
+
+def test_missing_source_is_named(tiny_tokenizer, tmp_path):
+    with pytest.raises(StageError, match="does not exist"):
+        prepare_conversations([(tmp_path / "nope.jsonl", "auto")], tiny_tokenizer, max_seq_len=128)
