@@ -1,0 +1,245 @@
+"""Published presets (config/presets/*.yaml other than tiny): schema-valid, complete alone with --configfile,
+EAGLE-3 layer ids in vLLM's convention, and a dry run through profiles/slurm whose plan asks SLURM for the
+GPUs and partitions the preset and the site settings say. Nothing is downloaded: the target is a directory
+holding only config.json, the data the tiny conversations file."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, SNAKEMAKE, TINY_DATA, VENV_BIN
+from snakemake.utils import update_config, validate
+
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+DEFAULTS = REPO / "config" / "config.yaml"
+PROFILE = REPO / "profiles" / "slurm"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetShape:
+    """What the model card says; the preset must agree."""
+
+    num_layers: int
+    hidden_size: int
+    trust_remote_code: bool
+
+
+PRESETS = {
+    "llama-3.1-8b": TargetShape(num_layers=32, hidden_size=4096, trust_remote_code=False),
+    "qwen3-8b": TargetShape(num_layers=36, hidden_size=4096, trust_remote_code=False),
+    "kimi-k2.5-int4": TargetShape(num_layers=61, hidden_size=7168, trust_remote_code=True),
+}
+SITE_GPU_PARTITION = "site-gpu"
+SITE_CPU_PARTITION = "site-cpu"
+# rules with no GPU at all; they take the site CPU partition from the profile's default-resources
+CPU_RULES = ("prepare_data", "check_api", "validate_hidden_states")
+
+
+def preset_path(name: str) -> Path:
+    return REPO / "config" / "presets" / f"{name}.yaml"
+
+
+def load_preset(name: str) -> dict:
+    return yaml.safe_load(preset_path(name).read_text())
+
+
+def with_defaults(config: dict) -> dict:
+    config = copy.deepcopy(config)
+    validate(config, str(SCHEMA))  # fills the schema's defaults in place
+    return config
+
+
+@dataclasses.dataclass
+class PlannedJob:
+    rule: str
+    wildcards: str
+    resources: dict[str, str]
+
+
+def parse_dry_run_plan(text: str) -> list[PlannedJob]:
+    """The jobs of `snakemake -n` output: rule name, wildcards, and the resources line as a dict."""
+    jobs: list[PlannedJob] = []
+    for line in text.splitlines():
+        if line.startswith(("rule ", "localrule ")) and line.rstrip().endswith(":"):
+            jobs.append(PlannedJob(rule=line.split()[1].rstrip(":"), wildcards="", resources={}))
+        elif jobs and line.startswith("    wildcards: "):
+            jobs[-1].wildcards = line.split(": ", 1)[1].strip()
+        elif jobs and line.startswith("    resources: "):
+            for item in line.split(": ", 1)[1].split(", "):
+                key, _, value = item.partition("=")
+                jobs[-1].resources[key.strip()] = value.strip()
+    return jobs
+
+
+def fake_target(tmp_path: Path, shape: TargetShape) -> Path:
+    """A model directory holding only config.json: enough for planning, nothing to download."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"num_hidden_layers": shape.num_layers, "hidden_size": shape.hidden_size})
+    )
+    return model
+
+
+def dry_run(tmp_path: Path, configfiles: list[Path], env: dict[str, str]) -> str:
+    workdir = tmp_path / "work"
+    workdir.mkdir(exist_ok=True)
+    empty_overrides = tmp_path / "no-local-overrides.yaml"
+    empty_overrides.write_text("{}\n")
+    site = {
+        f"SNAKEMAKE_SLURM_{k}": ""
+        for k in ("ACCOUNT", "NO_ACCOUNT", "CPU_PARTITION", "GPU_PARTITION", "GPU_MODEL", "QOS", "STATUS_COMMAND")
+    }
+    full_env = {**os.environ, **site, "SNAKEMAKE_SLURM_OVERRIDES": str(empty_overrides), **env}
+    full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(REPO / "Snakefile"),
+        "-d",
+        str(workdir),
+        "-n",
+        "--profile",
+        str(PROFILE),
+        "--configfile",
+        *map(str, configfiles),
+    ]
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=full_env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"dry run failed ({proc.returncode}):\n{text[-6000:]}"
+    return text
+
+
+def user_paths_file(tmp_path: Path, shape: TargetShape, extra: dict | None = None) -> Path:
+    """What a user adds on top of a published preset: where the model and the data are."""
+    paths = {
+        "target": {"path": str(fake_target(tmp_path, shape))},
+        "data": {"sources": [{"path": str(TINY_DATA), "format": "sharegpt"}]},
+        **(extra or {}),
+    }
+    path = tmp_path / "my_paths.yaml"
+    path.write_text(yaml.safe_dump(paths))
+    return path
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_is_schema_valid(name):
+    config = with_defaults(load_preset(name))
+    assert config["run"] == name
+    assert config["target"]["path"], "a published preset names its target directory (a placeholder to set)"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_matches_the_model_card(name):
+    shape = PRESETS[name]
+    raw = load_preset(name)
+    n = shape.num_layers
+    # vLLM ids: k = residual stream after layer k-1, N = pre-norm last layer; EAGLE-3 = [2, N//2, N-3] + N
+    assert raw["hidden_states"]["layer_ids"] == [2, n // 2, n - 3, n]
+    # trust_remote_code is a decision: written out, never left to the default
+    assert raw["target"]["trust_remote_code"] is shape.trust_remote_code
+    assert raw["extraction"]["tensor_parallel_size"] <= raw["extraction"]["gpus_per_replica"]
+    assert raw["vllm"]["device"] == "cuda"
+
+
+def test_kimi_preset_is_one_node_per_replica():
+    raw = load_preset("kimi-k2.5-int4")
+    assert raw["extraction"]["tensor_parallel_size"] == 8
+    assert raw["extraction"]["gpus_per_replica"] == 8
+    assert raw["target"]["trust_remote_code"] is True
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_is_complete_alone(name):
+    """Snakemake merges --configfile over config/config.yaml (the tiny CPU defaults): no tiny value may leak
+    into a published preset's effective config."""
+    preset = load_preset(name)
+    effective = yaml.safe_load(DEFAULTS.read_text())
+    update_config(effective, copy.deepcopy(preset))
+    effective = with_defaults(effective)
+    alone = with_defaults(preset)
+    # target.build cannot be nulled (the schema types it object); target.path wins over it (target_build_kind)
+    effective["target"].pop("build", None)
+    alone["target"].pop("build", None)
+    leaked = {
+        f"{section}.{key}": (effective[section].get(key), alone[section].get(key))
+        for section in alone
+        if isinstance(alone[section], dict)
+        for key in set(effective[section]) | set(alone[section])
+        if effective[section].get(key) != alone[section].get(key)
+    }
+    assert not leaked, f"keys taking config/config.yaml's tiny value (effective, preset alone): {leaked}"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_dry_run_plans_gpus_and_partitions(name, tmp_path):
+    shape = PRESETS[name]
+    preset = with_defaults(load_preset(name))
+    text = dry_run(
+        tmp_path,
+        [preset_path(name), user_paths_file(tmp_path, shape)],
+        env={"SNAKEMAKE_SLURM_GPU_PARTITION": SITE_GPU_PARTITION, "SNAKEMAKE_SLURM_CPU_PARTITION": SITE_CPU_PARTITION},
+    )
+    plan = parse_dry_run_plan(text)
+    by_rule: dict[str, list[PlannedJob]] = {}
+    for job in plan:
+        by_rule.setdefault(job.rule, []).append(job)
+    assert not {"build_tiny_target", "build_smollm2_target"} & set(by_rule), "target.path set: nothing is built"
+
+    extraction = preset["extraction"]
+    replicas = by_rule["extract_hidden_states"]
+    assert sorted(j.wildcards for j in replicas) == sorted(f"replica={i}" for i in range(extraction["replicas"]))
+
+    def assert_gpu_job(job: PlannedJob, gpus: int, runtime: int) -> None:
+        assert job.resources.get("gpu") == str(gpus), job
+        assert job.resources.get("slurm_partition") == SITE_GPU_PARTITION, job
+        assert job.resources.get("nodes") == "1", job  # --gpus=N is per job: never spread one over nodes
+        assert job.resources.get("mem_mb") == str(preset["slurm"]["mem_mb_gpu_job"]), job
+        assert job.resources.get("runtime") == str(runtime), job  # attempt 1
+
+    for job in replicas:
+        assert_gpu_job(job, extraction["gpus_per_replica"], extraction["runtime_minutes"])
+    [canary] = by_rule["canary"]
+    assert canary.resources.get("gpu") == str(extraction["gpus_per_replica"])
+    [train] = by_rule["train_draft"]
+    assert_gpu_job(train, preset["train"]["gpus"], preset["train"]["runtime_minutes"])
+    [evaluate] = by_rule["evaluate_draft"]
+    assert evaluate.resources.get("gpu") == str(preset["evaluate"]["gpus"])
+    for rule in CPU_RULES:
+        for job in by_rule[rule]:
+            assert job.resources.get("slurm_partition") == SITE_CPU_PARTITION, job
+            assert job.resources.get("gpu") in (None, "0"), job
+
+
+def test_run_config_partitions_win_over_site_settings(tmp_path):
+    shape = PRESETS["llama-3.1-8b"]
+    paths = user_paths_file(tmp_path, shape, extra={"slurm": {"gpu_partition": "run-gpu", "gpu_model": "h200"}})
+    text = dry_run(
+        tmp_path, [preset_path("llama-3.1-8b"), paths], env={"SNAKEMAKE_SLURM_GPU_PARTITION": SITE_GPU_PARTITION}
+    )
+    for job in parse_dry_run_plan(text):
+        if job.rule in ("extract_hidden_states", "canary", "train_draft", "evaluate_draft"):
+            assert job.resources.get("slurm_partition") == "run-gpu", job
+            assert job.resources.get("gpu_model") == "h200", job
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="prepare_data, check_api and validate_hidden_states declare no resources, so the run config's "
+    "slurm.cpu_partition never reaches them (the site setting does, via the profile's default-resources); "
+    "fix: `resources: **gpu_resources(0)` in those rules, then drop this marker",
+)
+def test_run_config_cpu_partition_reaches_every_cluster_rule(tmp_path):
+    shape = PRESETS["llama-3.1-8b"]
+    paths = user_paths_file(tmp_path, shape, extra={"slurm": {"cpu_partition": "run-cpu"}})
+    text = dry_run(tmp_path, [preset_path("llama-3.1-8b"), paths], env={})
+    plan = {job.rule: job for job in parse_dry_run_plan(text)}
+    for rule in CPU_RULES:
+        assert plan[rule].resources.get("slurm_partition") == "run-cpu", plan[rule]
