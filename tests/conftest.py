@@ -37,21 +37,38 @@ def tiny_config(run: str = "t", **overrides: dict) -> dict:
 
 
 def run_workflow(
-    workdir: Path, config: dict, targets: list[str] | None = None, extra: list[str] | None = None,
-    check: bool = True, timeout: float = 1500, env: dict | None = None,
+    workdir: Path,
+    config: dict,
+    targets: list[str] | None = None,
+    extra: list[str] | None = None,
+    check: bool = True,
+    timeout: float = 1500,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the real workflow in `workdir` with `config`; returns the completed process (output captured)."""
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / f"config-{config['run']}.yaml"
     config_path.write_text(yaml.safe_dump(copy.deepcopy(config)))
-    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--cores", "2",
-           "--configfile", str(config_path), *(extra or []), *(targets or [])]
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(REPO / "Snakefile"),
+        "-d",
+        str(workdir),
+        "--cores",
+        "2",
+        "--configfile",
+        str(config_path),
+        *(extra or []),
+        *(targets or []),
+    ]
     full_env = {**os.environ, **(env or {})}
     full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=full_env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-6000:]}\n"
-                             f"STDERR:\n{proc.stderr[-12000:]}")
+        raise AssertionError(
+            f"snakemake failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-12000:]}"
+        )
     return proc
 
 
@@ -63,7 +80,7 @@ def tiny_targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_targets")
     built: dict[str, Path] = {}
 
-    def get(arch: str = "llama", num_layers: int = 4) -> Path:
+    def get(arch: str = "llama", num_layers: int = 8) -> Path:
         key = f"{arch}-{num_layers}"
         if key not in built:
             built[key] = build_tiny_target(root / key, [TINY_DATA, SEED_PROMPTS], arch=arch, num_layers=num_layers)

@@ -63,8 +63,9 @@ def test_mask_matches_transformers_generation_mask(tiny_tokenizer):
     that render-diff also trains the newline the template emits after the end-of-turn marker."""
     tokenizer = with_template(tiny_tokenizer, WITH_GENERATION)
     ours = tokenize_conversation(tokenizer, MULTI_TURN)
-    theirs = tokenizer.apply_chat_template(MULTI_TURN, tokenize=True, return_dict=True,
-                                           return_assistant_tokens_mask=True)
+    theirs = tokenizer.apply_chat_template(
+        MULTI_TURN, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     assert list(theirs["input_ids"]) == ours.input_ids
     reference = list(theirs["assistant_masks"])
     extra = [i for i, (a, b) in enumerate(zip(ours.loss_mask, reference, strict=True)) if a != b]
@@ -97,8 +98,9 @@ def test_sharegpt_messages_and_parquet_are_read(tiny_tokenizer, tmp_path):
     c.write_text(json.dumps([GOOD]))
     d = tmp_path / "d.parquet"
     pd.DataFrame([GOOD_MESSAGES, GOOD_MESSAGES]).to_parquet(d)
-    result = prepare_conversations([(a, "sharegpt"), (b, "messages"), (c, "auto"), (d, "parquet")], tiny_tokenizer,
-                                   max_seq_len=128)
+    result = prepare_conversations(
+        [(a, "sharegpt"), (b, "messages"), (c, "auto"), (d, "parquet")], tiny_tokenizer, max_seq_len=128
+    )
     assert len(result.samples) == 6 and result.manifest_counts["records_read"] == 6
     assert sum(token_frequencies(result.samples).values()) == sum(sum(s.loss_mask) for s in result.samples)
 

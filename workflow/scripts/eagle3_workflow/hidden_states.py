@@ -41,6 +41,9 @@ def resolve_layer_ids(num_layers: int, configured: list[int] | None) -> list[int
             f"ids {ids} contain duplicates (the target has only {num_layers} layers; set "
             "hidden_states.layer_ids explicitly)"
         )
+    elif ids != sorted(ids):
+        # vLLM stores captures sorted by id: any other order would silently permute the file's L axis
+        problems.append(f"ids {ids} must be in increasing order")
     if problems:
         raise ValueError(f"hidden_states.layer_ids {ids}: " + "; ".join(problems))
     return ids

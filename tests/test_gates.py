@@ -1,0 +1,327 @@
+"""The gates: check_api and the canary pass on healthy tiny targets (llama, qwen3, deepseek_v3) and stop every
+injected fault with a readable cause; through Snakemake, extraction never starts after a failed gate."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_DATA, run_workflow, tiny_config
+from safetensors.torch import load_file, save_file
+
+from eagle3_workflow.api_checks import run_api_checks
+from eagle3_workflow.canary import canary_layer_count, keep_tensor, run_canary, truncated_config
+from eagle3_workflow.extraction import Sample
+from eagle3_workflow.prepare import prepare_conversations
+from eagle3_workflow.vllm_server import hidden_states_server_spec
+
+ARCHS = ["llama", "qwen3", "deepseek_v3"]
+FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")
+VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
+
+
+def api_report(target: Path, **overrides):
+    kwargs = dict(
+        target_dir=str(target),
+        prepared_dir=None,
+        configured_layer_ids=None,
+        vllm_min="0.18.0",
+        vllm_max_exclusive="0.34.0",
+        device="cpu",
+        trust_remote_code=False,
+    )
+    return run_api_checks(**(kwargs | overrides))
+
+
+def failed_rows(report) -> dict[str, str]:
+    return {row.name: row.found for row in report.checks if not row.passed}
+
+
+# ---------------------------------------------------------------- check_api
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_check_api_passes_on_healthy_targets(tiny_targets, arch):
+    report = api_report(tiny_targets(arch))
+    assert report.passed, failed_rows(report)
+    assert report.layer_ids == [2, 4, 5, 8]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_check_api_rejects_layer_ids_out_of_range(tiny_targets, arch):
+    report = api_report(tiny_targets(arch), configured_layer_ids=[2, 3, 9])
+    assert not report.passed
+    assert "outside 1..8" in failed_rows(report)["layer ids"]
+
+
+def test_check_api_rejects_unordered_layer_ids(tiny_targets):
+    report = api_report(tiny_targets("llama"), configured_layer_ids=[3, 2, 4])
+    assert "increasing order" in failed_rows(report)["layer ids"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_check_api_catches_a_missing_connector_method(tiny_targets, arch, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as module
+
+    monkeypatch.delattr(module.ExampleHiddenStatesConnector, "_submit_async_write")
+    report = api_report(tiny_targets(arch))
+    failed = failed_rows(report)
+    assert "connector write hook signature" in failed and "CPU connector internals" in failed
+
+
+def test_check_api_catches_a_changed_signature(tiny_targets, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as module
+
+    def renamed(kv_cache, slots, count):  # the parameter names the CPU connector passes are gone
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(module, "extract_from_kv_cache", renamed)
+    report = api_report(tiny_targets("qwen3"))
+    assert "extract_from_kv_cache signature" in failed_rows(report)
+
+
+def test_check_api_catches_a_missing_speculative_method(tiny_targets, monkeypatch):
+    from typing import Literal
+
+    from vllm.config import speculative
+
+    monkeypatch.setattr(speculative, "SpeculativeMethod", Literal["ngram", "eagle", "eagle3"])
+    report = api_report(tiny_targets("llama"))
+    assert "speculative method extract_hidden_states" in failed_rows(report)
+
+
+def test_check_api_catches_an_unsupported_architecture(tiny_targets, tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    config = json.loads((tiny_targets("llama") / "config.json").read_text())
+    config["architectures"] = ["NotARealModelForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (target / name).write_bytes((tiny_targets("llama") / name).read_bytes())
+    report = api_report(target)
+    assert "not in vLLM's model registry" in failed_rows(report)["target architecture"]
+
+
+# ---------------------------------------------------------------- canary: pure parts
+
+
+def test_canary_layer_count_covers_layer_types():
+    assert canary_layer_count({"num_hidden_layers": 32}, None) == 3
+    assert canary_layer_count({"num_hidden_layers": 61, "first_k_dense_replace": 3}, None) == 4
+    types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 6
+    assert canary_layer_count({"num_hidden_layers": 12, "layer_types": types}, None) == 6
+    assert canary_layer_count({"num_hidden_layers": 2}, None) == 2
+    assert canary_layer_count({"num_hidden_layers": 32}, 5) == 5
+
+
+def test_truncation_keeps_only_needed_tensors():
+    assert keep_tensor("model.embed_tokens.weight", 3)
+    assert keep_tensor("model.layers.2.mlp.down_proj.weight", 3)
+    assert not keep_tensor("model.layers.3.mlp.down_proj.weight", 3)
+    assert not keep_tensor("model.layers.61.eh_proj.weight", 3)  # DeepSeek MTP layer
+    assert keep_tensor("lm_head.weight", 3)
+    cfg = truncated_config({"num_hidden_layers": 8, "layer_types": ["a"] * 8, "num_nextn_predict_layers": 1}, 3)
+    assert cfg["num_hidden_layers"] == 3 and cfg["layer_types"] == ["a"] * 3 and "num_nextn_predict_layers" not in cfg
+
+
+# ---------------------------------------------------------------- canary: the real path
+
+
+def canary_inputs(target: Path, count: int = 3):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    lines = TINY_DATA.read_text().splitlines()[:count]
+    source = target.parent / f"{target.name}-canary.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    result = prepare_conversations([(source, "sharegpt")], tokenizer, max_seq_len=256)
+    samples = [Sample(i, s.input_ids) for i, s in enumerate(result.samples)]
+    return samples, [s.messages for s in result.samples]
+
+
+def canary(target: Path, work: Path):
+    samples, messages = canary_inputs(target)
+
+    def spec_factory(model, layer_ids, storage_dir):
+        return hidden_states_server_spec(
+            VLLM_SETTINGS,
+            model=model,
+            layer_ids=layer_ids,
+            storage_dir=storage_dir,
+            device="cpu",
+            tensor_parallel_size=1,
+            trust_remote_code=False,
+        )
+
+    return run_canary(
+        target_dir=target,
+        work_dir=work,
+        samples=samples,
+        messages=messages,
+        spec_factory=spec_factory,
+        server_log=work / "server.log",
+        canary_layers=None,
+        tolerance=0.05,
+        render_samples=2,
+        trust_remote_code=False,
+        device="cpu",
+    )
+
+
+def copy_target(source: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    for path in source.iterdir():
+        (dest / path.name).write_bytes(path.read_bytes())
+    return dest
+
+
+def row(report, name: str):
+    return next(r for r in report.checks if r.name == name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
+    report = canary(tiny_targets(arch), tmp_path)
+    assert report.passed, report.checks
+    assert report.reference.startswith("HF transformers")
+    assert max(report.per_layer_max_rel_error.values()) < 0.05
+    assert report.canary_layer_ids == list(range(1, report.canary_layers + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_canary_catches_captures_shifted_by_one_layer(tiny_targets, tmp_path, monkeypatch, arch):
+    monkeypatch.setenv("EAGLE3_FAULT", "shift_layers")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]))
+    report = canary(tiny_targets(arch), tmp_path)
+    assert not report.passed
+    assert not row(report, "layer-id convention").passed
+    assert "best match" in row(report, "layer-id convention").found
+
+
+@pytest.mark.slow
+def test_canary_stops_a_shifted_deepseek_at_its_first_forward(tiny_targets, tmp_path, monkeypatch):
+    """On DeepSeek-V3 the shifted capture asks for layer 0's residual, which does not exist yet: the worker
+    dies at the first forward (the seed story). The canary reports it with the worker's own error."""
+    from eagle3_workflow.vllm_server import ServerFailure
+
+    monkeypatch.setenv("EAGLE3_FAULT", "shift_layers")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(ServerFailure) as info:
+        canary(tiny_targets("deepseek_v3"), tmp_path)
+    message = str(info.value)
+    assert "engine" in message.lower() and "TypeError" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_canary_catches_a_nan_layer(tiny_targets, tmp_path, arch):
+    target = copy_target(tiny_targets(arch), tmp_path / "model")
+    weights = load_file(target / "model.safetensors")
+    name = next(n for n in sorted(weights) if n.startswith("model.layers.1.") and n.endswith("o_proj.weight"))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    report = canary(target, tmp_path / "work")
+    assert not report.passed
+    assert not row(report, "finite").passed
+
+
+@pytest.mark.slow
+def test_canary_fails_loudly_on_a_scrambled_layer(tiny_targets, tmp_path):
+    """A transposed weight makes vLLM's loader die: the canary reports the server's traceback, fast."""
+    from eagle3_workflow.vllm_server import ServerFailure
+
+    target = copy_target(tiny_targets("llama"), tmp_path / "model")
+    weights = load_file(target / "model.safetensors")
+    weights["model.layers.0.mlp.gate_proj.weight"] = weights["model.layers.0.mlp.gate_proj.weight"].t().contiguous()
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ServerFailure) as info:
+        canary(target, tmp_path / "work")
+    message = str(info.value)
+    assert "Traceback" in message and "last" in message and "server log lines" in message
+
+
+@pytest.mark.slow
+def test_canary_catches_a_chat_template_mismatch(tiny_targets, tmp_path):
+    target = copy_target(tiny_targets("qwen3"), tmp_path / "model")
+    samples, messages = canary_inputs(target)  # prepared with the original template
+    config_path = target / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    template_file = target / "chat_template.jinja"
+    if template_file.exists():
+        template_file.write_text(
+            template_file.read_text().replace("<|im_start|>{{ m['role'] }}\n", "<|im_start|>{{ m['role'] }}:\n")
+        )
+    else:
+        config["chat_template"] = config["chat_template"].replace("{{ m['role'] }}\n", "{{ m['role'] }}:\n")
+        config_path.write_text(json.dumps(config))
+
+    def spec_factory(model, layer_ids, storage_dir):
+        return hidden_states_server_spec(
+            VLLM_SETTINGS,
+            model=model,
+            layer_ids=layer_ids,
+            storage_dir=storage_dir,
+            device="cpu",
+            tensor_parallel_size=1,
+            trust_remote_code=False,
+        )
+
+    work = tmp_path / "work"
+    report = run_canary(
+        target_dir=target,
+        work_dir=work,
+        samples=samples,
+        messages=messages,
+        spec_factory=spec_factory,
+        server_log=work / "server.log",
+        canary_layers=None,
+        tolerance=0.05,
+        render_samples=2,
+        trust_remote_code=False,
+        device="cpu",
+    )
+    assert not report.passed
+    check = row(report, "server chat rendering")
+    assert not check.passed and "first difference" in check.found
+
+
+# ---------------------------------------------------------------- through Snakemake: extraction never starts
+
+
+def assert_extraction_never_ran(workdir: Path, run: str):
+    hidden = workdir / "results" / run / "hidden_states"
+    assert not (hidden / "replica_0.json").exists()
+    assert not (hidden / "files").exists()
+    assert not (workdir / "results" / run / "logs" / "extract_hidden_states_replica_0.log").exists()
+
+
+@pytest.mark.slow
+def test_workflow_stops_at_check_api_on_bad_layer_ids(tmp_path):
+    config = tiny_config(run="badids", hidden_states={"layer_ids": [2, 3, 99]})
+    proc = run_workflow(tmp_path, config, check=False)
+    assert proc.returncode != 0
+    log = (tmp_path / "results" / "badids" / "logs" / "check_api.log").read_text()
+    assert "FAIL" in log and "outside 1..8" in log
+    assert not (tmp_path / "results" / "badids" / "checks" / "api_compat.json").exists()
+    assert not (tmp_path / "results" / "badids" / "checks" / "canary.json").exists()
+    assert_extraction_never_ran(tmp_path, "badids")
+
+
+@pytest.mark.slow
+def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
+    config = tiny_config(run="shifted")
+    env = {
+        "EAGLE3_FAULT": "shift_layers",
+        "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = run_workflow(tmp_path, config, check=False, env=env)
+    assert proc.returncode != 0
+    log = (tmp_path / "results" / "shifted" / "logs" / "canary.log").read_text()
+    assert "canary FAILED" in log and "layer-id convention" in log
+    assert not (tmp_path / "results" / "shifted" / "checks" / "canary.json").exists()
+    assert_extraction_never_ran(tmp_path, "shifted")
