@@ -31,6 +31,7 @@ from pathlib import Path
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged")
 NODE_NAME = "eagle3ci"
+CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "sacct", "salloc")
 GPUS_PER_NODE = 8
 
 
@@ -99,8 +100,11 @@ class SlurmCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        """Environment for clients (sbatch, squeue, snakemake's slurm plugin) to reach this cluster."""
-        return {"SLURM_CONF": str(self.conf), "PATH": f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"}
+        """Environment for clients (sbatch, squeue, snakemake's slurm plugin) to reach this cluster. PATH starts
+        with wrappers that set SLURM_CONF themselves: inside a job, snakemake's jobstep strips SLURM_* from
+        the environment of its `srun`, and a real cluster's nodes find /etc/slurm/slurm.conf instead."""
+        path = os.environ.get("PATH", "")
+        return {"SLURM_CONF": str(self.conf), "PATH": f"{self.root / 'bin'}:{path}:/usr/sbin:/sbin"}
 
     @property
     def slurmctld_log(self) -> Path:
@@ -137,8 +141,15 @@ class SlurmCluster:
         return cluster
 
     def _write_config(self) -> None:
-        for sub in ("munge", "state", "spool", "log", "gpu_placeholders"):
+        for sub in ("munge", "state", "spool", "log", "gpu_placeholders", "bin"):
             (self.root / sub).mkdir(exist_ok=True)
+        for client in CLIENTS:
+            binary = _which(client)
+            if binary is None:
+                continue
+            wrapper = self.root / "bin" / client
+            wrapper.write_text(f'#!/bin/sh\nSLURM_CONF={self.conf} exec {binary} "$@"\n')
+            wrapper.chmod(0o755)
         (self.root / "munge").chmod(0o755)
         for i in range(GPUS_PER_NODE):
             link = self.root / "gpu_placeholders" / f"gpu{i}"

@@ -1,0 +1,229 @@
+"""Reruns on the tiny preset (docs/reruns.md): what Snakemake reruns after a failure, a kill, a forced
+retrain or a config change, and what it leaves alone.
+
+- a replica that failed (fault injection: extraction.fail_after_samples) reruns alone, resuming from the
+  samples already on disk; data preparation and the gates are not redone;
+- `-R train_draft --until train_draft` retrains without re-extracting;
+- a killed controller (and its jobs) recovers with `--unlock` then `--rerun-incomplete`;
+- a changed train.* value reruns training and what follows it, nothing before (Snakemake 9's default rerun
+  triggers include params; rules take per-section params through section_json in common.smk).
+
+What ran is read from the "Job stats" table Snakemake prints before it starts jobs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from conftest import REPO, SNAKEMAKE, VENV_BIN, tiny_config
+
+pytestmark = pytest.mark.slow
+
+PREPARE_AND_GATES = {"build_tiny_target", "prepare_data", "check_api", "canary"}
+EXTRACTION = {"extract_hidden_states", "validate_hidden_states"}
+# a config change reruns record_provenance by design (it records the whole resolved config)
+AFTER_TRAINING = {"train_draft", "evaluate_draft", "report", "record_provenance", "all"}
+
+
+def snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: float = 1800):
+    """Run the real workflow in `workdir`; targets and flags in `args` (targets must not follow --configfile,
+    whose nargs="+" would take them for config files)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / f"config-{config['run']}.yaml"
+    config_path.write_text(yaml.safe_dump(copy.deepcopy(config)))
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(REPO / "Snakefile"),
+        "-d",
+        str(workdir),
+        "--cores",
+        "2",
+        *args,
+        "--configfile",
+        str(config_path),
+    ]
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-12000:]}")
+    return proc
+
+
+def planned_rules(proc: subprocess.CompletedProcess) -> set[str]:
+    """Rules in the first "Job stats" table (the plan): what this invocation ran or, with -n, would run."""
+    text = proc.stdout + proc.stderr
+    match = re.search(r"Job stats:\njob\s+count\n[- ]+\n(.*?)\ntotal\s+\d+", text, re.DOTALL)
+    if match is None:
+        assert "Nothing to be done" in text, text[-4000:]
+        return set()
+    return {line.split()[0] for line in match.group(1).splitlines() if line.strip()}
+
+
+def mtimes(paths: list[Path]) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime_ns for p in paths}
+
+
+def hidden_state_files(run_dir: Path) -> dict[str, float]:
+    return mtimes(sorted((run_dir / "hidden_states" / "files").glob("*.safetensors")))
+
+
+def gate_artefacts(run_dir: Path) -> list[Path]:
+    return [
+        run_dir / "data" / "manifest.json",
+        run_dir / "checks" / "api_compat.json",
+        run_dir / "checks" / "canary.json",
+    ]
+
+
+def replica_manifest(run_dir: Path, replica: int = 0) -> dict:
+    return json.loads((run_dir / "hidden_states" / f"replica_{replica}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def completed_run(tmp_path_factory):
+    """One complete tiny run, shared by the tests that only rerun parts of it."""
+    workdir = tmp_path_factory.mktemp("completed")
+    config = tiny_config("rerun")
+    snakemake(workdir, config)
+    return workdir, config
+
+
+def test_failed_replica_reruns_alone_and_resumes(tmp_path):
+    workdir = tmp_path / "work"
+    run_dir = workdir / "results" / "failing"
+    config = tiny_config("failing")
+    # the data first, to size the fault: the first attempt stops after more than half of the samples, so
+    # that the second one, resuming, has fewer than that left and finishes
+    snakemake(workdir, config, str(run_dir / "data" / "manifest.json"))
+    kept = json.loads((run_dir / "data" / "manifest.json").read_text())["records_kept"]
+    fail_after = kept // 2 + 1
+    config["extraction"]["fail_after_samples"] = fail_after
+
+    first = snakemake(workdir, config, check=False)
+    assert first.returncode != 0, "fault injection did not fail the run"
+    assert "prepare_data" not in planned_rules(first)
+    log = (run_dir / "logs" / "extract_hidden_states_replica_0.log").read_text()
+    assert "fault injection" in log, log[-3000:]
+    assert not (run_dir / "hidden_states" / "replica_0.json").exists(), "a failed replica left its manifest"
+    survived = hidden_state_files(run_dir)
+    assert len(survived) >= fail_after, "sample files of the failed attempt were deleted"
+    gates_before = mtimes(gate_artefacts(run_dir))
+
+    # the same command again: nothing before extraction is planned
+    plan = planned_rules(snakemake(workdir, config, "-n"))
+    assert plan & PREPARE_AND_GATES == set(), plan
+    assert "extract_hidden_states" in plan
+
+    second = snakemake(workdir, config)
+    assert planned_rules(second) & PREPARE_AND_GATES == set()
+    assert mtimes(gate_artefacts(run_dir)) == gates_before, "prepare/gate artefacts were rewritten"
+    manifest = replica_manifest(run_dir)
+    assert manifest["samples_reused"] >= len(survived) - 1, manifest  # one may have been mid-rename
+    assert manifest["samples_reused"] + manifest["samples_extracted"] == manifest["samples_total"] == kept
+    # files from the first attempt were reused, not rewritten
+    after = hidden_state_files(run_dir)
+    unchanged = [path for path, mtime in survived.items() if after.get(path) == mtime]
+    assert len(unchanged) >= len(survived) - 1
+    assert (run_dir / "report.html").exists()
+
+
+def test_changed_training_params_rerun_training_and_later_only(completed_run, tmp_path):
+    workdir, config = completed_run
+    changed = copy.deepcopy(config)
+    changed["train"]["lr"] = config["train"]["lr"] / 2
+    plan = planned_rules(snakemake(workdir, changed, "-n"))
+    assert "train_draft" in plan, plan
+    assert plan <= AFTER_TRAINING, f"a train.* change would also rerun {sorted(plan - AFTER_TRAINING)}"
+
+
+def test_retrain_without_reextracting(completed_run):
+    workdir, config = completed_run
+    run_dir = workdir / "results" / config["run"]
+    files_before = hidden_state_files(run_dir)
+    upstream = gate_artefacts(run_dir) + [run_dir / "hidden_states" / "validation.json"]
+    upstream_before = mtimes(upstream)
+    draft_before = (run_dir / "draft").stat().st_mtime_ns
+
+    proc = snakemake(workdir, config, "-R", "train_draft", "--until", "train_draft")
+    assert planned_rules(proc) == {"train_draft"}, planned_rules(proc)
+    assert hidden_state_files(run_dir) == files_before
+    assert mtimes(upstream) == upstream_before
+    assert (run_dir / "draft").stat().st_mtime_ns != draft_before
+    # evaluation and report are now older than the draft: a plain run redoes exactly those
+    plan = planned_rules(snakemake(workdir, config, "-n"))
+    assert plan <= {"evaluate_draft", "report", "all"} and "evaluate_draft" in plan, plan
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the controller and every process below it (by pid, children first seen from the top), as a
+    lost login node would: jobs die with it, the lock and incomplete markers stay."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    psutil.wait_procs(tree, timeout=30)
+
+
+def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    config = tiny_config("killed")
+    run_dir = workdir / "results" / "killed"
+    config_path = workdir / "config-killed.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    log = open(workdir / "controller.log", "w")  # noqa: SIM115 - closed below
+    controller = subprocess.Popen(
+        [
+            SNAKEMAKE,
+            "-s",
+            str(REPO / "Snakefile"),
+            "-d",
+            str(workdir),
+            "--cores",
+            "2",
+            "--configfile",
+            str(config_path),
+        ],
+        cwd=workdir,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        # kill once extraction has written some samples (resume must then reuse them)
+        deadline = time.monotonic() + 1200
+        while len(hidden_state_files(run_dir)) < 8:
+            assert controller.poll() is None, (workdir / "controller.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "extraction did not start in 20 min"
+            time.sleep(0.5)
+    finally:
+        kill_tree(controller)
+        log.close()
+    written = len(hidden_state_files(run_dir))
+
+    locked = snakemake(workdir, config, check=False)
+    assert locked.returncode != 0
+    assert "LockException" in locked.stderr or "cannot be locked" in locked.stderr, locked.stderr[-3000:]
+    snakemake(workdir, config, "--unlock")
+    snakemake(workdir, config, "--rerun-incomplete")
+    manifest = replica_manifest(run_dir)
+    assert manifest["samples_reused"] >= written - 1, (manifest, written)
+    assert (run_dir / "report.html").exists()
