@@ -157,19 +157,71 @@ class ValidationReport:
     files_dir: list[str]
 
 
+def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclasses.dataclass
+class LosslessMismatch:
+    """The first generated token where a speculative run's greedy output differs from the run without
+    speculation (one per prompt that differs)."""
+
+    prompt_index: int
+    origin: str
+    position: int  # index into the generated tokens
+    expected_token: int | None  # None: the run without speculation stopped here
+    found_token: int | None  # None: the speculative run stopped here
+    logprob_gap: float | None  # reference logprob(expected) - logprob(found); None: found not in its top-k
+    tolerated: bool  # a numerical near-tie within evaluate.lossless_logprob_tolerance
+    context: str  # the generated text just before the divergence
+    expected_text: str
+    found_text: str
+
+
 @dataclasses.dataclass
 class AcceptanceResult:
-    label: str
-    mean_acceptance_length: float
-    per_position_acceptance: list[float]
+    """One draft served by vLLM on the evaluation prompts (greedy), from vLLM's spec-decode counters."""
+
+    label: str  # trained | untrained
+    draft_path: str
+    mean_acceptance_length: float  # tokens per verification step incl. the bonus token = 1 + accepted / drafts
+    per_position_acceptance: list[float]  # accepted at draft position i / drafts
     num_drafts: int
     draft_tokens: int
     accepted_tokens: int
     tokens_per_s: float
+    accepted_per_position: list[int]
+    draft_acceptance_rate: float  # accepted / draft tokens
+    generated_tokens: int
+    generate_s: float
+    speedup: float  # tokens_per_s / tokens_per_s without speculation, same prompts, same process
+    engine_start_s: float
+    lossless: bool
+    mismatches: list[LosslessMismatch]
+
+    def __post_init__(self) -> None:
+        self.mismatches = [
+            m if isinstance(m, LosslessMismatch) else LosslessMismatch(**_known_fields(LosslessMismatch, m))
+            for m in self.mismatches
+        ]
+
+
+@dataclasses.dataclass
+class MeasurementProcess:
+    """One process that started vLLM engines for the evaluation (CPU: one for all; GPU: one per engine)."""
+
+    runs: list[str]
+    wall_s: float  # the whole process: vLLM import, engine starts, generation, teardown
+    vllm_import_s: float
+    engine_start_s: dict[str, float]
+    load_1m: float  # host load average when it ended (CPU timings on a shared host are noisy)
 
 
 @dataclasses.dataclass
 class AcceptanceReport:
+    """eval/acceptance.json. Written only when every speculative run was lossless."""
+
     num_prompts: int
     prompt_source: str
     num_speculative_tokens: int
@@ -178,4 +230,29 @@ class AcceptanceReport:
     untrained: AcceptanceResult
     no_speculation_tokens_per_s: float
     lossless: bool
-    lossless_mismatches: int
+    lossless_mismatches: int  # mismatches counted over both drafts (tolerated near-ties included)
+    num_prompts_requested: int
+    prompt_detail: str  # where the prompts came from (rows, file, package)
+    device: str
+    vllm_version: str
+    no_speculation_generated_tokens: int
+    no_speculation_generate_s: float
+    no_speculation_engine_start_s: float
+    lossless_logprob_tolerance: float
+    untrained_baseline: str  # how the untrained draft was built, and whether its frozen tensors match
+    processes: list[MeasurementProcess]
+    notes: list[str]
+
+    def __post_init__(self) -> None:
+        self.processes = [
+            p if isinstance(p, MeasurementProcess) else MeasurementProcess(**_known_fields(MeasurementProcess, p))
+            for p in self.processes
+        ]
+        for name in ("trained", "untrained"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, AcceptanceResult(**_known_fields(AcceptanceResult, value)))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AcceptanceReport:
+        return cls(**_known_fields(cls, data))

@@ -1,0 +1,353 @@
+"""evaluate_draft: the metric math, the held-out selection, the lossless diff and the measurement process on
+their own; then (slow) the rule for real: vLLM CPU serves a tiny target with a draft built from scratch and an
+untrained baseline, and writes acceptance.json with sane numbers and lossless=True."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY_DATA, run_workflow, tiny_config
+from synthetic_run import build_scratch_draft, write_synthetic_run
+
+from eagle3_workflow.contracts import AcceptanceReport, read_json
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.evaluation import (
+    EvaluationSettings,
+    MeasurementRun,
+    MeasurementSpec,
+    PromptCandidate,
+    SpecDecodeCounters,
+    acceptance_from_counters,
+    acceptance_result,
+    build_untrained_draft,
+    compare_greedy,
+    counters_delta,
+    counters_from_metrics,
+    describe_mismatch,
+    eagle3_run,
+    engine_kwargs,
+    file_candidates,
+    first_divergence,
+    heldout_rows,
+    load_prompts,
+    lossless_failure,
+    measurement_environment,
+    prompt_messages,
+    run_measurement_process,
+    select_prompts,
+)
+
+VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
+
+
+def counter(name: str, value: int, engine: str = "0") -> dict:
+    return {"name": f"vllm:spec_decode_{name}", "labels": {"engine": engine}, "value": value, "values": []}
+
+
+def per_position(values: list[int], engine: str = "0") -> dict:
+    return {"name": "vllm:spec_decode_num_accepted_tokens_per_pos", "labels": {"engine": engine}, "value": None,
+            "values": values}  # fmt: skip
+
+
+# ---------------------------------------------------------------- metric math
+
+
+def test_counters_are_summed_over_engines():
+    snapshot = [counter("num_drafts", 10), counter("num_draft_tokens", 30), counter("num_accepted_tokens", 12),
+                per_position([7, 4, 1]), counter("num_drafts", 5, "1"), counter("num_draft_tokens", 15, "1"),
+                counter("num_accepted_tokens", 3, "1"), per_position([2, 1, 0], "1"),
+                {"name": "vllm:num_requests_running", "labels": {}, "value": 0, "values": []}]  # fmt: skip
+    assert counters_from_metrics(snapshot) == SpecDecodeCounters(15, 45, 15, [9, 5, 1])
+
+
+def test_no_spec_counters_means_none():
+    assert counters_from_metrics([{"name": "vllm:num_requests_running", "labels": {}, "value": 0}]) is None
+
+
+def test_delta_removes_the_warmup():
+    before = SpecDecodeCounters(2, 6, 1, [1, 0, 0])
+    after = SpecDecodeCounters(12, 36, 13, [8, 4, 1])
+    assert counters_delta(before, after) == SpecDecodeCounters(10, 30, 12, [7, 4, 1])
+    assert counters_delta(None, after) == after
+
+
+def test_acceptance_length_counts_the_bonus_token():
+    stats = acceptance_from_counters(SpecDecodeCounters(10, 30, 12, [7, 4, 1]), 3)
+    assert stats.mean_acceptance_length == pytest.approx(2.2)
+    assert stats.per_position_acceptance == pytest.approx([0.7, 0.4, 0.1])
+    assert stats.draft_acceptance_rate == pytest.approx(0.4)
+    # nothing accepted = one token per step, and a short vector is padded to k positions
+    stats = acceptance_from_counters(SpecDecodeCounters(10, 30, 0, []), 3)
+    assert stats.mean_acceptance_length == 1.0 and stats.per_position_acceptance == [0.0, 0.0, 0.0]
+
+
+def test_no_drafts_is_a_failure_not_a_division_by_zero():
+    with pytest.raises(StageError, match="proposed no drafts"):
+        acceptance_from_counters(SpecDecodeCounters(0, 0, 0, []), 3)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize(("rows", "ratio", "expected"), [(256, 0.95, range(243, 256)), (10, 0.5, range(5, 10)),
+                                                         (64, 0.9, range(57, 64)), (5, 0.99, range(4, 5))])  # fmt: skip
+def test_heldout_rows_are_the_trainers_validation_split(rows, ratio, expected):
+    assert heldout_rows(rows, ratio) == expected
+    # speculators.train.data.ArrowDataset: split_idx = int(len(self.data) * train_ratio); val = [split_idx, len)
+    assert heldout_rows(rows, ratio).start == int(rows * ratio)
+
+
+def test_prompt_is_the_conversation_up_to_its_last_user_turn():
+    conversation = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                    {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+                    {"role": "assistant", "content": "a2"}]  # fmt: skip
+    assert prompt_messages(conversation) == conversation[:4]
+    assert prompt_messages([{"role": "assistant", "content": "a"}]) is None
+
+
+def test_select_prompts_skips_unusable_and_long_ones_and_stops_at_the_count():
+    candidates = [PromptCandidate("a", [{"role": "user", "content": "x" * 3}]),
+                  PromptCandidate("b", None, "no user turn"),
+                  PromptCandidate("c", [{"role": "user", "content": "x" * 50}]),
+                  PromptCandidate("d", [{"role": "user", "content": "x" * 5}]),
+                  PromptCandidate("e", [{"role": "user", "content": "x" * 6}])]  # fmt: skip
+    chosen, skipped = select_prompts(candidates, lambda m: list(range(len(m[0]["content"]))), num_prompts=2,
+                                     max_prompt_tokens=10)  # fmt: skip
+    assert [p.origin for p in chosen] == ["a", "d"]
+    assert skipped == {"no user turn": 1, "longer than max_model_len - max_tokens": 1}
+
+
+def test_prompt_files_in_every_accepted_shape(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join([
+        json.dumps("plain string"), json.dumps({"prompt": "from prompt"}),
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}]}), "",
+    ]))  # fmt: skip
+    candidates, detail = file_candidates(jsonl)
+    assert [c.messages for c in candidates] == [
+        [{"role": "user", "content": "plain string"}], [{"role": "user", "content": "from prompt"}],
+        [{"role": "user", "content": "q"}], [{"role": "user", "content": "hi"}],
+    ]  # fmt: skip
+    txt = tmp_path / "p.txt"
+    txt.write_text("first prompt\n\nsecond prompt\n")
+    assert [c.origin for c in file_candidates(txt)[0]] == ["p.txt:1", "p.txt:3"]
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(StageError, match="bad.jsonl:1: not JSON"):
+        file_candidates(tmp_path / "bad.jsonl")
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_targets, tmp_path_factory):
+    """A real prepared dataset (prepare_data's functions) of 64 rows on the tiny llama target."""
+    from transformers import AutoTokenizer
+
+    from eagle3_workflow.prepare import prepare_conversations, token_frequencies, write_prepared
+
+    target = tiny_targets("llama")
+    out = tmp_path_factory.mktemp("prepared")
+    result = prepare_conversations([(TINY_DATA, "sharegpt")], AutoTokenizer.from_pretrained(target), max_seq_len=256,
+                                   max_samples=64)  # fmt: skip
+    write_prepared(result, out / "prepared", out / "token_freq.pt")
+    return {"target": target, "prepared": out / "prepared", "token_freq": token_frequencies(result.samples)}
+
+
+def test_heldout_prompts_render_with_the_chat_template_and_say_when_short(prepared, tiny_tokenizer):
+    settings = EvaluationSettings(prompts="heldout", num_prompts=10, max_tokens=32)
+    prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.9,
+                              max_model_len=512)  # fmt: skip
+    assert len(prompt_set.prompts) == 7  # rows 57..63 of 64
+    assert prompt_set.prompts[0].origin.startswith("row 57 (")
+    assert "only 7 usable prompts of the 10 requested" in " ".join(prompt_set.notes)
+    text = tiny_tokenizer.decode(prompt_set.prompts[0].token_ids)
+    assert text.startswith("<|begin_of_text|>") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_humaneval_prompts_come_from_the_package(tiny_tokenizer, tmp_path):
+    settings = EvaluationSettings(prompts="humaneval", num_prompts=3, max_tokens=32)
+    prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=tmp_path, train_data_ratio=0.9,
+                              max_model_len=4096)  # fmt: skip
+    assert [p.origin for p in prompt_set.prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert "def " in tiny_tokenizer.decode(prompt_set.prompts[0].token_ids)
+
+
+def test_no_heldout_rows_fails_with_the_fix(prepared, tiny_tokenizer):
+    with pytest.raises(StageError, match="train.train_data_ratio"):
+        load_prompts(EvaluationSettings(max_tokens=32), tiny_tokenizer, prepared_dir=prepared["prepared"],
+                     train_data_ratio=1.0, max_model_len=512)  # fmt: skip
+
+
+# ---------------------------------------------------------------- lossless check
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2  # one stopped early
+
+
+def test_compare_greedy_reports_the_first_divergence_with_the_reference_gap():
+    reference = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    candidate = [[1, 2, 3, 4], [5, 9, 9], [8]]
+    logprobs = [[{}] * 4, [{5: -0.1}, {6: -0.50, 9: -0.50}, {7: -0.2}], [{8: -0.1}, {9: -0.1}]]
+    found = compare_greedy(reference, candidate, origins=["a", "b", "c"], reference_logprobs=logprobs,
+                           tolerance=0.0)  # fmt: skip
+    assert [(m.prompt_index, m.position, m.expected_token, m.found_token) for m in found] == [(1, 1, 6, 9),
+                                                                                              (2, 1, 9, None)]  # fmt: skip
+    assert found[0].logprob_gap == 0.0 and found[0].tolerated  # an exact tie
+    assert found[1].logprob_gap is None and not found[1].tolerated and found[1].found_text == "<end>"
+    logprobs[1][1] = {6: -0.40, 9: -0.55}
+    strict = compare_greedy(reference, candidate, origins=["a", "b", "c"], reference_logprobs=logprobs,
+                            tolerance=0.1)[0]  # fmt: skip
+    assert strict.logprob_gap == pytest.approx(0.15) and not strict.tolerated
+
+
+def test_lossless_failure_shows_the_first_real_mismatch_readably():
+    mismatches = compare_greedy([[10, 11, 12]], [[10, 11, 99]], origins=["data.jsonl:7"],
+                                reference_logprobs=[[{10: 0.0}, {11: 0.0}, {12: -0.1, 99: -2.0}]], tolerance=0.0,
+                                decode=lambda ids: "".join(chr(96 + i % 26) for i in ids))  # fmt: skip
+    message = lossless_failure({"trained": mismatches, "untrained": []}, num_prompts=4, tolerance=0.0)
+    assert "1/4 prompts with the trained draft, 0/4 prompts with the untrained draft" in message
+    assert "data.jsonl:7" in message and "token 12" in message and "token 99" in message and "1.9000" in message
+    assert describe_mismatch("trained", mismatches[0]) in message
+
+
+# ---------------------------------------------------------------- engine settings and the measurement process
+
+
+def test_engine_kwargs_follow_the_vllm_config_and_device():
+    cpu = engine_kwargs(VLLM_SETTINGS, target="/t", dtype="bfloat16", trust_remote_code=False, seed=0, device="cpu",
+                        tensor_parallel_size=1, in_process=True)  # fmt: skip
+    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS["kv_cache_memory_bytes"] and cpu["enforce_eager"]
+    assert cpu["distributed_executor_backend"] == "uni" and cpu["disable_log_stats"] is False
+    assert "gpu_memory_utilization" not in cpu
+    gpu = engine_kwargs(VLLM_SETTINGS | {"kv_cache_memory_bytes": None}, target="/t", dtype="bfloat16",
+                        trust_remote_code=True, seed=0, device="cuda", tensor_parallel_size=8, in_process=False)  # fmt: skip
+    assert gpu["gpu_memory_utilization"] == 0.85 and gpu["tensor_parallel_size"] == 8 and gpu["trust_remote_code"]
+    assert "distributed_executor_backend" not in gpu and "kv_cache_memory_bytes" not in gpu
+    run = eagle3_run("trained", Path("draft"), 3)
+    assert run.speculative_config == {"method": "eagle3", "model": str(Path("draft").resolve()),
+                                      "num_speculative_tokens": 3}  # fmt: skip
+
+
+def test_measurement_environment():
+    env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
+    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert str(Path(__file__).resolve().parent.parent / "workflow" / "scripts") in env["PYTHONPATH"].split(":")
+    env = measurement_environment(device="cuda", cpu_threads=2, in_process=False)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env or env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
+
+
+def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
+    @dataclasses.dataclass
+    class RunFromANewerWriter(MeasurementRun):
+        unexpected: str = "field"  # the child cannot rebuild the spec: a TypeError before vLLM is imported
+
+    spec = MeasurementSpec(engine={}, prompts=[[1, 2]], max_tokens=4, timing_repeats=1,
+                           runs=[RunFromANewerWriter("trained", None)])  # fmt: skip
+    env = measurement_environment(device="cpu", cpu_threads=None, in_process=True)
+    log_path = tmp_path / "eval.log"
+    with pytest.raises(StageError) as failure:
+        run_measurement_process(spec, tmp_path, "m", env=env, log_path=log_path, timeout_s=120)
+    message = str(failure.value)
+    assert "exited with code 1" in message and "Traceback (most recent call last)" in message
+    assert "TypeError" in message and "unexpected" in message
+    assert "[eval-vllm]" in log_path.read_text()
+
+
+def test_the_child_module_has_a_main_guard():
+    source = (Path(__file__).resolve().parent.parent / "workflow/scripts/eagle3_workflow/evaluation.py").read_text()
+    assert re.search(r'^if __name__ == "__main__":\n    sys.exit\(_child_main\(\)\)', source, flags=re.MULTILINE)
+    assert "import vllm" not in source.split("def measure(")[0]  # the stage process never imports vLLM
+
+
+# ---------------------------------------------------------------- the untrained baseline
+
+
+@pytest.fixture(scope="module")
+def scratch_draft(prepared, tmp_path_factory):
+    return build_scratch_draft(prepared["target"], prepared["token_freq"], tmp_path_factory.mktemp("draft") / "d")
+
+
+def test_untrained_draft_has_the_trained_shape_vocab_and_frozen_tensors(scratch_draft, prepared, tmp_path):
+    from safetensors.torch import load_file
+
+    baseline = build_untrained_draft(scratch_draft, prepared["target"], tmp_path / "untrained", seed=1)
+    assert baseline.frozen_tensors_differing == []
+    trained, fresh = load_file(scratch_draft / "model.safetensors"), load_file(baseline.path / "model.safetensors")
+    assert trained.keys() == fresh.keys()
+    assert all(trained[k].shape == fresh[k].shape and trained[k].dtype == fresh[k].dtype for k in trained)
+    assert (trained["d2t"] == fresh["d2t"]).all() and (trained["t2d"] == fresh["t2d"]).all()
+    assert not (trained["fc.weight"] == fresh["fc.weight"]).all()  # fresh weights (another seed)
+    config = read_json(baseline.path / "config.json")
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(Path(prepared["target"]).resolve())
+
+
+# ---------------------------------------------------------------- the rule, for real (vLLM CPU)
+
+
+@pytest.mark.slow
+def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_draft, prepared, tmp_path):
+    target = Path(prepared["target"])
+    write_synthetic_run(tmp_path, "t", target=target, prepared=prepared["prepared"], draft=scratch_draft,
+                        training_metrics=None)  # fmt: skip
+    config = tiny_config("t", target={"path": str(target)}, train={"train_data_ratio": 0.75},
+                         evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3})  # fmt: skip
+    config["target"].pop("build")
+    proc = run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
+                        extra=["--rerun-triggers=mtime"], timeout=900)  # fmt: skip
+    assert re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE) == ["evaluate_draft"]
+
+    report = AcceptanceReport.from_dict(read_json(tmp_path / "results/t/eval/acceptance.json"))
+    assert report.lossless and report.lossless_mismatches == 0
+    assert report.num_prompts == 8 and report.prompt_source == "heldout" and report.device == "cpu"
+    assert report.vllm_version and report.no_speculation_tokens_per_s > 0
+    k = report.num_speculative_tokens
+    for result in (report.trained, report.untrained):
+        assert 1.0 <= result.mean_acceptance_length <= 1 + k
+        assert result.num_drafts > 0 and result.draft_tokens == result.num_drafts * k
+        assert sum(result.accepted_per_position) == result.accepted_tokens
+        rates = result.per_position_acceptance
+        assert len(rates) == k and all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
+        assert result.generated_tokens == report.no_speculation_generated_tokens  # same greedy text
+        assert result.tokens_per_s > 0 and result.engine_start_s > 0
+    assert len(report.processes) == 1 and report.processes[0].runs == ["no_speculation", "trained", "untrained"]
+    assert (tmp_path / "results/t/eval/work/untrained_draft/model.safetensors").exists()
+    log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
+    assert "[eval-vllm]" in log and "stage evaluate_draft: done" in log
+    print(json.dumps(dataclasses.asdict(report), indent=1)[:3000], file=sys.stderr)
+
+
+@pytest.mark.slow
+def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, tiny_tokenizer, tmp_path):
+    """An untrained EAGLE-3 draft accepts nothing, which leaves the accept path untested: vLLM's n-gram
+    proposer (prompt lookup) gets real acceptances on the tiny target's repetitive greedy text, through the same
+    measurement process, counters and lossless diff."""
+    settings = EvaluationSettings(prompts="heldout", num_prompts=4, max_tokens=32)
+    prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
+                              max_model_len=512)  # fmt: skip
+    engine = engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16", trust_remote_code=False,
+                           seed=0, device="cpu", tensor_parallel_size=1, in_process=True)  # fmt: skip
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=32,
+                           timing_repeats=1, runs=[MeasurementRun("no_speculation", None),
+                                                   MeasurementRun("ngram", ngram)])  # fmt: skip
+    env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
+    result, _ = run_measurement_process(spec, tmp_path, "ngram", env=env, log_path=tmp_path / "log", timeout_s=600)
+    reference, run = result.runs
+    mismatches = compare_greedy(reference.outputs, run.outputs, origins=[p.origin for p in prompt_set.prompts],
+                                reference_logprobs=reference.logprobs, tolerance=0.0)  # fmt: skip
+    accepted = acceptance_result(run, draft_path=Path("ngram"), num_speculative_tokens=3, reference=reference,
+                                 mismatches=mismatches)  # fmt: skip
+    assert mismatches == [] and accepted.lossless
+    assert accepted.accepted_tokens > 0 and accepted.mean_acceptance_length > 1.0
+    assert accepted.mean_acceptance_length == pytest.approx(1 + sum(accepted.per_position_acceptance))
+    rates = accepted.per_position_acceptance
+    assert rates[0] > 0 and all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    print(f"ngram: acceptance length {accepted.mean_acceptance_length:.3f}, per position {rates}", file=sys.stderr)

@@ -1,0 +1,119 @@
+"""The report: figures and tables from artefacts that follow the contracts (tolerant of missing training
+metrics and unfamiliar columns), and through Snakemake a real `snakemake --report` HTML made by rule `report`."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from conftest import run_workflow, tiny_config
+from synthetic_run import TRAINING_METRICS, acceptance_report, write_synthetic_run
+
+from eagle3_workflow.contracts import AcceptanceReport
+from eagle3_workflow.report import (
+    ReportInputs,
+    ReportOutputs,
+    acceptance_page,
+    html_table,
+    nested_report_command,
+    plot_training,
+    read_training_metrics,
+    summarize_run,
+)
+
+
+def report_paths(out: Path) -> tuple[ReportInputs, ReportOutputs]:
+    inputs = ReportInputs(
+        provenance=out / "provenance.json", manifest=out / "data" / "manifest.json",
+        api_compat=out / "checks" / "api_compat.json", canary=out / "checks" / "canary.json",
+        extraction=[out / "hidden_states" / "replica_0.json"], validation=out / "hidden_states" / "validation.json",
+        draft=out / "draft", acceptance=out / "eval" / "acceptance.json",
+    )  # fmt: skip
+    names = {"summary": "summary.html", "data": "data.svg", "data_table": "data.html", "gates": "gates.html",
+             "extraction": "extraction.svg", "extraction_table": "extraction.html", "training": "training.svg",
+             "acceptance": "acceptance.svg", "acceptance_table": "acceptance.html", "provenance": "provenance.html"}  # fmt: skip
+    return inputs, ReportOutputs(**{k: out / "report" / v for k, v in names.items()})
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    return write_synthetic_run(tmp_path, "t", target=target, acceptance=acceptance_report(mismatches=1))
+
+
+def test_summarize_writes_every_figure_and_table(run_dir):
+    inputs, outputs = report_paths(run_dir)
+    summarize_run(inputs, outputs)
+    for field in dataclasses.fields(outputs):
+        path = getattr(outputs, field.name)
+        assert path.exists() and path.stat().st_size > 200, path
+    summary = outputs.summary.read_text()
+    assert "1.5" in summary and "abc123" in summary  # trained acceptance length 1 + 150/100, git commit
+    table = outputs.acceptance_table.read_text()
+    assert "pos 3" in table and "Greedy divergences" in table and "indicative only" in table
+    assert "<svg" in outputs.training.read_text()
+    assert "FAIL" not in outputs.gates.read_text()
+
+
+def test_acceptance_report_round_trips_through_json(tmp_path):
+    report = acceptance_report(mismatches=2)
+    again = AcceptanceReport.from_dict(dataclasses.asdict(report) | {"added_by_a_newer_writer": 1})
+    assert again == report
+    assert again.trained.mismatches[0].found_text == " sits"
+
+
+@pytest.mark.parametrize(
+    "csv",
+    [
+        TRAINING_METRICS,
+        "epoch,train_loss,val_loss,acc_pos_1,acc_pos_2\n0,3.0,3.1,0.1,0.05\n1,2.0,2.2,0.3,0.2\n",  # other names
+        "step,loss\n0,4.0\n1,3.5\n",  # no accuracy at all
+        "note\nnothing numeric here\n",
+    ],
+)
+def test_training_plot_tolerates_other_metric_layouts(tmp_path, csv):
+    path = tmp_path / "metrics.csv"
+    path.write_text(csv)
+    plot_training(read_training_metrics(path), tmp_path / "training.svg", source=str(path))
+    assert (tmp_path / "training.svg").stat().st_size > 1000
+
+
+def test_missing_or_empty_metrics_give_a_figure_that_says_so(tmp_path):
+    empty = tmp_path / "metrics.csv"
+    empty.write_text("")
+    assert read_training_metrics(empty) is None
+    assert read_training_metrics(tmp_path / "absent.csv") is None
+    plot_training(None, tmp_path / "training.svg", source="draft/metrics.csv")
+    assert "no training metrics" in (tmp_path / "training.svg").read_text()
+
+
+def test_tables_escape_what_they_show():
+    assert "&lt;script&gt;" in html_table(["a"], [["<script>"]])
+    page = acceptance_page(dataclasses.replace(acceptance_report(), notes=["<b>loud</b>"]))
+    assert "<b>loud</b>" not in page
+
+
+def test_nested_report_command_reads_the_same_workflow_without_the_lock():
+    cmd = nested_report_command("/wf/Snakefile", Path("/w/cfg.json"), Path("results/t/report.html"), python="py")
+    assert cmd[:3] == ["py", "-m", "snakemake"]
+    assert ["--configfile", "/w/cfg.json"] == cmd[cmd.index("--configfile") : cmd.index("--configfile") + 2]
+    assert "--nolock" in cmd and cmd[-2:] == ["--report", "results/t/report.html"]
+
+
+def test_rule_report_makes_a_snakemake_report_from_the_artefacts(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    write_synthetic_run(tmp_path, "t", target=target, acceptance=acceptance_report())
+    config = tiny_config("t", target={"path": str(target)})
+    config["target"].pop("build")
+    proc = run_workflow(tmp_path, config, targets=["results/t/report.html"], extra=["--rerun-triggers=mtime"])
+    ran = re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE)
+    assert sorted(ran) == ["report", "summarize_run"], ran
+    html = (tmp_path / "results" / "t" / "report.html").read_text()
+    assert "Snakemake" in html and len(html) > 500_000  # the self-contained Snakemake report
+    for name in ("acceptance.svg", "training.svg", "summary.html", "provenance.html"):
+        assert name in html, name
+    assert (tmp_path / "results" / "t" / "logs" / "report.log").exists()
