@@ -244,7 +244,7 @@ def run_canary(
         log.warning("canary: %s", reference_note)
 
     settings = ClientSettings(concurrency=4, request_timeout_s=300, max_retries=1, progress_interval_s=5)
-    with VLLMServer(spec_factory(str(canary_model), layer_ids, str(scratch)), server_log) as server:
+    with VLLMServer(spec_factory(str(canary_model), layer_ids, str(scratch.resolve())), server_log) as server:
         ready_s = server.ready_s
         extract_samples(
             server,

@@ -364,7 +364,7 @@ def extract_replica(
             shutil.rmtree(scratch_dir)  # leftovers of a killed run: never trusted
         scratch_dir.mkdir(parents=True)
         try:
-            with VLLMServer(server_spec_factory(str(scratch_dir)), server_log) as server:
+            with VLLMServer(server_spec_factory(str(scratch_dir.resolve())), server_log) as server:
                 ready_s = server.ready_s
                 tracker.started = client_started = time.monotonic()
                 tracker.state = "running"

