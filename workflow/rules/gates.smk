@@ -10,7 +10,7 @@ rule check_api:
     output:
         report=out("checks", "api_compat.json"),
     params:
-        settings=section_json("target", "hidden_states", "check_api", "vllm", "extraction", "train"),
+        settings=section_json("target", "hidden_states", "check_api", "vllm"),
     log:
         log_of("check_api"),
     script:
@@ -26,7 +26,8 @@ rule canary:
         report=out("checks", "canary.json"),
     params:
         work_dir=out("checks", "canary_work"),
-        settings=section_json("target", "hidden_states", "canary", "vllm", "extraction"),
+        settings=section_json("target", "hidden_states", "canary", "vllm"),
+        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
     threads: 2
     resources:
         **gpu_resources(config["extraction"]["gpus_per_replica"]),
