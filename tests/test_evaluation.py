@@ -238,6 +238,7 @@ def test_engine_kwargs_follow_the_vllm_config_and_device():
 def test_measurement_environment():
     env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
     assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert str(Path(__file__).resolve().parent.parent / "workflow" / "scripts") in env["PYTHONPATH"].split(":")
     env = measurement_environment(device="cuda", cpu_threads=2, in_process=False)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env or env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
@@ -298,7 +299,7 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     write_synthetic_run(tmp_path, "t", target=target, prepared=prepared["prepared"], draft=scratch_draft,
                         training_metrics=None)  # fmt: skip
     config = tiny_config("t", target={"path": str(target)}, train={"train_data_ratio": 0.75},
-                         evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3})  # fmt: skip
+                         evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
     config["target"].pop("build")
     proc = run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
                         extra=["--rerun-triggers=mtime"], timeout=900)  # fmt: skip

@@ -92,7 +92,7 @@ class EvaluationSettings:
     seed: int = 0
     tensor_parallel_size: int = 1
     isolate_runs: bool | None = None
-    timing_repeats: int = 1
+    timing_repeats: int = 3
     lossless_logprob_tolerance: float = 0.0
     timeout_s: float = 7200.0
 
@@ -142,9 +142,13 @@ def measurement_environment(*, device: str, cpu_threads: int | None, in_process:
     env["PYTHONUNBUFFERED"] = "1"
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if device == "cpu" and cpu_threads:
-        # vLLM reduces torch to one thread for serving unless OMP_NUM_THREADS is set
-        env["OMP_NUM_THREADS"] = str(cpu_threads)
+    if device == "cpu":
+        if cpu_threads:
+            # vLLM reduces torch to one thread for serving unless OMP_NUM_THREADS is set
+            env["OMP_NUM_THREADS"] = str(cpu_threads)
+        # Spinning OpenMP threads collapse when another process takes a core: on a busy 2-core host one
+        # generate() pass took 0.2 s or 5 s at random; passive waiting kept passes within ~3x of each other
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

@@ -129,6 +129,7 @@ def _figure(ncols: int, width: float = 11.0, height: float = 4.0) -> tuple[Any, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.rcParams["axes.titlesize"] = 10  # titles carry numbers; the default size clips them
     fig, axes = plt.subplots(1, ncols, figsize=(width, height), squeeze=False)
     return fig, axes[0]
 
