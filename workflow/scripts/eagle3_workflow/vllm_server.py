@@ -184,9 +184,13 @@ def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
     env["VLLM_API_KEY"] = api_key  # the key never appears on a command line (ps would show it)
     env["HF_HUB_OFFLINE"] = env.get("HF_HUB_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    if spec.device == "cpu" and spec.cpu_threads:
-        # vLLM reduces torch to one thread for serving unless OMP_NUM_THREADS is set
-        env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
+    if spec.device == "cpu":
+        if spec.cpu_threads:
+            # vLLM reduces torch to one thread for serving unless OMP_NUM_THREADS is set
+            env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
+        # spinning OpenMP threads starve the API server and client on a small machine (measured: 5-20x
+        # slower passes under load); passive waiting costs nothing measurable when the machine is idle
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
