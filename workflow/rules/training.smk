@@ -11,15 +11,17 @@ rule train_draft:
         validation=out("hidden_states", "validation.json"),
     output:
         draft=directory(out("draft")),
+    log:
+        log_of("train_draft"),
+    # one data-loader pool per GPU process; Snakemake caps this at --cores when running locally
+    threads: max(2, config["train"]["gpus"] * (config["train"]["num_workers"] + 1))
+    resources:
+        **gpu_resources(config["train"]["gpus"]),
+        runtime=lambda wc, attempt: config["train"]["runtime_minutes"] * attempt,
     params:
         files_dir=out("hidden_states", "files"),
         work_dir=out("train_work"),
         settings=section_json("train"),
-    threads: 2
-    resources:
-        **gpu_resources(config["train"]["gpus"]),
-        runtime=lambda wc, attempt: config["train"]["runtime_minutes"] * attempt,
-    log:
-        log_of("train_draft"),
+        trust_remote_code=config["target"]["trust_remote_code"],
     script:
         "../scripts/train_draft.py"

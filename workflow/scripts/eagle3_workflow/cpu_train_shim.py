@@ -1,0 +1,124 @@
+"""Run speculators' real ``speculators train`` on a machine with no accelerator (speculators 0.9.0).
+
+Usage: ``python -m eagle3_workflow.cpu_train_shim <speculators train args>``
+
+The trainer assumes an accelerator in a few places; this module patches exactly those and nothing else, so
+config resolution, the vocab mapping, the dataset and dataloader, the loss, the optimizer, the scheduler and
+checkpointing/resume are speculators' own code:
+
+- ``Trainer`` moves the model and every batch to ``get_local_rank()`` (the int 0, which torch reads as the
+  accelerator) -> the string ``"cpu"``;
+- ``Trainer.__init__`` sets the autocast device type to ``"cuda"`` when there is no accelerator -> ``"cpu"``;
+- the step timer calls ``torch.accelerator.synchronize()`` unconditionally -> a no-op without an accelerator;
+- resuming loads the checkpoint onto ``get_current_device()``, which is ``"cuda:0"`` without an
+  accelerator -> ``"cpu"`` (without this, a resumed CPU run dies in ``safe_open``).
+
+Flex attention has no CPU backward and the fused loss needs Triton: ``--draft-attn-impl sdpa`` and
+``--loss-implementation eager`` are added when the command line does not choose them.
+
+The patch points are listed in ``SHIM_PATCH_POINTS`` so that the API gate can check they still exist in the
+installed versions before anything long runs (``shim_patch_points_present``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# (module, attribute path inside it) of every object this shim replaces or calls into
+SHIM_PATCH_POINTS: list[tuple[str, str]] = [
+    ("speculators.train.trainer", "get_local_rank"),
+    ("speculators.train.trainer", "Trainer.__init__"),
+    ("speculators.train.checkpointer", "get_current_device"),
+    ("torch.accelerator", "synchronize"),
+    ("torch.accelerator", "is_available"),
+    ("speculators.train.cli", "main"),
+    ("speculators.train.config", "TrainConfig.resolve"),
+]
+
+# speculators train options a CPU run needs, added when the command line does not set them
+CPU_DEFAULT_ARGS: dict[str, str] = {
+    "--draft-attn-impl": "sdpa",
+    "--loss-implementation": "eager",
+}
+
+_PATCHED_MARKER = "_eagle3_cpu_shim"
+
+
+def _resolve(module_name: str, attribute_path: str) -> Any:
+    obj: Any = importlib.import_module(module_name)
+    for part in attribute_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def shim_patch_points_present() -> list[tuple[str, bool, str]]:
+    """For each patch point: (``module:attribute``, present, signature or the error found)."""
+    rows: list[tuple[str, bool, str]] = []
+    for module_name, attribute_path in SHIM_PATCH_POINTS:
+        name = f"{module_name}:{attribute_path}"
+        try:
+            obj = _resolve(module_name, attribute_path)
+        except (ImportError, AttributeError) as exc:
+            rows.append((name, False, repr(exc)))
+            continue
+        try:
+            detail = f"{attribute_path.rsplit('.', 1)[-1]}{inspect.signature(obj)}"
+        except (TypeError, ValueError):
+            detail = type(obj).__name__
+        rows.append((name, callable(obj), detail))
+    return rows
+
+
+def with_cpu_defaults(argv: list[str]) -> list[str]:
+    """argv plus the CPU-capable attention and loss implementations unless argv chooses its own."""
+    out = list(argv)
+    for flag, value in CPU_DEFAULT_ARGS.items():
+        if not any(a == flag or a.startswith(flag + "=") for a in argv):
+            out += [flag, value]
+    return out
+
+
+def apply_cpu_patches() -> None:
+    """Patch the accelerator assumptions of speculators' trainer (idempotent)."""
+    import torch
+
+    missing = [name for name, present, _ in shim_patch_points_present() if not present]
+    if missing:
+        raise RuntimeError(
+            f"the CPU training shim cannot patch {missing}: the installed speculators/torch differ from the "
+            "versions it was written for (speculators 0.9.0, torch 2.13); update cpu_train_shim.py"
+        )
+    import speculators.train.checkpointer as checkpointer
+    import speculators.train.trainer as trainer
+
+    if getattr(trainer.Trainer, _PATCHED_MARKER, False):
+        return
+    trainer.get_local_rank = lambda: "cpu"
+    checkpointer.get_current_device = lambda: "cpu"
+    if not torch.accelerator.is_available():
+        torch.accelerator.synchronize = lambda *args, **kwargs: None
+
+    original_init: Callable[..., None] = trainer.Trainer.__init__
+
+    def init_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self.device_type = "cpu"
+
+    trainer.Trainer.__init__ = init_on_cpu
+    setattr(trainer.Trainer, _PATCHED_MARKER, True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    apply_cpu_patches()
+    from speculators.train.cli import main as train_main
+    from speculators.train.config import TrainConfig
+
+    train_main(TrainConfig.resolve(with_cpu_defaults(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    main()
