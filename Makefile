@@ -40,3 +40,11 @@ install-profile:
 	mkdir -p "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake"
 	ln -sfn "$(CURDIR)/profiles/slurm" "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake/slurm"
 	@echo "linked $${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake/slurm -> $(CURDIR)/profiles/slurm"
+
+# The real single-node SLURM tests (apt-get installs slurm/munge when missing; root) and the planning benchmark.
+.PHONY: test-slurm bench-dryrun
+test-slurm: setup
+	$(VENV)/bin/pytest -m slurm $(PYTEST_ARGS)
+
+bench-dryrun: setup
+	$(PY) bench/dryrun/bench_dryrun.py
