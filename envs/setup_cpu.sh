@@ -21,6 +21,12 @@ echo "setup: building .venv (about 2-4 minutes on a fresh machine)"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade "pip>=25"
+req_hash=$(sha256sum "$req" | cut -c1-16)
+if [ -s "$lock" ] && ! grep -qx "# requirements-cpu.txt sha256: $req_hash" "$lock"; then
+  echo "setup: envs/requirements-cpu.txt changed since envs/constraints-cpu.txt was locked." >&2
+  echo "       Re-lock on purpose: rm envs/constraints-cpu.txt && make setup (then commit the new lock)." >&2
+  exit 1
+fi
 if [ -s "$lock" ]; then
   # the lock is a full `pip freeze` of a verified build: install exactly it, no resolution
   "${pip[@]}" install -q "torch==2.13.0"
@@ -40,7 +46,9 @@ fi
 "$venv/bin/python" -c 'import importlib.metadata, vllm, speculators, snakemake, torch; print("setup: torch", torch.__version__, "vllm", vllm.__version__, "speculators", importlib.metadata.version("speculators"))'
 if [ ! -s "$lock" ]; then
   # first build on a new pin set: record the lock so every later build is identical
-  "${pip[@]}" freeze --exclude-editable | grep -v '^-e ' > "$lock"
+  { echo "# requirements-cpu.txt sha256: $req_hash"
+    echo "# full pip freeze of a verified build; envs/setup_cpu.sh installs it with --no-deps"
+    "${pip[@]}" freeze --exclude-editable | grep -v '^-e '; } > "$lock"
   want=$(cat "$0" "$req" "$lock" | sha256sum | cut -c1-16)
   echo "setup: wrote $lock"
 fi
