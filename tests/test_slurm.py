@@ -214,7 +214,6 @@ def test_tiny_run_through_slurm_profile(slurm_cluster, tmp_path):
     proc = run_workflow(
         workdir,
         config,
-        targets=os.environ.get("EAGLE3_SLURM_TEST_TARGETS", "").split() or None,
         extra=[
             "--profile",
             str(PROFILE),
@@ -254,7 +253,25 @@ def test_tiny_run_through_slurm_profile(slurm_cluster, tmp_path):
     # localrules never reach SLURM
     assert not {"record_provenance", "summarize_run", "report"} & set(jobs), sorted(jobs)
 
+    cluster_rules = {
+        "build_tiny_target",
+        "prepare_data",
+        "check_api",
+        "canary",
+        "extract_hidden_states",
+        "validate_hidden_states",
+        "train_draft",
+        "evaluate_draft",
+    }
+    assert cluster_rules <= set(jobs), f"never submitted: {sorted(cluster_rules - set(jobs))}"
     run_dir = workdir / "results" / "slurm"
-    assert (run_dir / "provenance.json").exists()
+    for artefact in (
+        "provenance.json",
+        "checks/canary.json",
+        "hidden_states/validation.json",
+        "eval/acceptance.json",
+        "report.html",
+    ):
+        assert (run_dir / artefact).exists(), artefact
     slurm_logs = list((workdir / "results" / "slurm_logs").rglob("*.log"))
     assert slurm_logs, "slurm-logdir/keep-successful-logs: no SLURM log under results/slurm_logs"
