@@ -230,12 +230,6 @@ def test_run_config_partitions_win_over_site_settings(tmp_path):
             assert job.resources.get("gpu_model") == "h200", job
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prepare_data, check_api and validate_hidden_states declare no resources, so the run config's "
-    "slurm.cpu_partition never reaches them (the site setting does, via the profile's default-resources); "
-    "fix: `resources: **gpu_resources(0)` in those rules, then drop this marker",
-)
 def test_run_config_cpu_partition_reaches_every_cluster_rule(tmp_path):
     shape = PRESETS["llama-3.1-8b"]
     paths = user_paths_file(tmp_path, shape, extra={"slurm": {"cpu_partition": "run-cpu"}})

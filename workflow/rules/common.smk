@@ -8,16 +8,21 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
+# No --configfile: the tiny preset (config/config.yaml). With one, only that file counts (plus the schema's
+# defaults): merging it over the tiny defaults would silently hand a user's run the tiny run's settings.
+if not config:
+
+    configfile: "../../config/config.yaml"
+
+
 validate(config, schema="../schemas/config.schema.yaml")
 
 RUN = config["run"]
 OUT = f"results/{RUN}"
 WORKFLOW_ROOT = Path(workflow.current_basedir).parent.parent
 SCRIPTS = WORKFLOW_ROOT / "workflow" / "scripts"
-# stage scripts import the shared package; vLLM servers they start import the CPU connector from it
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(SCRIPTS), os.environ.get("PYTHONPATH", "")) if p
-)
+# Stage scripts find the shared package beside them (Snakemake puts a script's folder on sys.path); the
+# processes they start (vLLM servers, the trainer) get it on their PYTHONPATH from the package itself.
 REPLICAS = list(range(config["extraction"]["replicas"]))
 
 
@@ -118,10 +123,10 @@ def final_outputs():
 rule record_provenance:
     output:
         out("provenance.json"),
-    params:
-        config=resolved_config_json(),
     log:
         log_of("record_provenance"),
     localrule: True
+    params:
+        config=resolved_config_json(),
     script:
         "../scripts/record_provenance.py"

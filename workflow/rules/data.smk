@@ -9,10 +9,12 @@ rule prepare_data:
         prepared=directory(out("data", "prepared")),
         token_freq=out("data", "token_freq.pt"),
         manifest=out("data", "manifest.json"),
+    log:
+        log_of("prepare_data"),
+    resources:
+        **gpu_resources(0),
     params:
         formats=data_source_formats(),
         data=section_json("data"),
-    log:
-        log_of("prepare_data"),
     script:
         "../scripts/prepare_data.py"

@@ -15,17 +15,17 @@ rule extract_hidden_states:
         canary=out("checks", "canary.json"),
     output:
         manifest=out("hidden_states", "replica_{replica}.json"),
+    log:
+        log_of("extract_hidden_states_replica_{replica}"),
+    threads: 2
+    resources:
+        **gpu_resources(config["extraction"]["gpus_per_replica"]),
+        runtime=lambda wc, attempt: config["extraction"]["runtime_minutes"] * attempt,
     params:
         files_dir=out("hidden_states", "files"),
         scratch_dir=lambda wc: out("hidden_states", f"scratch_replica_{wc.replica}"),
         progress=lambda wc: out("hidden_states", f"progress_replica_{wc.replica}.json"),
         settings=section_json("target", "hidden_states", "vllm", "extraction"),
-    threads: 2
-    resources:
-        **gpu_resources(config["extraction"]["gpus_per_replica"]),
-        runtime=lambda wc, attempt: config["extraction"]["runtime_minutes"] * attempt,
-    log:
-        log_of("extract_hidden_states_replica_{replica}"),
     script:
         "../scripts/extract_hidden_states.py"
 
@@ -37,10 +37,12 @@ rule validate_hidden_states:
         manifests=expand(out("hidden_states", "replica_{replica}.json"), replica=REPLICAS),
     output:
         report=out("hidden_states", "validation.json"),
+    log:
+        log_of("validate_hidden_states"),
+    resources:
+        **gpu_resources(0),
     params:
         files_dir=out("hidden_states", "files"),
         settings=section_json("validation"),
-    log:
-        log_of("validate_hidden_states"),
     script:
         "../scripts/validate_hidden_states.py"

@@ -9,10 +9,12 @@ rule check_api:
         prepared=out("data", "prepared"),
     output:
         report=out("checks", "api_compat.json"),
-    params:
-        settings=section_json("target", "hidden_states", "check_api", "vllm"),
     log:
         log_of("check_api"),
+    resources:
+        **gpu_resources(0),
+    params:
+        settings=section_json("target", "hidden_states", "check_api", "vllm"),
     script:
         "../scripts/check_api.py"
 
@@ -24,15 +26,15 @@ rule canary:
         api_compat=out("checks", "api_compat.json"),
     output:
         report=out("checks", "canary.json"),
-    params:
-        work_dir=out("checks", "canary_work"),
-        settings=section_json("target", "hidden_states", "canary", "vllm"),
-        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
+    log:
+        log_of("canary"),
     threads: 2
     resources:
         **gpu_resources(config["extraction"]["gpus_per_replica"]),
         runtime=lambda wc, attempt: 60 * attempt,
-    log:
-        log_of("canary"),
+    params:
+        work_dir=out("checks", "canary_work"),
+        settings=section_json("target", "hidden_states", "canary", "vllm"),
+        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
     script:
         "../scripts/canary.py"
