@@ -23,6 +23,7 @@ def write_json_atomic(path: str | Path, payload: Any) -> None:
         with os.fdopen(fd, "w") as handle:
             json.dump(payload, handle, indent=2, sort_keys=False, default=str)
             handle.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; artefacts are meant to be read by others
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

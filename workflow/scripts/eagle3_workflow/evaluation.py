@@ -136,19 +136,11 @@ def engine_kwargs(
 
 
 def measurement_environment(*, device: str, cpu_threads: int | None, in_process: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPTS_DIR), env.get("PYTHONPATH", "")) if p)
-    env["HF_HUB_OFFLINE"] = env.get("HF_HUB_OFFLINE", "1")
-    env["PYTHONUNBUFFERED"] = "1"
+    from eagle3_workflow.runtime import child_environment
+
+    env = child_environment(vllm_on_cpu=device == "cpu", cpu_threads=cpu_threads)
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if device == "cpu":
-        if cpu_threads:
-            # vLLM reduces torch to one thread for serving unless OMP_NUM_THREADS is set
-            env["OMP_NUM_THREADS"] = str(cpu_threads)
-        # Spinning OpenMP threads collapse when another process takes a core: on a busy 2-core host one
-        # generate() pass took 0.2 s or 5 s at random; passive waiting kept passes within ~3x of each other
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

@@ -637,26 +637,11 @@ def _cli(argv: Sequence[str] | None = None) -> None:
 # so vLLM's CPU worker, which vLLM pins to the cores it binds (on a 2-core host: one core, the other reserved
 # for the engine), ran 2 threads on that one core: measured here, 64 requests x 96 tokens took > 300 s instead
 # of 9 s (30x slower or worse, spin-waiting). Without them vLLM sizes each worker's threads to its cores.
-INHERITED_THREAD_VARIABLES = (
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "GOTO_NUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-)
-
-
 def subprocess_env(config: dict[str, Any]) -> dict[str, str]:
-    scripts_dir = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (scripts_dir, env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    for name in INHERITED_THREAD_VARIABLES:
-        env.pop(name, None)
-    if config["vllm"]["cpu_threads"]:
-        # torch threads of the engine's own process (vLLM sets its CPU workers' count from their core binding)
-        env["OMP_NUM_THREADS"] = str(config["vllm"]["cpu_threads"])
-    return env
+    from eagle3_workflow.runtime import child_environment
+
+    # vLLM's CPU workers set their own torch threads from their core binding; cpu_threads is the engine's
+    return child_environment(vllm_on_cpu=True, cpu_threads=config["vllm"]["cpu_threads"])
 
 
 class _Terminated(StageError):

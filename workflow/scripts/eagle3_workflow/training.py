@@ -706,12 +706,9 @@ def trainer_failure(rc: int, command: list[str], lines: list[str], attempt_log: 
 
 
 def trainer_env(device: TrainDevice, cpu_threads: int | None) -> dict[str, str]:
-    import eagle3_workflow
+    from eagle3_workflow.runtime import child_environment
 
-    scripts_dir = str(Path(eagle3_workflow.__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (scripts_dir, env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
+    env = child_environment()
     env["COLUMNS"] = str(TRAINER_CONSOLE_COLUMNS)
     env.pop("FORCE_COLOR", None)
     if device.kind == "cpu" and cpu_threads and "OMP_NUM_THREADS" not in env:

