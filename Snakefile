@@ -1,13 +1,11 @@
 # The gated EAGLE-3 workflow: prepare -> check_api -> canary -> extract -> validate -> train -> evaluate -> report.
 # Each stage's artefact is the next stage's input, so a broken forward stops at the canary, not after a long
 # load on 8 GPUs. Rules live in workflow/rules/, one file per stage; config keys are explained in
-# config/README.md.
-
-
-configfile: "config/config.yaml"
+# config/README.md. Without --configfile the tiny preset runs (config/config.yaml, loaded in common.smk).
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/provenance.smk"
 include: "workflow/rules/target.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/regenerate.smk"
@@ -18,6 +16,6 @@ include: "workflow/rules/evaluation.smk"
 
 
 rule all:
+    default_target: True
     input:
         final_outputs(),
-    default_target: True

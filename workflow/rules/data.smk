@@ -11,6 +11,8 @@ rule prepare_data:
         manifest=out("data", "manifest.json"),
     log:
         log_of("prepare_data"),
+    conda:
+        CONDA_ENV
     resources:
         **gpu_resources(0),
     params:

@@ -25,6 +25,8 @@ rule evaluate_draft:
         report=out("eval", "acceptance.json"),
     log:
         log_of("evaluate_draft"),
+    conda:
+        CONDA_ENV
     threads: 2
     resources:
         **gpu_resources(config["evaluate"]["gpus"]),
@@ -91,6 +93,8 @@ rule summarize_run:
     log:
         log_of("summarize_run"),
     localrule: True
+    conda:
+        CONDA_ENV
     script:
         "../scripts/summarize_run.py"
 
@@ -103,6 +107,8 @@ rule report:
     log:
         log_of("report"),
     localrule: True
+    conda:
+        CONDA_ENV
     params:
         snakefile=workflow.main_snakefile,
         config=resolved_config_json(),

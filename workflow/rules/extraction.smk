@@ -17,6 +17,8 @@ rule extract_hidden_states:
         manifest=out("hidden_states", "replica_{replica}.json"),
     log:
         log_of("extract_hidden_states_replica_{replica}"),
+    conda:
+        CONDA_ENV
     threads: 2
     resources:
         **gpu_resources(config["extraction"]["gpus_per_replica"]),
@@ -39,6 +41,8 @@ rule validate_hidden_states:
         report=out("hidden_states", "validation.json"),
     log:
         log_of("validate_hidden_states"),
+    conda:
+        CONDA_ENV
     resources:
         **gpu_resources(0),
     params:

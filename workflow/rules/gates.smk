@@ -11,6 +11,8 @@ rule check_api:
         report=out("checks", "api_compat.json"),
     log:
         log_of("check_api"),
+    conda:
+        CONDA_ENV
     resources:
         **gpu_resources(0),
     params:
@@ -28,6 +30,8 @@ rule canary:
         report=out("checks", "canary.json"),
     log:
         log_of("canary"),
+    conda:
+        CONDA_ENV
     threads: 2
     resources:
         **gpu_resources(config["extraction"]["gpus_per_replica"]),

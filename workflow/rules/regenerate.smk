@@ -13,6 +13,8 @@ if config["regenerate"]["enabled"]:
             stats=out("data", "regenerated.stats.json"),
         log:
             log_of("regenerate_responses"),
+        conda:
+            CONDA_ENV
         threads: 2
         resources:
             **gpu_resources(config["extraction"]["gpus_per_replica"]),

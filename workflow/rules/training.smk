@@ -13,6 +13,8 @@ rule train_draft:
         draft=directory(out("draft")),
     log:
         log_of("train_draft"),
+    conda:
+        CONDA_ENV
     # one data-loader pool per GPU process; Snakemake caps this at --cores when running locally
     threads: max(2, config["train"]["gpus"] * (config["train"]["num_workers"] + 1))
     resources:
