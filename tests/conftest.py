@@ -57,10 +57,10 @@ def run_workflow(
         str(workdir),
         "--cores",
         "2",
-        *(targets or []),  # before --configfile, which takes every following word as a config file
-        "--configfile",
-        str(config_path),
+        *(targets or []),
         *(extra or []),
+        "--configfile",  # last: it takes every following word as a config file
+        str(config_path),
     ]
     full_env = {**os.environ, **(env or {})}
     full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"

@@ -142,8 +142,9 @@ def canary_inputs(target: Path, count: int = 3):
     return samples, [s.messages for s in result.samples]
 
 
-def canary(target: Path, work: Path):
-    samples, messages = canary_inputs(target)
+def canary(target: Path, work: Path, samples=None, messages=None):
+    if samples is None:
+        samples, messages = canary_inputs(target)
 
     def spec_factory(model, layer_ids, storage_dir):
         return hidden_states_server_spec(
@@ -260,31 +261,7 @@ def test_canary_catches_a_chat_template_mismatch(tiny_targets, tmp_path):
         config["chat_template"] = config["chat_template"].replace("{{ m['role'] }}\n", "{{ m['role'] }}:\n")
         config_path.write_text(json.dumps(config))
 
-    def spec_factory(model, layer_ids, storage_dir):
-        return hidden_states_server_spec(
-            VLLM_SETTINGS,
-            model=model,
-            layer_ids=layer_ids,
-            storage_dir=storage_dir,
-            device="cpu",
-            tensor_parallel_size=1,
-            trust_remote_code=False,
-        )
-
-    work = tmp_path / "work"
-    report = run_canary(
-        target_dir=target,
-        work_dir=work,
-        samples=samples,
-        messages=messages,
-        spec_factory=spec_factory,
-        server_log=work / "server.log",
-        canary_layers=None,
-        tolerance=0.05,
-        render_samples=2,
-        trust_remote_code=False,
-        device="cpu",
-    )
+    report = canary(target, tmp_path / "work", samples, messages)
     assert not report.passed
     check = row(report, "server chat rendering")
     assert not check.passed and "first difference" in check.found

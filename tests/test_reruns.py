@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, VENV_BIN, tiny_config
+from conftest import REPO, SNAKEMAKE, VENV_BIN, run_workflow, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -36,28 +36,8 @@ AFTER_TRAINING = {"train_draft", "evaluate_draft", "summarize_run", "report", "r
 
 
 def snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: float = 1800):
-    """Run the real workflow in `workdir`; targets and flags in `args` (targets must not follow --configfile,
-    whose nargs="+" would take them for config files)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / f"config-{config['run']}.yaml"
-    config_path.write_text(yaml.safe_dump(copy.deepcopy(config)))
-    cmd = [
-        SNAKEMAKE,
-        "-s",
-        str(REPO / "Snakefile"),
-        "-d",
-        str(workdir),
-        "--cores",
-        "2",
-        *args,
-        "--configfile",
-        str(config_path),
-    ]
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-12000:]}")
-    return proc
+    """Run the real workflow in `workdir` with targets and flags `args`."""
+    return run_workflow(workdir, config, extra=list(args), check=check, timeout=timeout)
 
 
 def planned_rules(proc: subprocess.CompletedProcess) -> set[str]:
