@@ -142,7 +142,15 @@ def check_extract_from_kv_cache() -> tuple[str, bool]:
 
 
 def check_render_endpoint() -> tuple[str, bool]:
-    from vllm.entrypoints.launchers import cli_args
+    try:
+        from vllm.entrypoints.launchers import cli_args
+    except ModuleNotFoundError:
+        # vLLM 0.26 (the GPU pin): no flag, the route is registered for every generating model
+        from vllm.entrypoints.scale_out.render import api_router
+
+        paths = {getattr(route, "path", "") for route in api_router.router.routes}
+        ok = "/v1/chat/completions/render" in paths
+        return ("always served (this vLLM has no --enable-scale-out)" if ok else f"routes {sorted(paths)}"), ok
 
     fields = {f.name for f in dataclasses.fields(cli_args.FrontendArgs)}
     return (

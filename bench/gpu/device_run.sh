@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# What runs on the lent GPU machine, one step per device call (docs/gpu.md has the whole sequence).
+#   bash bench/gpu/device_run.sh copy       copy the carried chunk folders (wheels-gpu/c*) to $W
+#   bash bench/gpu/device_run.sh build      start building the 8B-shape target in the background (needs only the
+#                                           image's torch + transformers; runs while the next chunks travel)
+#   bash bench/gpu/device_run.sh install    reassemble + verify + install the wheels into $T (bench/gpu/install.sh)
+#   bash bench/gpu/device_run.sh pipeline   the real Snakemake rules on bench/gpu/llama8b-shape.yaml
+#   bash bench/gpu/device_run.sh bench      bench/gpu/bench_gpu.py (extraction and training side by side)
+#   bash bench/gpu/device_run.sh collect    logs and small artefacts into $OUT
+# Several steps in one call: bash bench/gpu/device_run.sh copy install pipeline collect
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+W=${W:-/root/wheelcache}
+T=${T:-/tmp/site}
+TARGET=${TARGET:-/root/targets/llama8b-shape}
+RUN=${RUN:-gpu-llama8b-shape}
+CONFIG=${CONFIG:-bench/gpu/llama8b-shape.yaml}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# NVLink multicast stays off (workplace rule), also for the processes the workflow starts
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+stamp() { echo "[device_run $(date -u +%H:%M:%S)] $*"; }
+use_site() { [ -f "$T/ENV.sh" ] && source "$T/ENV.sh"; export PYTHONPATH="$PWD/workflow/scripts${PYTHONPATH:+:$PYTHONPATH}"; }
+
+step_copy() {
+  mkdir -p "$W"
+  for d in wheels-gpu/c*; do [ -d "$d" ] && cp -n "$d"/* "$W"/ 2>/dev/null; done
+  stamp "wheel cache: $(ls "$W" | wc -l) files, $(du -sh "$W" | cut -f1)"
+}
+
+step_build() {
+  if [ -f "$TARGET/.built.json" ]; then stamp "target exists: $(cat "$TARGET/.built.json")"; return 0; fi
+  mkdir -p "$(dirname "$TARGET")"
+  stamp "building $TARGET in the background (log /root/build_target.log)"
+  # setsid: the build outlives this call (the machine keeps it while it is warm)
+  setsid bash -c "python3 bench/gpu/build_8b_shape_target.py '$TARGET.tmp' >/root/build_target.log 2>&1 \
+    && tail -1 /root/build_target.log > '$TARGET.tmp/.built.json' && rm -rf '$TARGET' && mv '$TARGET.tmp' '$TARGET'" \
+    </dev/null >/dev/null 2>&1 &
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__, torch.cuda.is_available())'
+}
+
+wait_build() {
+  for _ in $(seq 1 600); do
+    [ -f "$TARGET/.built.json" ] && { stamp "target: $(cat "$TARGET/.built.json")"; return 0; }
+    if ! pgrep -f build_8b_shape_target >/dev/null; then stamp "target build failed:"; tail -30 /root/build_target.log; return 1; fi
+    sleep 1
+  done
+  return 1
+}
+
+step_install() {
+  step_copy
+  W=$W T=$T bash "$W/install.sh" || return 1
+  step_check
+}
+
+step_check() {
+  use_site
+  python3 -c 'import vllm, speculators, hs_connectors, torch, transformers, snakemake; from importlib.metadata import version as v; print({n: v(n) for n in ("vllm", "speculators", "hs-connectors", "torch", "transformers", "snakemake")})' || return 1
+  # every distribution the run imports from, with where it came from (image or carried), for envs/gpu.yaml
+  python3 - "$T" >"$OUT/versions.json" <<'PYEOF'
+import importlib.metadata as m, json, platform, sys
+site = sys.argv[1]
+out = {"python": platform.python_version(), "carried": {}, "image": {}}
+for d in m.distributions():
+    name = d.metadata["Name"]
+    where = "carried" if str(d.locate_file("")).startswith(site) else "image"
+    out[where].setdefault(name.lower(), d.version)
+print(json.dumps(out, indent=1, sort_keys=True))
+PYEOF
+  python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); i=d["image"]; print({k: i.get(k) for k in ("torch","transformers","triton","tokenizers","safetensors","numpy","pandas","huggingface-hub","protobuf","packaging","typing-extensions","fsspec","httpx","pyyaml")})' "$OUT/versions.json"
+}
+
+step_pipeline() {
+  use_site
+  wait_build || return 1
+  stamp "snakemake: $CONFIG"
+  # a call that ran out of time left a lock and incomplete outputs: this call resumes (finished rules are kept)
+  [ -n "$(ls .snakemake/locks 2>/dev/null)" ] && snakemake --unlock --configfile "$CONFIG" >/dev/null 2>&1
+  timeout "${PIPELINE_TIMEOUT:-540}" snakemake --cores 16 --configfile "$CONFIG" --rerun-incomplete --printshellcmds 2>&1 | tee "$OUT/snakemake-$RUN.log" | grep -E "^(rule |\[|Finished|Error|.*Exception|.*FAILED|.*error)" | grep -v "^\[vllm\]" | tail -80
+  local rc=${PIPESTATUS[0]}
+  stamp "snakemake exit $rc"
+  for f in checks/api_compat.json checks/canary.json hidden_states/replica_0.json hidden_states/validation.json draft/training.json eval/acceptance.json; do
+    [ -f "results/$RUN/$f" ] && echo "== $f: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in list(d)[:12] if not isinstance(d[k], (list, dict)) or k in ('ratios','per_layer_max_rel_error','layer_ids')})" "results/$RUN/$f")"
+  done
+  return "$rc"
+}
+
+step_bench() {
+  use_site
+  wait_build || return 1
+  # the pipeline's checkpoints (~3.7 GB each for this shape) are not needed any more: the disk is 64 GiB
+  rm -rf "results/$RUN/checks/canary_work/model"
+  df -h /root | tail -1
+  stamp "bench_gpu.py"
+  timeout "${BENCH_TIMEOUT:-560}" python3 bench/gpu/bench_gpu.py --target "$TARGET" --work /root/bench-work \
+    --samples "${SAMPLES:-128}" --seq-len "${SEQ_LEN:-2048}" --concurrency "${CONCURRENCY:-64}" \
+    --train-epochs "${EPOCHS:-2}" ${EAGER:+--eager} ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 \
+    | tee "$OUT/bench_gpu.log" | grep -v "^\[vllm\]" | tail -60
+  return "${PIPESTATUS[0]}"
+}
+
+step_collect() {
+  [ -d "results/$RUN" ] || return 0
+  tar -czf "$OUT/results-$RUN.tar.gz" --exclude='hidden_states/files' --exclude='*.safetensors' \
+    --exclude='train_work/checkpoints' --exclude='*.pt' --exclude='*.npy' --exclude='canary_work/model' \
+    --exclude='scratch_replica_*' -C results "$RUN" 2>/dev/null
+  [ -d /root/bench-work ] && tar -czf "$OUT/bench-logs.tar.gz" -C /root/bench-work --exclude='*.safetensors' \
+    --exclude='*.pt' --exclude='*.npy' --exclude='*files*' --exclude='data' --exclude='*checkpoints*' . 2>/dev/null
+  ls -la "$OUT"
+}
+
+rc=0
+for s in "$@"; do
+  "step_$s" || { rc=$?; stamp "step $s failed ($rc)"; [ "$s" = collect ] || step_collect; exit "$rc"; }
+done
+exit $rc

