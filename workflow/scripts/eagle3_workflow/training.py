@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -419,7 +420,6 @@ def training_fingerprint(
     of a few hidden-state files (they change when the target's weights do, which are too large to hash), and the
     names and sizes of the target's weight files.
     """
-    import speculators
 
     relevant = {k: v for k, v in dataclasses.asdict(settings).items() if k not in RESUME_NEUTRAL_SETTINGS}
     relevant["extra_args"] = list(settings.extra_args)
@@ -435,7 +435,8 @@ def training_fingerprint(
         "token_freq_sha256": sha256_file(token_freq),
         "validation_sha256": sha256_file(validation),
         "hidden_state_samples_sha256": {p.name: sha256_file(p) for p in samples if p.exists()},
-        "speculators_version": getattr(speculators, "__version__", "unknown"),
+        # speculators 0.9.0 has no __version__: the installed distribution's metadata says it
+        "speculators_version": importlib.metadata.version("speculators"),
     }
 
 
