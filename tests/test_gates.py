@@ -302,3 +302,11 @@ def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
     assert "canary FAILED" in log and "layer-id convention" in log
     assert not (tmp_path / "results" / "shifted" / "checks" / "canary.json").exists()
     assert_extraction_never_ran(tmp_path, "shifted")
+
+
+def test_check_api_catches_a_renamed_acceptance_counter(tiny_targets, monkeypatch):
+    from eagle3_workflow import evaluation
+
+    monkeypatch.setattr(evaluation, "SPEC_COUNTERS", {**evaluation.SPEC_COUNTERS, "vllm:spec_decode_renamed": "x"})
+    report = api_report(tiny_targets("llama"))
+    assert "vllm:spec_decode_renamed" in failed_rows(report)["spec-decode metrics"]

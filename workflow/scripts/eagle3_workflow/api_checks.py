@@ -209,6 +209,21 @@ def check_trainer_shim() -> tuple[str, bool]:
     return (f"missing {missing}" if missing else f"{len(results)} patch points present"), not missing
 
 
+def check_spec_decode_metrics() -> tuple[str, bool]:
+    """evaluate_draft reads acceptance from these counters through LLM.get_metrics(); a rename would make it
+    fail after two engine starts, so it is caught here."""
+    from vllm import LLM
+    from vllm.v1.spec_decode import metrics
+
+    from eagle3_workflow.evaluation import PER_POSITION_METRIC, SPEC_COUNTERS
+
+    source = inspect.getsource(metrics)
+    missing = [name for name in [*SPEC_COUNTERS, PER_POSITION_METRIC] if f'"{name}"' not in source]
+    if not callable(getattr(LLM, "get_metrics", None)):
+        missing.append("LLM.get_metrics")
+    return (f"missing {missing}" if missing else f"{len(SPEC_COUNTERS) + 1} counters + LLM.get_metrics"), not missing
+
+
 def check_speculators_model() -> tuple[str, bool]:
     from hs_connectors import FileTransfer
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -281,6 +296,7 @@ def run_api_checks(
             lambda: check_layer_ids(target.num_layers, configured_layer_ids),
         ),
         _row("speculators model + transfer", "Eagle3DraftModel, FileTransfer", check_speculators_model),
+        _row("spec-decode metrics", "acceptance counters evaluate_draft reads", check_spec_decode_metrics),
         _row(
             "speculators train fields",
             "TrainConfig has every flag the rule passes",
