@@ -40,6 +40,21 @@ class TokenizedConversation:
         return sum(self.loss_mask)
 
 
+def load_chat_tokenizer(target: Any, *, trust_remote_code: bool) -> Any:
+    """The target's tokenizer; a StageError when it has no chat template (every stage that renders needs one)."""
+    from transformers import AutoTokenizer
+
+    from eagle3_workflow.errors import StageError
+
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    if not getattr(tokenizer, "chat_template", None):
+        raise StageError(
+            f"the target tokenizer at {target} has no chat template; add one "
+            "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
+        )
+    return tokenizer
+
+
 def render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     if not isinstance(text, str):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.chat import TemplateError, normalize_messages, tokenize_conversation
+from eagle3_workflow.chat import TemplateError, load_chat_tokenizer, normalize_messages, tokenize_conversation
 from eagle3_workflow.contracts import DataManifest, write_json_atomic
 from eagle3_workflow.errors import StageError, render_table
 
@@ -262,17 +262,10 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.errors import run_stage
 
     def body(log: logging.Logger) -> None:
-        from transformers import AutoTokenizer
-
         cfg = snakemake.config["data"]
-        tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer = load_chat_tokenizer(
             snakemake.input.target, trust_remote_code=snakemake.config["target"]["trust_remote_code"]
         )
-        if not getattr(tokenizer, "chat_template", None):
-            raise StageError(
-                f"the target tokenizer at {snakemake.input.target} has no chat template; add one "
-                "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
-            )
         sources = [(Path(p), fmt) for p, fmt in zip(snakemake.input.sources, snakemake.params.formats, strict=True)]
         result = prepare_conversations(
             sources,

@@ -576,12 +576,9 @@ def run_regeneration(
     target: Path, prompt_files: Sequence[Path], output: Path, stats_path: Path, config: dict[str, Any]
 ) -> RegenerationStats:
     """The subprocess's work: start vLLM on the target, regenerate, write both outputs atomically."""
-    from transformers import AutoTokenizer
+    from eagle3_workflow.chat import load_chat_tokenizer
 
-    trust = config["target"]["trust_remote_code"]
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
-    if not getattr(tokenizer, "chat_template", None):
-        raise StageError(f"the target tokenizer at {target} has no chat template; add one (chat_template.jinja)")
+    tokenizer = load_chat_tokenizer(target, trust_remote_code=config["target"]["trust_remote_code"])
     if config["vllm"]["extra_args"]:
         log.warning(
             "vllm.extra_args %s are server flags; the offline engine here ignores them", config["vllm"]["extra_args"]
