@@ -11,5 +11,6 @@ rule record_provenance:
         CONDA_ENV
     params:
         config=resolved_config_json(),
+        workflow_root=str(WORKFLOW_ROOT),
     script:
         "../scripts/record_provenance.py"

@@ -10,6 +10,7 @@ import platform
 import socket
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.contracts import write_json_atomic
@@ -55,15 +56,18 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
     return versions
 
 
-def git_state() -> tuple[str, bool]:
+def git_state(workflow_root: str | Path) -> tuple[str, bool]:
+    """The commit of the workflow's own checkout. Runs git there, not in the job's working directory: a run
+    started with `-d /scratch/run` (or a deployed module) would otherwise record "unknown" or another repo."""
+    git = ["git", "-C", str(workflow_root)]
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
         ).stdout
         return commit.strip(), bool(dirty.strip())
     except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)", False
+        return f"unknown ({workflow_root} is not a git checkout)", False
 
 
 def accelerators() -> list[str]:
@@ -77,8 +81,8 @@ def accelerators() -> list[str]:
     return []
 
 
-def collect(config: dict[str, Any]) -> Provenance:
-    commit, dirty = git_state()
+def collect(config: dict[str, Any], workflow_root: str | Path) -> Provenance:
+    commit, dirty = git_state(workflow_root)
     return Provenance(
         run=config["run"],
         created_unix=time.time(),
@@ -97,7 +101,7 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.errors import run_stage
 
     def body(log: logging.Logger) -> None:
-        record = collect(json.loads(snakemake.params.config))
+        record = collect(json.loads(snakemake.params.config), snakemake.params.workflow_root)
         write_json_atomic(snakemake.output[0], record)
         log.info("provenance: commit %s, host %s, packages %s", record.git_commit, record.host, record.packages)
 
