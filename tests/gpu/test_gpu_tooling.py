@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -252,3 +253,31 @@ def test_wheel_built_from_an_sdist_is_byte_reproducible_and_installs(tmp_path):
     probe = "import connection_pool, importlib.metadata as m; print(connection_pool.POOL, m.version('connection-pool'))"
     out = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": str(site)}, capture_output=True, text=True)
     assert out.stdout.split() == ["1", "0.0.3"], out.stderr
+
+
+def test_device_run_pipeline_runs_any_config_and_keeps_results(tmp_path):
+    """`device_run.sh pipeline` once waited for the 8B-shape build whatever the config (the SmolLM2 run could not
+    start), and ran in the carried tree, whose results were gone in the next call. Real Snakemake, dry run."""
+    from conftest import VENV_BIN
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    env = {
+        "PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "WORK": str(work), "OUT": str(out),
+        "T": str(tmp_path / "no-site"), "TARGET": str(tmp_path / "no-8b-target"), "SNAKE_ARGS": "-n",
+        "CONFIG": "config/presets/tiny.yaml",
+    }  # fmt: skip
+    run = [str(GPU / "device_run.sh"), "pipeline"]
+    first = subprocess.run(["bash", *run], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "target build failed" not in first.stdout and "(run tiny)" in first.stdout
+    assert "This was a dry-run" in (out / "snakemake-tiny.log").read_text()
+    # an earlier call's results stay; unchanged code keeps its mtime (a newer data file would replan prepare_data)
+    kept = work / "results" / "tiny" / "provenance.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    data = work / "config" / "data" / "tiny_conversations.jsonl"
+    os.utime(data, (1_000_000, 1_000_000))
+    second = subprocess.run(["bash", *run], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert kept.read_text() == "{}" and data.stat().st_mtime == 1_000_000
+    assert "synced" in second.stdout and "0 files changed" in second.stdout
