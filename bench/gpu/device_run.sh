@@ -146,7 +146,11 @@ step_collect() {
   [ -d "$WORK/results/$RUN" ] || return 0
   tar -czf "$OUT/results-$RUN.tar.gz" --exclude='hidden_states/files' --exclude='*.safetensors' \
     --exclude='train_work/checkpoints' --exclude='*.pt' --exclude='*.npy' --exclude='canary_work/model' \
-    --exclude='scratch_replica_*' -C "$WORK/results" "$RUN" 2>/dev/null
+    --exclude='scratch_replica_*' --exclude='*.arrow' -C "$WORK/results" "$RUN" 2>/dev/null
+  # a file over 16 MiB does not come back from the device (the prepared data's .arrow files are left out above:
+  # ~50 MB for 3M tokens, and prepare_data remakes them from regenerated.jsonl)
+  [ "$(stat -c %s "$OUT/results-$RUN.tar.gz")" -le $((16 * 1024 * 1024)) ] \
+    || stamp "WARNING: results-$RUN.tar.gz is over 16 MiB and will not come back; leave more out"
   [ -d /root/bench-work ] && tar -czf "$OUT/bench-logs.tar.gz" -C /root/bench-work --exclude='*.safetensors' \
     --exclude='*.pt' --exclude='*.npy' --exclude='*files*' --exclude='data' --exclude='*checkpoints*' . 2>/dev/null
   ls -la "$OUT"

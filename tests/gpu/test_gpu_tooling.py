@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -281,3 +282,12 @@ def test_device_run_pipeline_runs_any_config_and_keeps_results(tmp_path):
     assert second.returncode == 0, second.stdout[-3000:]
     assert kept.read_text() == "{}" and data.stat().st_mtime == 1_000_000
     assert "synced" in second.stdout and "0 files changed" in second.stdout
+    # collect packs the results from there, without what cannot come back (files over 16 MiB: hidden states,
+    # weights, the prepared data's arrow files)
+    (work / "results" / "tiny" / "data" / "prepared").mkdir(parents=True)
+    (work / "results" / "tiny" / "data" / "prepared" / "data-00000-of-00001.arrow").write_bytes(b"x")
+    collect = subprocess.run(["bash", str(GPU / "device_run.sh"), "collect"], env=env, capture_output=True, timeout=60)
+    assert collect.returncode == 0, collect.stderr
+    with tarfile.open(out / "results-tiny.tar.gz") as archive:
+        names = archive.getnames()
+    assert "tiny/provenance.json" in names and not [n for n in names if n.endswith(".arrow")]
