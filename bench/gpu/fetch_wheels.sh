@@ -9,7 +9,9 @@
 # big vLLM wheel split into parts, then first-fit-decreasing packing of everything), each chunk self-sufficient to
 # copy; the last one also holds install.sh and the lists. SHA256SUMS in this folder pins every file: a download
 # whose hash differs stops here (pip may pick another platform tag of the same version on another day: then
-# review and update SHA256SUMS deliberately).
+# review and update SHA256SUMS deliberately). Pins with no wheel on PyPI (connection-pool 0.0.3): the sdist is
+# pinned and checked, and wheelset.py builds its wheel byte-reproducibly (so that pin holds too). Exactly one
+# file per distribution, also on a rerun into the same folder (two stop the single pip install on the device).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
