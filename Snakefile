@@ -13,9 +13,11 @@ include: "workflow/rules/gates.smk"
 include: "workflow/rules/extraction.smk"
 include: "workflow/rules/training.smk"
 include: "workflow/rules/evaluation.smk"
+include: "workflow/rules/publish.smk"
 
 
 rule all:
     default_target: True
     input:
         final_outputs(),
+        out("published_draft"),

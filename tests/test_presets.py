@@ -156,7 +156,10 @@ def test_kimi_preset_is_one_node_per_replica():
     assert raw["target"]["trust_remote_code"] is True
 
 
-@pytest.mark.parametrize("name", PRESETS)
+GPU_SMOLLM2 = "smollm2-135m-gpu"  # builds its own target (no target.path): not in PRESETS' dry run through SLURM
+
+
+@pytest.mark.parametrize("name", [*PRESETS, GPU_SMOLLM2])
 def test_preset_is_complete_alone(name):
     """Snakemake merges --configfile over config/config.yaml (the tiny CPU defaults): no tiny value may leak
     into a published preset's effective config."""
@@ -237,3 +240,43 @@ def test_run_config_cpu_partition_reaches_every_cluster_rule(tmp_path):
     plan = {job.rule: job for job in parse_dry_run_plan(text)}
     for rule in CPU_RULES:
         assert plan[rule].resources.get("slurm_partition") == "run-cpu", plan[rule]
+
+
+def test_smollm2_gpu_preset_says_what_the_issue_asks():
+    """One H200, self-distilled at GPU scale, all 164 HumanEval prompts at k = 3, lossless check on, and the
+    torch 2.11 workaround the H200 run needed."""
+    config = with_defaults(load_preset(GPU_SMOLLM2))
+    assert config["run"] == GPU_SMOLLM2 and config["target"]["build"]["kind"] == "smollm2"
+    assert config["vllm"]["device"] == "cuda"
+    assert config["extraction"]["gpus_per_replica"] == config["train"]["gpus"] == config["evaluate"]["gpus"] == 1
+    regenerate = config["regenerate"]
+    assert regenerate["enabled"] and regenerate["magpie_prompts"] >= 15_000, "~2/3 of Magpie turns survive: >= 10k"
+    assert config["data"]["max_samples"] is None and config["data"]["sources"] == []
+    evaluate = config["evaluate"]
+    assert (evaluate["prompts"], evaluate["num_prompts"], evaluate["num_speculative_tokens"]) == ("humaneval", 164, 3)
+    assert evaluate["lossless_logprob_tolerance"] < 0.5
+    assert config["train"]["extra_args"] == ["--loss-implementation", "eager"]
+
+
+def test_smollm2_gpu_preset_plans_every_stage_on_cpu(tmp_path):
+    """Schema validation and DAG planning need no GPU: the whole plan, the target built from the PyPI GGUF."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(REPO / "Snakefile"),
+        "-d",
+        str(workdir),
+        "-n",
+        "--configfile",
+        str(preset_path(GPU_SMOLLM2)),
+    ]
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    planned = {job.rule for job in parse_dry_run_plan(proc.stdout)}
+    stages = {"build_smollm2_target", "regenerate_responses", "prepare_data", "check_api", "canary",
+              "extract_hidden_states", "validate_hidden_states", "train_draft", "evaluate_draft", "package_draft",
+              "summarize_run", "report"}  # fmt: skip
+    assert stages <= planned, stages - planned

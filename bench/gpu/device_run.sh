@@ -4,7 +4,12 @@
 #   bash bench/gpu/device_run.sh build      start building the 8B-shape target in the background (needs only the
 #                                           image's torch + transformers; runs while the next chunks travel)
 #   bash bench/gpu/device_run.sh install    reassemble + verify + install the wheels into $T (bench/gpu/install.sh)
-#   bash bench/gpu/device_run.sh pipeline   the real Snakemake rules on bench/gpu/llama8b-shape.yaml
+#   bash bench/gpu/device_run.sh pipeline   the real Snakemake rules on $CONFIG (default bench/gpu/llama8b-shape.yaml),
+#                                           run in $WORK (/root/work), outside the carried tree: results survive
+#                                           between the calls of one lease (each call re-syncs the code, not results)
+#     CONFIG=config/presets/smollm2-135m-gpu.yaml bash bench/gpu/device_run.sh pipeline collect
+#     CONFIG="preset.yaml overlay.yaml"   several config files, merged in order (run name and target from the first)
+#     SNAKE_ARGS="-R train_draft" ...     extra snakemake arguments
 #   bash bench/gpu/device_run.sh bench      bench/gpu/bench_gpu.py (extraction and training side by side)
 #   bash bench/gpu/device_run.sh collect    logs and small artefacts into $OUT
 # Several steps in one call: bash bench/gpu/device_run.sh copy install pipeline collect
@@ -13,13 +18,17 @@ cd "$(dirname "$0")/../.."
 W=${W:-/root/wheelcache}
 T=${T:-/tmp/site}
 TARGET=${TARGET:-/root/targets/llama8b-shape}
-RUN=${RUN:-gpu-llama8b-shape}
 CONFIG=${CONFIG:-bench/gpu/llama8b-shape.yaml}
+WORK=${WORK:-/root/work}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 # NVLink multicast stays off (workplace rule), also for the processes the workflow starts
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the config's run name and target path (RUN overrides the name); the image has PyYAML
+config_value() { python3 -c 'import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); k = sys.argv[2].split("."); v = c.get(k[0]) if len(k) == 1 else (c.get(k[0]) or {}).get(k[1]); print(v if v is not None else "")' "${CONFIG%% *}" "$1"; }
+RUN=${RUN:-$(config_value run)}
+RUN=${RUN:-gpu-llama8b-shape}
 stamp() { echo "[device_run $(date -u +%H:%M:%S)] $*"; }
 use_site() { [ -f "$T/ENV.sh" ] && source "$T/ENV.sh"; export PYTHONPATH="$PWD/workflow/scripts${PYTHONPATH:+:$PYTHONPATH}"; }
 
@@ -73,18 +82,49 @@ PYEOF
   python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); i=d["image"]; print({k: i.get(k) for k in ("torch","transformers","triton","tokenizers","safetensors","numpy","pandas","huggingface-hub","protobuf","packaging","typing-extensions","fsspec","httpx","pyyaml")})' "$OUT/versions.json"
 }
 
+# the code of this call into $WORK; its results/ and .snakemake/ stay from earlier calls of the lease (the carried
+# tree is replaced on every call, and ignored folders it does not carry are gone). Only files whose bytes differ are
+# copied: the carried copy's mtimes are new on every call, and a newer data file would make Snakemake rerun
+# prepare_data and everything after it.
+sync_work() {
+  python3 - "$PWD" "$WORK" <<'PYEOF'
+import filecmp, os, shutil, sys
+src, dst = sys.argv[1:3]
+skip = {"results", ".snakemake", "wheels-gpu", ".venv"}
+copied = 0
+for root, dirs, files in os.walk(src):
+    if root == src:
+        dirs[:] = [d for d in dirs if d not in skip]
+    target = os.path.join(dst, os.path.relpath(root, src))
+    os.makedirs(target, exist_ok=True)
+    for name in files:
+        a, b = os.path.join(root, name), os.path.join(target, name)
+        if os.path.islink(a) or not os.path.isfile(a):
+            continue
+        if not (os.path.isfile(b) and filecmp.cmp(a, b, shallow=False)):
+            shutil.copy2(a, b)
+            copied += 1
+print(f"[device_run] synced {src} -> {dst}: {copied} files changed")
+PYEOF
+}
+
 step_pipeline() {
   use_site
-  wait_build || return 1
-  stamp "snakemake: $CONFIG"
+  # only a config whose target is the 8B-shape model waits for its background build
+  if [ "$(config_value target.path)" = "$TARGET" ]; then wait_build || return 1; fi
+  sync_work
+  cd "$WORK" || return 1
+  export PYTHONPATH="$WORK/workflow/scripts${PYTHONPATH:+:$PYTHONPATH}"
+  stamp "snakemake: $CONFIG (run $RUN) in $WORK ${SNAKE_ARGS:-}"
   # a call that ran out of time left a lock and incomplete outputs: this call resumes (finished rules are kept)
-  [ -n "$(ls .snakemake/locks 2>/dev/null)" ] && snakemake --unlock --configfile "$CONFIG" >/dev/null 2>&1
-  timeout "${PIPELINE_TIMEOUT:-540}" snakemake --cores 16 --configfile "$CONFIG" --rerun-incomplete --printshellcmds 2>&1 | tee "$OUT/snakemake-$RUN.log" | grep -E "^(rule |\[|Finished|Error|.*Exception|.*FAILED|.*error)" | grep -v "^\[vllm\]" | tail -80
+  [ -n "$(ls .snakemake/locks 2>/dev/null)" ] && snakemake --unlock --configfile $CONFIG >/dev/null 2>&1
+  timeout "${PIPELINE_TIMEOUT:-540}" snakemake --cores 16 --rerun-incomplete --printshellcmds ${SNAKE_ARGS:-} --configfile $CONFIG 2>&1 | tee "$OUT/snakemake-$RUN.log" | grep -E "^(rule |\[|Finished|Error|.*Exception|.*FAILED|.*error)" | grep -v "^\[vllm\]" | tail -80
   local rc=${PIPESTATUS[0]}
   stamp "snakemake exit $rc"
   for f in checks/api_compat.json checks/canary.json hidden_states/replica_0.json hidden_states/validation.json draft/training.json eval/acceptance.json; do
     [ -f "results/$RUN/$f" ] && echo "== $f: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in list(d)[:12] if not isinstance(d[k], (list, dict)) or k in ('ratios','per_layer_max_rel_error','layer_ids')})" "results/$RUN/$f")"
   done
+  cd - >/dev/null || true
   return "$rc"
 }
 
@@ -92,7 +132,7 @@ step_bench() {
   use_site
   wait_build || return 1
   # the pipeline's checkpoints (~3.7 GB each for this shape) are not needed any more: the disk is 64 GiB
-  rm -rf "results/$RUN/checks/canary_work/model"
+  rm -rf "$WORK/results/$RUN/checks/canary_work/model"
   df -h /root | tail -1
   stamp "bench_gpu.py"
   timeout "${BENCH_TIMEOUT:-560}" python3 bench/gpu/bench_gpu.py --target "$TARGET" --work /root/bench-work \
@@ -103,10 +143,14 @@ step_bench() {
 }
 
 step_collect() {
-  [ -d "results/$RUN" ] || return 0
+  [ -d "$WORK/results/$RUN" ] || return 0
   tar -czf "$OUT/results-$RUN.tar.gz" --exclude='hidden_states/files' --exclude='*.safetensors' \
     --exclude='train_work/checkpoints' --exclude='*.pt' --exclude='*.npy' --exclude='canary_work/model' \
-    --exclude='scratch_replica_*' -C results "$RUN" 2>/dev/null
+    --exclude='scratch_replica_*' --exclude='*.arrow' -C "$WORK/results" "$RUN" 2>/dev/null
+  # a file over 16 MiB does not come back from the device (the prepared data's .arrow files are left out above:
+  # ~50 MB for 3M tokens, and prepare_data remakes them from regenerated.jsonl)
+  [ "$(stat -c %s "$OUT/results-$RUN.tar.gz")" -le $((16 * 1024 * 1024)) ] \
+    || stamp "WARNING: results-$RUN.tar.gz is over 16 MiB and will not come back; leave more out"
   [ -d /root/bench-work ] && tar -czf "$OUT/bench-logs.tar.gz" -C /root/bench-work --exclude='*.safetensors' \
     --exclude='*.pt' --exclude='*.npy' --exclude='*files*' --exclude='data' --exclude='*checkpoints*' . 2>/dev/null
   ls -la "$OUT"

@@ -9,7 +9,9 @@
 # big vLLM wheel split into parts, then first-fit-decreasing packing of everything), each chunk self-sufficient to
 # copy; the last one also holds install.sh and the lists. SHA256SUMS in this folder pins every file: a download
 # whose hash differs stops here (pip may pick another platform tag of the same version on another day: then
-# review and update SHA256SUMS deliberately).
+# review and update SHA256SUMS deliberately). Pins with no wheel on PyPI (connection-pool 0.0.3): the sdist is
+# pinned and checked, and wheelset.py builds its wheel byte-reproducibly (so that pin holds too). Exactly one
+# file per distribution, also on a rerun into the same folder (two stop the single pip install on the device).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -28,25 +30,34 @@ for s in $sets; do
   # PIP_CONFIG_FILE=/dev/null: this host's pip config adds a constraints file meant for its own Python 3.11 env
   if ! PIP_CONFIG_FILE=/dev/null python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${plat[@]}" -d "$all" -r "$list" 2>"$out/pip.err"; then
-    # a few pure-Python pins exist only as sdists (e.g. connection-pool 0.0.3): one at a time, building those
+    # a few pure-Python pins exist only as sdists (connection-pool 0.0.3): the sdist (PyPI's bytes, pinned in
+    # SHA256SUMS) is checked, then wheelset.py builds the wheel from it byte-reproducibly (pip wheel cannot: its
+    # output follows this machine's setuptools and zlib), so the wheel's pin holds on any machine
     grep -v '^#' "$list" | grep . | while read -r pin; do
       PIP_CONFIG_FILE=/dev/null python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp "${plat[@]}" -d "$all" "$pin" 2>/dev/null && continue
-      echo "no wheel for $pin: building one from its sdist (pure Python only)"
-      PIP_CONFIG_FILE=/dev/null python3 -m pip wheel -q --no-deps --no-binary=:all: -w "$all" "$pin"
-      ls "$all" | grep -i "^$(echo "${pin%%==*}" | tr 'A-Z-.' 'a-z__')-.*-py3-none-any.whl$" >/dev/null \
-        || { echo "the wheel built for $pin is not pure Python" >&2; exit 5; }
+      echo "no wheel for $pin: building one from its pinned sdist"
+      mkdir -p "$out/sdist"
+      PIP_CONFIG_FILE=/dev/null python3 -m pip download -q --no-deps --no-binary=:all: -d "$out/sdist" "$pin"
+      norm=$(echo "${pin%%==*}" | tr 'A-Z-.' 'a-z__'); ver=${pin##*==}
+      sdist=$(cd "$out/sdist" && ls | grep -i "^${norm}-${ver}\.tar\.gz$") \
+        || { echo "no sdist ${norm}-${ver}.tar.gz for $pin" >&2; exit 5; }
+      (cd "$out/sdist" && grep " ${sdist}\$" "$here/SHA256SUMS" | sha256sum -c --quiet) \
+        || { echo "the sdist $sdist is not pinned in SHA256SUMS or differs from its pin" >&2; exit 5; }
+      python3 "$here/wheelset.py" sdist-wheel "$out/sdist/$sdist" "$all" >/dev/null
     done
   fi
-  # pins whose verified file has an older platform tag than the newest pip now finds: fetch exactly that file
+  # pins whose verified file has another platform tag than the one pip picks now: keep exactly that file, and
+  # only it (a rerun downloads pip's pick again next to it: two wheels of one distribution break the install)
   grep -v '^#' "$list" | grep . | while read -r pin; do
     norm=$(echo "${pin%%==*}" | tr 'A-Z-.' 'a-z__'); ver=${pin##*==}
-    tested=$(awk '{print $2}' "$here/SHA256SUMS" | grep -i "^${norm}-${ver}-" || true)
-    [ -n "$tested" ] && [ ! -e "$all/$tested" ] || continue
+    tested=$(awk '{print $2}' "$here/SHA256SUMS" | grep -i "^${norm}-${ver}-.*\.whl$" || true)
+    [ -n "$tested" ] || continue
+    (cd "$all" && ls | grep -i "^${norm}-${ver}-" | grep -v -x -F "$tested" | xargs -r rm -f) || true
+    [ -e "$all/$tested" ] && continue
     tags=$(echo "$tested" | sed 's/\.whl$//' | awk -F- '{print $NF}' | tr '.' ' ')
     args=(); for t in $tags; do args+=(--platform "$t"); done
     echo "fetching the tested file $tested"
-    (cd "$all" && ls | grep -i "^${norm}-${ver}-" | xargs -r rm -f)
     PIP_CONFIG_FILE=/dev/null python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp "${args[@]}" -d "$all" "$pin"
   done
@@ -57,6 +68,9 @@ for s in $sets; do
   done >>"$out/WHEELS.txt"
 done
 sort -u -o "$out/WHEELS.txt" "$out/WHEELS.txt"
+# one file per distribution, always (two platform tags or versions of one: pip's single install fails)
+python3 "$here/wheelset.py" duplicates $(cat "$out/WHEELS.txt") \
+  || { echo "remove the extra files from $all (or start from an empty $out)" >&2; exit 6; }
 # verify against the pinned hashes (lines of other sets are ignored)
 (cd "$all" && grep -F -f "$out/WHEELS.txt" "$here/SHA256SUMS" >"$out/SHA256SUMS.want" || true)
 have=$(wc -l <"$out/SHA256SUMS.want")

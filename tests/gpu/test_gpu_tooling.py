@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -181,3 +183,111 @@ def test_recorded_extraction_meets_the_goal():
     assert result["settings"]["extra_args"] == ["--no-enable-prefix-caching"]
     assert result["tokens"] == 128 * 2048 and result["layers"] == [2, 16, 29, 32]
     assert result["ratios"]["workflow_vs_plain_warm"] >= 0.95
+
+
+def wheelset_module():
+    spec = importlib.util.spec_from_file_location("wheelset", GPU / "wheelset.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_platform_tags_of_one_distribution_are_refused():
+    """A rerun of fetch_wheels.sh once left two cryptography wheels; one pip install of both fails."""
+    wheelset = wheelset_module()
+    files = [
+        "cryptography-50.0.2-cp311-abi3-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+        "cryptography-50.0.2-cp311-abi3-manylinux_2_34_x86_64.whl",
+        "Typing_Extensions-4.16.0-py3-none-any.whl",
+        "typing_extensions-4.15.0-py3-none-any.whl",
+        "pydantic-2.14.1-py3-none-any.whl",
+        "pydantic_core-2.50.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "connection_pool-0.0.3.tar.gz",
+    ]
+    assert set(wheelset.duplicate_distributions(files)) == {"cryptography", "typing-extensions"}
+    assert wheelset.duplicate_distributions(files[1:3] + files[4:]) == {}
+    # the command fetch_wheels.sh runs: exit 6 and both names
+    run = subprocess.run([sys.executable, str(GPU / "wheelset.py"), "duplicates", *files[:2]], capture_output=True)
+    assert run.returncode == 6 and b"manylinux_2_34" in run.stderr
+
+
+def test_sha256sums_pins_one_wheel_per_distribution():
+    wheelset = wheelset_module()
+    pinned = [line.split()[1] for line in (GPU / "SHA256SUMS").read_text().splitlines()]
+    assert wheelset.duplicate_distributions(pinned) == {}
+
+
+def make_sdist(path: Path, mtime: int) -> Path:
+    import io
+    import tarfile
+
+    sdist = path / "connection_pool-0.0.3.tar.gz"
+    members = {
+        "connection_pool-0.0.3/PKG-INFO": b"Metadata-Version: 2.1\nName: connection_pool\nVersion: 0.0.3\n",
+        "connection_pool-0.0.3/setup.py": b"from setuptools import setup\nsetup()\n",
+        "connection_pool-0.0.3/connection_pool/__init__.py": b"POOL = 1\n",
+        "connection_pool-0.0.3/connection_pool.egg-info/PKG-INFO": b"Name: connection_pool\n",
+    }
+    path.mkdir(parents=True)
+    with tarfile.open(sdist, "w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), mtime
+            archive.addfile(info, io.BytesIO(data))
+    return sdist
+
+
+def test_wheel_built_from_an_sdist_is_byte_reproducible_and_installs(tmp_path):
+    """pip wheel's output followed the machine (setuptools, zlib), so its pinned sha256 failed elsewhere."""
+    wheelset = wheelset_module()
+    first = wheelset.build_wheel_from_sdist(make_sdist(tmp_path / "a", mtime=1), tmp_path / "wa")
+    # another machine: other file times in the archive, another build folder
+    second = wheelset.build_wheel_from_sdist(make_sdist(tmp_path / "b", mtime=1_700_000_000), tmp_path / "wb")
+    assert first.name == second.name == "connection_pool-0.0.3-py3-none-any.whl"
+    assert first.read_bytes() == second.read_bytes()
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site), str(first)],
+        check=True,
+        env={"PIP_CONFIG_FILE": "/dev/null", "PATH": "/usr/bin:/bin"},
+    )
+    probe = "import connection_pool, importlib.metadata as m; print(connection_pool.POOL, m.version('connection-pool'))"
+    out = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": str(site)}, capture_output=True, text=True)
+    assert out.stdout.split() == ["1", "0.0.3"], out.stderr
+
+
+def test_device_run_pipeline_runs_any_config_and_keeps_results(tmp_path):
+    """`device_run.sh pipeline` once waited for the 8B-shape build whatever the config (the SmolLM2 run could not
+    start), and ran in the carried tree, whose results were gone in the next call. Real Snakemake, dry run."""
+    from conftest import VENV_BIN
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    env = {
+        "PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "WORK": str(work), "OUT": str(out),
+        "T": str(tmp_path / "no-site"), "TARGET": str(tmp_path / "no-8b-target"), "SNAKE_ARGS": "-n",
+        "CONFIG": "config/presets/tiny.yaml",
+    }  # fmt: skip
+    run = [str(GPU / "device_run.sh"), "pipeline"]
+    first = subprocess.run(["bash", *run], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "target build failed" not in first.stdout and "(run tiny)" in first.stdout
+    assert "This was a dry-run" in (out / "snakemake-tiny.log").read_text()
+    # an earlier call's results stay; unchanged code keeps its mtime (a newer data file would replan prepare_data)
+    kept = work / "results" / "tiny" / "provenance.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    data = work / "config" / "data" / "tiny_conversations.jsonl"
+    os.utime(data, (1_000_000, 1_000_000))
+    second = subprocess.run(["bash", *run], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert kept.read_text() == "{}" and data.stat().st_mtime == 1_000_000
+    assert "synced" in second.stdout and "0 files changed" in second.stdout
+    # collect packs the results from there, without what cannot come back (files over 16 MiB: hidden states,
+    # weights, the prepared data's arrow files)
+    (work / "results" / "tiny" / "data" / "prepared").mkdir(parents=True)
+    (work / "results" / "tiny" / "data" / "prepared" / "data-00000-of-00001.arrow").write_bytes(b"x")
+    collect = subprocess.run(["bash", str(GPU / "device_run.sh"), "collect"], env=env, capture_output=True, timeout=60)
+    assert collect.returncode == 0, collect.stderr
+    with tarfile.open(out / "results-tiny.tar.gz") as archive:
+        names = archive.getnames()
+    assert "tiny/provenance.json" in names and not [n for n in names if n.endswith(".arrow")]

