@@ -340,7 +340,7 @@ def test_first_traceback_is_quoted_to_its_exception_line():
     quoted = first_traceback(lines)
     assert quoted.splitlines()[0] == "Traceback (most recent call last):"
     assert quoted.splitlines()[-1] == "ValueError: bad ids"
-    assert first_traceback(["all", "fine"]) is None
+    assert first_traceback(["all", "fine"]) == ""
 
 
 # ---------------------------------------------------------------------------------------------------------------
