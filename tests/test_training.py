@@ -560,3 +560,14 @@ def test_a_trainer_failure_quotes_its_traceback(train_inputs, tmp_path):
     assert "First traceback:\nTraceback (most recent call last):" in message
     assert "trainer-attempt-01.log" in message
     assert not (tmp_path / "draft").exists()
+
+
+def test_a_trainer_stopped_by_a_signal_is_told_apart_from_a_crash():
+    """A DataLoader worker's traceback made a SIGTERM read as 'speculators train exited with code 1'."""
+    from eagle3_workflow.training import stop_signal
+
+    assert stop_signal(-15, []) == "SIGTERM"
+    assert stop_signal(143, []) == "SIGTERM"
+    worker = "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Terminated. "
+    assert stop_signal(1, ["Traceback (most recent call last):", worker]) == "SIGTERM"
+    assert stop_signal(1, ["Traceback (most recent call last):", "ValueError: bad ids"]) is None

@@ -635,8 +635,9 @@ def stop_signal(rc: int, lines: Sequence[str]) -> str | None:
     descriptions = {signal.strsignal(s): s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     for line in lines:
         found = _WORKER_SIGNAL.search(line)
-        if found and found.group(1).rstrip(".") in descriptions:
-            return descriptions[found.group(1).rstrip(".")]
+        description = found.group(1).strip().rstrip(".") if found else ""
+        if description in descriptions:
+            return descriptions[description]
     return None
 
 

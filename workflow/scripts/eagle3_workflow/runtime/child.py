@@ -191,7 +191,9 @@ class ChildProcess:
 
     def start(self) -> ChildProcess:
         read_fd, self._watch_fd = os.pipe()
-        argv = [sys.executable, str(LAUNCHER), str(read_fd), "--", *self.command]
+        # -E -S: the launcher is stdlib only; no PYTHONPATH, site-packages or sitecustomize (a test's fault
+        # plugin, say) is loaded into it. The command still gets the environment unchanged.
+        argv = [sys.executable, "-E", "-S", str(LAUNCHER), str(read_fd), "--", *self.command]
         try:
             self.process = subprocess.Popen(
                 argv,
