@@ -348,3 +348,24 @@ def test_a_sigkilled_evaluate_stage_leaves_no_engine_behind(tiny_targets, tmp_pa
     wait_until(lambda: log_path.exists() and "Starting to load model" in log_path.read_text(), 300,
                "the measurement engine to load")  # fmt: skip
     stage.kill_and_expect_no_orphans(at_least=4)  # stage, launcher, measurement process, EngineCore
+
+
+@pytest.mark.slow
+def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_for(tiny_targets, tmp_path, caplog):
+    """A connector module that cannot be imported (a plugin's import error) kills the EngineCore at start: the
+    failure quotes the traceback down to its exception line, and the broken server is killed at once (it used
+    to cost 'vLLM did not stop within 30 s')."""
+    from eagle3_workflow.vllm_server import ServerFailure, VLLMServer, hidden_states_server_spec
+
+    spec = hidden_states_server_spec(_vllm_settings(), model=str(tiny_targets("llama")), layer_ids=[2, 4, 5, 8],
+                                     storage_dir=str(tmp_path / "hs"), device="cpu", tensor_parallel_size=1,
+                                     trust_remote_code=False)  # fmt: skip
+    spec.kv_transfer_config["kv_connector_module_path"] = "eagle3_missing_connector"
+    server = VLLMServer(spec, tmp_path / "server.log")
+    with pytest.raises(ServerFailure) as failure:
+        server.__enter__()
+    message = str(failure.value)
+    quoted = message.split("first traceback in the output of the vLLM server:\n", 1)[1].split("\nlast ", 1)[0]
+    assert quoted.splitlines()[-1] == "ModuleNotFoundError: No module named 'eagle3_missing_connector'", quoted
+    assert "did not stop" not in caplog.text
+    assert server.child is not None and not alive(tree(server.child.pid))

@@ -803,7 +803,7 @@ def run_attempt(
     log.info("attempt %d (output also in %s): %s", attempt, attempt_log, " ".join(command))
     rc, lines = run_trainer(command, env=env, attempt_log=attempt_log, on_line=on_line)
     stopped_by = stop_signal(rc, lines) if rc != 0 else None
-    if stopped_by is not None and rc != -signal.SIGKILL:
+    if stopped_by not in (None, "SIGKILL"):  # SIGKILL: more likely the OOM killer than a stop request
         final = latest_checkpoint(save_dir)
         raise StageError(
             f"speculators train was stopped by a signal ({stopped_by}); the rerun resumes from the last checkpoint "
