@@ -106,12 +106,12 @@ def test_prefixes_vllm_and_torchrun_put_before_lines_are_stripped():
     assert strip_log_prefixes("(EngineCore_DP0 pid=123) ERROR 12-01 04:38:56 [core.py:708] Traceback (most") == (
         "Traceback (most"
     )
-    assert strip_log_prefixes("(Worker_TP0 pid=7)   File \"x.py\", line 1") == '  File "x.py", line 1'
+    assert strip_log_prefixes('(Worker_TP0 pid=7)   File "x.py", line 1') == '  File "x.py", line 1'
     assert strip_log_prefixes("ERROR 12-01 04:38:56.123 [core.py:7]     raise X") == "    raise X"
     assert strip_log_prefixes("WARNING [utils.py:1] hello") == "hello"
     assert strip_log_prefixes("[rank0]: ValueError: bad") == "ValueError: bad"
     assert strip_log_prefixes("(APIServer pid=1) INFO 12-01 04:38:56 [api_server.py:1] up\r") == "up"
-    assert strip_log_prefixes("  File \"(x)\", line 2") == '  File "(x)", line 2'  # indentation is content
+    assert strip_log_prefixes('  File "(x)", line 2') == '  File "(x)", line 2'  # indentation is content
 
 
 @pytest.mark.parametrize(

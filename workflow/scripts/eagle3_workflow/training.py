@@ -19,7 +19,6 @@ which are the same on every device.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import importlib.metadata
