@@ -286,7 +286,7 @@ run_stage("regenerate_responses", None,
 def _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s: float) -> Stage:
     import json
 
-    from conftest import tiny_config
+    from test_regenerate import SETTINGS
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"Write a long story about ship number {i} and its crew.\n" for i in range(64)))
@@ -294,7 +294,7 @@ def _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s: float) -> Stage:
         "target": {"dtype": "bfloat16", "trust_remote_code": False},
         "vllm": _vllm_settings() | {"stall_timeout_s": stall_timeout_s},
         "extraction": {"tensor_parallel_size": 1},
-        "regenerate": tiny_config()["regenerate"] | {"max_tokens": 256, "magpie_prompts": 0},
+        "regenerate": SETTINGS | {"max_tokens": 256},
     }
     return Stage(REGENERATE_STAGE.format(config=json.dumps(config), target=str(tiny_targets("llama")),
                                          prompts=str(prompts), out=str(tmp_path / "o.jsonl"),
