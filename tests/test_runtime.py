@@ -369,3 +369,18 @@ def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_fo
     assert quoted.splitlines()[-1] == "ModuleNotFoundError: No module named 'eagle3_missing_connector'", quoted
     assert "did not stop" not in caplog.text
     assert server.child is not None and not alive(tree(server.child.pid))
+
+
+def test_the_engine_progress_bar_prints_one_marker_per_finished_request(capsys):
+    """Used the way vllm.LLM drives use_tqdm: created with total/desc/postfix, updated per finished request."""
+    from eagle3_workflow.runtime.child import engine_progress_bar
+
+    bar = engine_progress_bar()(total=3, desc="Processed prompts", dynamic_ncols=True, postfix="est. speed")
+    for _ in range(3):
+        bar.update(1)
+    bar.postfix = "est. speed input: 1.00 toks/s"
+    assert bar.format_dict["elapsed"] >= 0
+    bar.close()
+    for _ in engine_progress_bar()(range(2), desc="Adding requests"):  # vLLM also wraps iterables with it
+        pass
+    assert capsys.readouterr().out.splitlines() == [PROGRESS_MARKER] * 3
