@@ -7,8 +7,8 @@ One way to start, watch and stop a child, so every stage gets the same guarantee
   (a failure after hours) are kept for the failure message, which quotes the first traceback to its exception;
 - an optional wall-clock limit and an optional progress watch: an engine that stops finishing work while it
   still runs (a SIGSTOPped or wedged EngineCore, a hung collective) fails the stage instead of looking busy;
-- stop() sends SIGTERM to the group, waits a short grace, then kills the whole tree; a tree that already ended
-  is not waited for.
+- stop() sends SIGTERM to the command (through the launcher), waits a short grace, then kills the whole tree;
+  a tree that already ended, or a child that failed (timeout, stall), is not waited for.
 """
 
 from __future__ import annotations
@@ -332,12 +332,13 @@ class ChildProcess:
             self._watch_fd = None
 
     def stop(self, grace_s: float | None = None) -> None:
-        """SIGTERM to the group, a short grace, then the whole tree killed. Safe to call twice."""
+        """SIGTERM to the command, a short grace, then the whole tree killed. Safe to call twice."""
         process = self.process
         if process is None:
             return
         grace = self.stop_grace_s if grace_s is None else grace_s
-        if process.poll() is None and grace > 0 and self._signal_group(signal.SIGTERM):
+        if process.poll() is None and grace > 0:
+            process.send_signal(signal.SIGTERM)  # the launcher passes it to the command, which stops its children
             self._signal_group(signal.SIGCONT)  # a stopped (SIGSTOP) process acts on SIGTERM only once resumed
             try:
                 process.wait(timeout=grace)

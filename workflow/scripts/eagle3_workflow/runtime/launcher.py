@@ -9,8 +9,9 @@ workers), torchrun (-> ranks) and DataLoader workers are grandchildren or furthe
 - holds the read end of a pipe whose only write end the stage holds: the stage dying for any reason (SIGKILL,
   OOM kill) closes it, the read returns EOF, and this process SIGKILLs every descendant, then exits;
 - sets PR_SET_PDEATHSIG(SIGKILL) in the command, so the command dies with this process as well;
-- kills stragglers (workers that outlived the command) when the command exits, and reports the command's exit
-  status as its own (a command killed by signal N kills this process with N).
+- passes SIGTERM/SIGINT/SIGHUP on to the command alone (it stops its own children), kills stragglers (workers
+  that outlived the command) when the command exits, and reports the command's exit status as its own (a
+  command killed by signal N kills this process with N).
 The launcher itself gets no PDEATHSIG: that fires when the *thread* that started it ends, which would kill a
 tree started from a short-lived thread; the pipe has no such trap. Stdlib only, no package imports: it starts
 in milliseconds.
@@ -118,13 +119,24 @@ def main(argv: list[str]) -> None:
     if separator != "--" or not command:
         sys.exit("usage: launcher.py WATCH_FD -- COMMAND...")
     prctl(PR_SET_CHILD_SUBREAPER, 1)
-    # a stop signal reaches the whole process group (ChildProcess.stop): the command handles it; this process
-    # waits for the command to end, then cleans up after it
+    command_pid = 0
+
+    def forward(signum: int, _frame: object) -> None:
+        # a stop request goes to the command alone, which stops its own children its way (vLLM's API server its
+        # engine, torchrun its ranks, a trainer its DataLoader workers: signalled directly, those die with a
+        # traceback that hides the cause); whatever outlives the command is killed after it
+        if command_pid:
+            try:
+                os.kill(command_pid, signum)
+            except ProcessLookupError:
+                pass
+
     for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda *_: None)
-    pid = start(command, watch_fd)
+        signal.signal(signum, forward)
+    pid = command_pid = start(command, watch_fd)
     threading.Thread(target=watch_parent, args=(watch_fd,), daemon=True).start()
     _, status = os.waitpid(pid, 0)
+    command_pid = 0  # reaped: its pid may be reused
     kill_descendants()  # stragglers: workers that outlived the command
     reap()
     if os.WIFSIGNALED(status):
