@@ -193,6 +193,21 @@ def test_stragglers_die_when_the_command_exits_and_stop_does_not_wait(tmp_path, 
     assert (tmp_path / "log").read_text().strip() == str(worker)
 
 
+def test_a_killed_launcher_leaves_nothing_holding_the_output(tmp_path):
+    """Someone SIGKILLs the launcher itself (a `pkill -f` matching the command line): the command's children
+    in its group are killed when the stage reads the failure, not left holding the output pipe. (A process
+    that also left the group, with its launcher killed, is out of reach: see launcher.py.)"""
+    worker = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print('tree up', p.pid, flush=True); time.sleep(600)"  # noqa: E501
+    child = ChildProcess([sys.executable, "-c", worker], name="tree", stop_grace_s=30)
+    with child:
+        wait_until(lambda: any(line.startswith("tree up") for line in child.head), 60, "the tree")
+        plain = int(child.head[0].split()[2])
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait() == -signal.SIGKILL
+        assert child._reader is not None and not child._reader.is_alive()  # the pipe closed: nothing holds it
+        wait_until(lambda: not alive({plain}), 10, "the orphaned worker to be killed")
+
+
 def test_a_child_killed_by_a_signal_reports_it_and_failures_quote_the_traceback(tmp_path):
     child = ChildProcess([sys.executable, "-c", "import os; os.kill(os.getpid(), 15)"], name="c")
     with child:

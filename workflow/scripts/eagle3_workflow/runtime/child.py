@@ -314,6 +314,9 @@ class ChildProcess:
     def drain(self, timeout_s: float = 5.0) -> None:
         """Let the reader take the last lines of an exited child."""
         if self._reader is not None and self.poll() is not None:
+            # the launcher is gone: anything left in its group (the launcher itself was killed, so nothing
+            # cleaned up after the command) is an orphan that would hold the output pipe open
+            self._signal_group(signal.SIGKILL)
             self._reader.join(timeout=timeout_s)
 
     # ------------------------------------------------------------------ stop

@@ -12,7 +12,8 @@ workers), torchrun (-> ranks) and DataLoader workers are grandchildren or furthe
 - passes SIGTERM/SIGINT/SIGHUP on to the command alone (it stops its own children), kills stragglers (workers
   that outlived the command) when the command exits, and reports the command's exit status as its own (a
   command killed by signal N kills this process with N).
-The launcher itself gets no PDEATHSIG: that fires when the *thread* that started it ends, which would kill a
+If the launcher itself is SIGKILLed, ChildProcess kills what is left of its process group; a descendant that
+also left the group (setsid) is then out of reach. The launcher itself gets no PDEATHSIG: that fires when the *thread* that started it ends, which would kill a
 tree started from a short-lived thread; the pipe has no such trap. Stdlib only, no package imports: it starts
 in milliseconds.
 """
