@@ -340,7 +340,7 @@ def test_first_traceback_is_quoted_to_its_exception_line():
     quoted = first_traceback(lines)
     assert quoted.splitlines()[0] == "Traceback (most recent call last):"
     assert quoted.splitlines()[-1] == "ValueError: bad ids"
-    assert first_traceback(["all", "fine"]) is None
+    assert first_traceback(["all", "fine"]) == ""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -472,9 +472,12 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
 KILL_RUN = r"""
 import json, sys
 from pathlib import Path
+from eagle3_workflow.runtime.stage import run_stage
 from eagle3_workflow.training import TrainSettings, train_draft
 spec = json.loads(sys.argv[1])
-train_draft(TrainSettings.from_config(spec["train"]), **{k: Path(v) for k, v in spec["paths"].items()}, cpu_threads=2)
+paths = {k: Path(v) for k, v in spec["paths"].items()}
+run_stage("train_draft", None, lambda log: train_draft(TrainSettings.from_config(spec["train"]), **paths, cpu_threads=2),
+          resumes="the rerun resumes from the last checkpoint")
 """
 
 
@@ -507,15 +510,17 @@ def test_killed_training_resumes_from_its_checkpoint_with_the_same_vocab_mapping
             assert proc.poll() is None, "training ended before its first checkpoint"
             assert time.monotonic() < deadline, "no checkpoint within 90 s"
             time.sleep(0.1)
-        # what SLURM or a person stopping the job sends: the stage passes it on, the trainer stops mid-epoch
+        # what SLURM or a person stopping the job sends: the stage stops the trainer (SIGTERM, which saves
+        # `interrupted`), logs one line and exits 143
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the stage and the trainer it started
             proc.wait()
-    assert proc.returncode != 0
-    assert "stopped by a signal" in stderr, stderr[-3000:]
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "stage train_draft stopped by SIGTERM; the rerun resumes from the last checkpoint" in stderr
+    assert "FAILED" not in stderr, stderr[-3000:]
     assert (tmp_path / "train_work" / "checkpoints" / "interrupted").is_dir()  # saved, but not resumed from
     data = tmp_path / "train_work" / "data"
     mapping = {name: sha256(data / f"{name}-{TRAIN['draft_vocab_size']}.npy") for name in ("d2t", "t2d")}
@@ -560,3 +565,14 @@ def test_a_trainer_failure_quotes_its_traceback(train_inputs, tmp_path):
     assert "First traceback:\nTraceback (most recent call last):" in message
     assert "trainer-attempt-01.log" in message
     assert not (tmp_path / "draft").exists()
+
+
+def test_a_trainer_stopped_by_a_signal_is_told_apart_from_a_crash():
+    """A DataLoader worker's traceback made a SIGTERM read as 'speculators train exited with code 1'."""
+    from eagle3_workflow.training import stop_signal
+
+    assert stop_signal(-15, []) == "SIGTERM"
+    assert stop_signal(143, []) == "SIGTERM"
+    worker = "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Terminated. "
+    assert stop_signal(1, ["Traceback (most recent call last):", worker]) == "SIGTERM"
+    assert stop_signal(1, ["Traceback (most recent call last):", "ValueError: bad ids"]) is None

@@ -1,12 +1,12 @@
-"""Errors a person can act on: the cause, the fix, and a readable table where there is one."""
+"""Errors a person can act on: the cause, the fix, and a readable table where there is one.
+
+Logging and `run_stage` moved to eagle3_workflow.runtime.stage; the old names still resolve from here.
+"""
 
 from __future__ import annotations
 
-import logging
-import sys
-import traceback
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 class StageError(RuntimeError):
@@ -29,42 +29,13 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> st
     return "\n".join(out)
 
 
-def describe_exception(exc: BaseException) -> str:
-    """repr() plus the full traceback: never the bare `str(e)`, which can be empty."""
-    return f"{exc!r}\n{''.join(traceback.format_exception(exc))}"
+_MOVED_TO_RUNTIME_STAGE = ("run_stage", "setup_logging", "describe_exception")
 
 
-def setup_logging(log_path: str | Path | None = None) -> logging.Logger:
-    """Log to stderr and, when given, to the rule's log file (both keep everything)."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_path:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_path, mode="a"))
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=handlers,
-        force=True,
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
-    return logging.getLogger("eagle3")
+def __getattr__(name: str) -> Any:
+    """`from eagle3_workflow.errors import run_stage` still works (lazily: runtime.stage imports this module)."""
+    if name in _MOVED_TO_RUNTIME_STAGE:
+        from eagle3_workflow.runtime import stage
 
-
-def run_stage(name: str, log_path: str | Path | None, body: Callable[[logging.Logger], object]) -> None:
-    """Run a stage body; on failure log the cause (repr + traceback) and exit non-zero.
-
-    Snakemake deletes declared outputs of a failed job, and stages write their artefact last, so a failed
-    stage never leaves a file the next stage could mistake for success.
-    """
-    log = setup_logging(log_path)
-    log.info("stage %s: start", name)
-    try:
-        body(log)
-    except StageError as exc:
-        log.error("stage %s FAILED:\n%s", name, exc)
-        log.debug("%s", describe_exception(exc))
-        sys.exit(1)
-    except BaseException as exc:  # noqa: BLE001 - the point is to report anything, loudly
-        log.error("stage %s FAILED with an unexpected error:\n%s", name, describe_exception(exc))
-        sys.exit(1)
-    log.info("stage %s: done", name)
+        return getattr(stage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

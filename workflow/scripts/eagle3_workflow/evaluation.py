@@ -40,15 +40,11 @@ import gc
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from eagle3_workflow.contracts import (
     AcceptanceReport,
@@ -58,7 +54,8 @@ from eagle3_workflow.contracts import (
     read_json,
     write_json_atomic,
 )
-from eagle3_workflow.errors import StageError, describe_exception, render_table
+from eagle3_workflow.errors import StageError, render_table
+from eagle3_workflow.runtime.stage import describe_exception
 
 log = logging.getLogger("eagle3.evaluation")
 
@@ -673,7 +670,10 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
     import vllm
     from vllm import LLM, SamplingParams
 
+    from eagle3_workflow.runtime.child import BUSY_MARKER, IDLE_MARKER, engine_progress_bar, print_marker
+
     import_s = time.perf_counter() - started
+    progress_bar = engine_progress_bar()  # one marker per finished request: the parent's stall watch
     print(f"{LOG_PREFIX}vllm {vllm.__version__} imported in {import_s:.1f} s", flush=True)
     prompts = [{"prompt_token_ids": ids} for ids in spec.prompts]
     sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, logprobs=spec.top_logprobs)
@@ -683,18 +683,20 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
         kwargs = dict(spec.engine)
         if run.speculative_config:
             kwargs["speculative_config"] = dict(run.speculative_config)
+        print_marker(IDLE_MARKER)  # loading an engine is bounded by evaluate.timeout_s, not the stall watch
         print(f"{LOG_PREFIX}{run.label}: starting the engine ({kwargs})", flush=True)
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         engine_start_s = time.perf_counter() - t0
         try:
-            llm.generate(prompts[:1], warmup, use_tqdm=False)
+            print_marker(BUSY_MARKER)
+            llm.generate(prompts[:1], warmup, use_tqdm=progress_bar)
             before = _spec_metrics(llm)
             passes = []
             outputs = None
             for _ in range(spec.timing_repeats):
                 t0 = time.perf_counter()
-                generated = llm.generate(prompts, sampling, use_tqdm=False)
+                generated = llm.generate(prompts, sampling, use_tqdm=progress_bar)
                 passes.append(time.perf_counter() - t0)
                 if outputs is None:
                     outputs = generated
@@ -759,80 +761,39 @@ def run_measurement_process(
     env: dict[str, str],
     log_path: str | Path | None,
     timeout_s: float,
+    stall_timeout_s: float | None = None,
 ) -> tuple[MeasurementResult, float]:
-    """Run one measurement process; its output goes into the log. Returns the result and the wall time."""
-    from eagle3_workflow.vllm_server import first_traceback
+    """Run one measurement process; its output goes into the log. Returns the result and the wall time.
+
+    The process is stopped if it runs past `timeout_s`, or if requests are in flight and none finishes for
+    `stall_timeout_s` (or longer, when the observed pace is slower: runtime.child.ProgressWatch)."""
+    from eagle3_workflow.runtime.child import ChildProcess, ProgressWatch
 
     work_dir.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
     write_json_atomic(spec_path, spec)
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "eagle3_workflow.evaluation", "--spec", str(spec_path), "--result", str(result_path)]
-    log.info("measurement process %s (%s): %s", name, ", ".join(r.label for r in spec.runs), " ".join(cmd))
-    tail: deque[str] = deque(maxlen=TAIL_LINES)
-    error_lines: list[str] = []
-    timed_out = threading.Event()
+    labels = ", ".join(r.label for r in spec.runs)
+    log.info("measurement process %s (%s): %s", name, labels, " ".join(cmd))
     started = time.perf_counter()
-    sink: TextIO = open(log_path, "a", encoding="utf-8") if log_path else sys.stderr  # noqa: SIM115
-    process = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True
+    child = ChildProcess(
+        cmd,
+        name=f"the measurement process ({labels})",
+        env=env,
+        log_path=log_path,
+        prefix=LOG_PREFIX,
+        clean=lambda line: line.removeprefix(LOG_PREFIX),
+        timeout_s=timeout_s,
+        timeout_hint="(evaluate.timeout_s) and was stopped",
+        progress=ProgressWatch(floor_s=stall_timeout_s) if stall_timeout_s else None,
+        tail_lines=TAIL_LINES,
     )
-
-    def kill_group() -> None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def on_timeout() -> None:
-        timed_out.set()
-        kill_group()
-
-    timer = threading.Timer(timeout_s, on_timeout)
-    timer.start()
-    previous_sigterm = None
-    if threading.current_thread() is threading.main_thread():
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            log.error("received SIGTERM (preemption or cancellation): stopping the measurement process")
-            kill_group()
-            raise SystemExit(143)
-
-        previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        assert process.stdout is not None
-        for raw in process.stdout:
-            line = raw.rstrip("\n")
-            sink.write(line if line.startswith(LOG_PREFIX) else f"{LOG_PREFIX}{line}")
-            sink.write("\n")
-            sink.flush()
-            tail.append(line)
-            if len(error_lines) < 400 and ("Traceback" in line or "Error" in line or error_lines):
-                error_lines.append(line)
-        code = process.wait()
-    except BaseException:
-        kill_group()
-        raise
-    finally:
-        timer.cancel()
-        kill_group()  # stragglers (engine core, workers) of a process that exited
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
-        if sink is not sys.stderr:
-            sink.close()
+    with child:
+        code = child.wait()
     wall_s = time.perf_counter() - started
-    if timed_out.is_set() or code != 0 or not result_path.exists():
-        headline = (
-            f"the measurement process ran past evaluate.timeout_s = {timeout_s:.0f} s and was killed"
-            if timed_out.is_set()
-            else f"the measurement process ({', '.join(r.label for r in spec.runs)}) exited with code {code}"
-        )
-        traceback_text = first_traceback(error_lines) or first_traceback(list(tail))
-        parts = [headline]
-        if traceback_text:
-            parts.append("first traceback:\n" + traceback_text)
-        parts.append(f"last {len(tail)} lines (full output in {log_path or 'stderr'}):\n" + "\n".join(tail))
-        raise StageError("\n".join(parts))
+    if code != 0 or not result_path.exists():
+        raise StageError(child.failure_text(f"the measurement process ({labels}) exited with code {code}"))
     log.info("measurement process %s done in %.1f s", name, wall_s)
     return MeasurementResult.from_dict(read_json(result_path)), wall_s
 
@@ -950,7 +911,13 @@ def evaluate_draft(
             runs=group,
         )
         result, wall_s = run_measurement_process(
-            spec, work_dir, f"measure_{i}", env=env, log_path=log_path, timeout_s=settings.timeout_s
+            spec,
+            work_dir,
+            f"measure_{i}",
+            env=env,
+            log_path=log_path,
+            timeout_s=settings.timeout_s,
+            stall_timeout_s=vllm_settings["stall_timeout_s"],
         )
         vllm_version = result.vllm_version
         by_label.update({r.label: r for r in result.runs})
@@ -1055,7 +1022,7 @@ def summary_table(report: AcceptanceReport) -> str:
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         settings = json.loads(snakemake.params.settings)

@@ -9,7 +9,8 @@ JSONL (what ``prepare_data`` reads) plus a small stats file.
 
 Process layout: Snakemake's ``script:`` directive makes the entry script ``__main__``, and vLLM's spawned
 workers re-import ``__main__``; so the rule's adapter (``main``) starts ``python -m eagle3_workflow.regenerate``
-as a subprocess (whose ``__main__`` is guarded) and streams its output into the rule's log.
+as a runtime.ChildProcess (whose ``__main__`` is guarded) and streams its output into the rule's log; the
+child dies with the stage, and a request must finish every ``vllm.stall_timeout_s`` once the engine is up.
 
 Prompts are rendered with the tokenizer's chat template and tokenized here with ``add_special_tokens=False``,
 exactly as ``prepare_data`` tokenizes the written conversations, and handed to vLLM as token ids: the target
@@ -20,24 +21,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import random
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.chat import ROLE_ALIASES, render
 from eagle3_workflow.contracts import write_json_atomic
 from eagle3_workflow.errors import StageError, render_table
+from eagle3_workflow.runtime.child import ChildProcess, ProgressWatch
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -536,6 +534,10 @@ def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eagle3_workflow.runtime.child import engine_progress_bar
+
+    progress_bar = engine_progress_bar()  # a marker per finished request: the parent's stall watch
+
     def generate(prompt_ids: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
         params = [
             SamplingParams(
@@ -553,7 +555,7 @@ def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
         started, tokens = time.perf_counter(), 0
         for begin in range(0, len(prompts), chunk_size):
             end = begin + chunk_size
-            for output in llm.generate(prompts[begin:end], params[begin:end], use_tqdm=False):
+            for output in llm.generate(prompts[begin:end], params[begin:end], use_tqdm=progress_bar):
                 completion = output.outputs[0]
                 completions.append(Completion(completion.text, len(completion.token_ids), completion.finish_reason))
                 tokens += len(completion.token_ids)
@@ -583,6 +585,8 @@ def run_regeneration(
         log.warning(
             "vllm.extra_args %s are server flags; the offline engine here ignores them", config["vllm"]["extra_args"]
         )
+    from eagle3_workflow.runtime.child import BUSY_MARKER, print_marker
+
     kwargs = engine_kwargs(target, config)
     log.info("starting vLLM: %s", kwargs)
     started = time.perf_counter()
@@ -591,6 +595,7 @@ def run_regeneration(
     llm = LLM(**kwargs)
     ready_s = time.perf_counter() - started
     log.info("vLLM ready in %.1f s", ready_s)
+    print_marker(BUSY_MARKER)  # from here on a request must finish every vllm.stall_timeout_s (or the pace's)
     settings = {**config["regenerate"], "max_model_len": config["vllm"]["max_model_len"]}
     chunk_size = max(64, 8 * config["vllm"]["max_num_seqs"])
     records, stats = regenerate(tokenizer, vllm_generate_fn(llm, chunk_size), prompt_files, settings)
@@ -610,7 +615,7 @@ def run_regeneration(
 
 
 def _cli(argv: Sequence[str] | None = None) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     parser = argparse.ArgumentParser(prog="python -m eagle3_workflow.regenerate", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, type=Path)
@@ -641,56 +646,6 @@ def subprocess_env(config: dict[str, Any]) -> dict[str, str]:
     return child_environment(vllm_on_cpu=True, cpu_threads=config["vllm"]["cpu_threads"])
 
 
-class _Terminated(StageError):
-    pass
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise _Terminated(
-        f"stopped by signal {signum} (Snakemake or SLURM ended the job, e.g. its runtime limit); the vLLM "
-        "subprocess is stopped too. Rerun the rule; raise regenerate.runtime_minutes if it ran out of time"
-    )
-
-
-def _signal_group(pgid: int, signum: int) -> bool:
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _stop_child_on_exit(proc: subprocess.Popen, logger: logging.Logger) -> Iterator[None]:
-    """Whatever ends the adapter (an error, SIGTERM from Snakemake/SLURM) also ends the vLLM subprocess.
-
-    The subprocess leads its own process group (start_new_session), and the whole group is stopped: ending only
-    the subprocess left vLLM's EngineCore and worker running as orphans, holding the machine's cores or GPUs.
-    """
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
-    try:
-        yield
-    finally:
-        if proc.poll() is None:
-            logger.error("stopping the regeneration subprocess (pid %d) and its vLLM processes", proc.pid)
-            if not _signal_group(proc.pid, signal.SIGTERM):
-                proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                if not _signal_group(proc.pid, signal.SIGKILL):
-                    proc.kill()
-                proc.wait()
-        # vLLM processes that outlived their parent (normally none) belong to this run only
-        if _signal_group(proc.pid, signal.SIGKILL):
-            logger.warning("killed leftover processes of the regeneration subprocess's group %d", proc.pid)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
-
-
 def run_subprocess(
     target: Path,
     prompt_files: Sequence[Path],
@@ -716,30 +671,21 @@ def run_subprocess(
     for path in prompt_files:
         cmd += ["--prompt-file", str(path)]
     logger.info("running: %s", " ".join(cmd[:4] + ["..."]))
-    tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
-    proc = subprocess.Popen(
+    child = ChildProcess(
         cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
+        name="the regeneration subprocess",
         env=subprocess_env(config),
-        bufsize=1,
-        start_new_session=True,
+        on_line=lambda line: logger.info("| %s", line),
+        progress=ProgressWatch(floor_s=config["vllm"]["stall_timeout_s"]),
+        tail_lines=OUTPUT_TAIL_LINES,
     )
-    with _stop_child_on_exit(proc, logger):
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            tail.append(line)
-            logger.info("| %s", line)
-        returncode = proc.wait()
+    with child:
+        returncode = child.wait()
     if returncode != 0:
         raise StageError(
-            f"the regeneration subprocess exited with status {returncode}; its last lines:\n"
-            + "\n".join(tail)
-            + "\nThe full output is in this rule's log above. A vLLM start-up failure usually means the vllm "
-            "section (max_model_len, kv_cache_memory_bytes) does not fit the target or the machine"
+            child.failure_text(f"the regeneration subprocess exited with status {returncode}", where="above")
+            + "\nA vLLM start-up failure usually means the vllm section (max_model_len, kv_cache_memory_bytes) "
+            "does not fit the target or the machine"
         )
     missing = [str(p) for p in (output, stats_path) if not p.exists()]
     if missing:
@@ -747,7 +693,7 @@ def run_subprocess(
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         run_subprocess(

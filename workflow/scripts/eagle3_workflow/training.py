@@ -19,7 +19,6 @@ which are the same on every device.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -30,10 +29,8 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
@@ -42,6 +39,7 @@ from typing import Any
 
 from eagle3_workflow.contracts import read_json, write_json_atomic
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
 
 log = logging.getLogger("eagle3.training")
 
@@ -261,7 +259,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _RICH_RECORD = re.compile(r"^(?:\[[^\]]{1,40}\]\s+|\s+)(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+")
 _RICH_PATH = re.compile(r"\s{2,}[\w.<>-]+:\d+$")
 _RICH_PADDED_PATH = re.compile(r"\s{8,}[\w.<>-]+:\d+$")  # the source column after a wide console's padding
-_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
+_WORKER_SIGNAL = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([\w .]+)")
+_SIGNAL_NUMBERS = {s.value for s in signal.Signals}
 _PROGRESS_RUN = re.compile(r"([\u2500-\u259f])\1{39,}")
 
 
@@ -599,79 +598,46 @@ def latest_checkpoint(save_dir: Path) -> CheckpointInfo | None:
 # Running the trainer
 
 
-def traceback_span(lines: Sequence[str]) -> tuple[int, int] | None:
-    """Line range [start, end) of the first Python traceback in the output, from its header to the exception."""
-    lines = [_RANK_PREFIX.sub("", line) for line in lines]  # torchrun: "[rank0]: Traceback ..."
-    for start, line in enumerate(lines):
-        if line.lstrip().startswith("Traceback (most recent call last):"):
-            indent = len(line) - len(line.lstrip())
-            for end in range(start + 1, len(lines)):
-                text = lines[end]
-                if (
-                    text.strip()
-                    and (len(text) - len(text.lstrip())) <= indent
-                    and not text.lstrip().startswith(("Traceback", "File ", "During handling", "The above exception"))
-                ):
-                    return start, end + 1
-            return start, len(lines)
-    return None
-
-
-def first_traceback(lines: Sequence[str]) -> str | None:
-    """The first Python traceback in the output, from its header to the exception line."""
-    span = traceback_span(lines)
-    return None if span is None else "\n".join(_RANK_PREFIX.sub("", line) for line in lines[span[0] : span[1]])
-
-
 def run_trainer(
     command: list[str], *, env: dict[str, str], attempt_log: Path, on_line: Callable[[str], None]
 ) -> tuple[int, list[str]]:
-    """Run the trainer, streaming each output line to ``on_line`` and ``attempt_log``; returns (rc, last lines).
+    """Run the trainer, streaming each output line to ``on_line`` and ``attempt_log``; returns (rc, kept lines).
 
-    SIGTERM to this process (Snakemake or SLURM stopping the job) is passed on to the trainer, whose own handler
-    then saves an ``interrupted`` checkpoint.
+    A stop signal to the stage stops the trainer's whole tree (runtime.stage's policy); the trainer's tree
+    (torchrun ranks, DataLoader workers) dies with the stage even when the stage is SIGKILLed.
     """
-    head: list[str] = []  # a traceback is usually here (start-up) ...
-    tail: collections.deque[str] = collections.deque(maxlen=400)  # ... or here (a failure after hours)
-    total = 0
     attempt_log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    previous_handler = None
-    if threading.current_thread() is threading.main_thread():
+    attempt_log.write_text(f"# {' '.join(command)}\n", encoding="utf-8")
+    child = ChildProcess(
+        command,
+        name="speculators train",
+        env=env,
+        log_path=attempt_log,
+        on_line=on_line,
+        clean=clean_trainer_line,
+        head_lines=2000,  # a traceback is usually here (start-up) ...
+        tail_lines=400,  # ... or here (a failure after hours)
+        stop_grace_s=10.0,
+    )
+    with child:
+        rc = child.wait()
+    return rc, child.output()
 
-        def forward(signum: int, _frame: Any) -> None:
-            log.warning("received %s: passing it on to the trainer", signal.Signals(signum).name)
-            proc.send_signal(signum)
 
-        previous_handler = signal.signal(signal.SIGTERM, forward)
-    try:
-        with open(attempt_log, "w", encoding="utf-8") as handle:
-            handle.write(f"# {' '.join(command)}\n")
-            assert proc.stdout is not None
-            for raw in proc.stdout:
-                line = clean_trainer_line(raw.decode("utf-8", errors="replace"))
-                handle.write(line + "\n")
-                handle.flush()
-                on_line(line)
-                total += 1
-                if len(head) < 2000:
-                    head.append(line)
-                else:
-                    tail.append(line)
-        rc = proc.wait()
-    except BaseException:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
-    finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
-    if total > len(head) + len(tail):
-        return rc, head + [f"... ({total - len(head) - len(tail)} lines omitted) ..."] + list(tail)
-    return rc, head + list(tail)
+def stop_signal(rc: int, lines: Sequence[str]) -> str | None:
+    """The signal that stopped the trainer, if one did: the trainer's own, or one its DataLoader workers got
+    (the trainer then exits 1 with the worker's traceback, which hides what happened)."""
+    if rc < 0:
+        return signal.Signals(-rc).name
+    if rc - 128 in _SIGNAL_NUMBERS:  # a shell or launcher reporting "killed by signal N" as 128 + N
+        return signal.Signals(rc - 128).name
+    descriptions = {signal.strsignal(s): s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    for line in lines:
+        found = _WORKER_SIGNAL.search(line)
+        description = found.group(1).strip().rstrip(".") if found else ""
+        if description in descriptions:
+            return descriptions[description]
+    return None
 
 
 def _shorten(line: str, limit: int = 400) -> str:
@@ -835,6 +801,13 @@ def run_attempt(
     attempt_log = logs_dir / f"trainer-attempt-{attempt:02d}.log"
     log.info("attempt %d (output also in %s): %s", attempt, attempt_log, " ".join(command))
     rc, lines = run_trainer(command, env=env, attempt_log=attempt_log, on_line=on_line)
+    stopped_by = stop_signal(rc, lines) if rc != 0 else None
+    if stopped_by not in (None, "SIGKILL"):  # SIGKILL: more likely the OOM killer than a stop request
+        final = latest_checkpoint(save_dir)
+        raise StageError(
+            f"speculators train was stopped by a signal ({stopped_by}); the rerun resumes from the last checkpoint "
+            f"({final.path if final else 'none yet: it starts over'}). Output: {attempt_log}"
+        )
     if rc != 0:
         raise trainer_failure(rc, command, lines, attempt_log)
     final = latest_checkpoint(save_dir)
@@ -998,7 +971,7 @@ def train_draft(
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         settings = TrainSettings.from_config(json.loads(snakemake.params.settings)["train"])
@@ -1016,4 +989,4 @@ def main(snakemake: Any) -> None:
             cpu_threads=snakemake.threads,
         )
 
-    run_stage("train_draft", snakemake.log[0], body)
+    run_stage("train_draft", snakemake.log[0], body, resumes="the rerun resumes from the last checkpoint")

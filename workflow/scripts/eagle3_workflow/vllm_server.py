@@ -3,24 +3,21 @@
 A server is bound to 127.0.0.1 on a free port with a random API key. Its output is streamed line by line into
 the rule's log and scanned continuously: a fatal signature ("WorkerProc shutting down" while work is pending,
 "EngineCore failed", out of memory, a Python traceback) or the process exiting ends the stage at once, quoting
-the server's last lines and the first traceback. Teardown kills the whole process group (API server, engine
-core, workers) on success, failure and SIGTERM (SLURM preemption), so no orphan holds GPUs.
+the server's last lines and the first traceback. The process runs as a runtime.ChildProcess: its whole tree
+(API server, engine core, workers) is stopped on success, failure and SIGTERM (runtime.stage's policy), and dies
+with the stage even when the stage is SIGKILLed, so no orphan holds GPUs. A server that already failed is
+stopped without a grace period: its tree is killed at once.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
-import os
 import re
 import secrets
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.runtime.child import ChildProcess, first_traceback, strip_log_prefixes
+
+__all__ = ["ServerFailure", "ServerSpec", "VLLMServer", "first_traceback", "hidden_states_server_spec"]
 
 log = logging.getLogger("eagle3.vllm_server")
 
@@ -209,22 +209,8 @@ def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
     return env
 
 
-def first_traceback(lines: list[str]) -> str:
-    """The first 'Traceback ...' block in lines, up to its final exception line."""
-    for i, line in enumerate(lines):
-        if line.startswith("Traceback (most recent call last)") or "Traceback (most recent call last)" in line:
-            block = [line]
-            for follow in lines[i + 1 :]:
-                block.append(follow)
-                stripped = re.sub(r"^\(\w+[^)]*\)\s*", "", follow)  # vLLM prefixes worker lines with (Name pid=..)
-                if stripped and not stripped.startswith((" ", "\t")) and not stripped.startswith("Traceback"):
-                    break
-            return "\n".join(block)
-    return ""
-
-
 def match_fatal(line: str) -> str | None:
-    text = re.sub(r"^\(\w+[^)]*\)\s*", "", line)  # worker prefix such as "(EngineCore_DP0 pid=123) "
+    text = strip_log_prefixes(line)  # "(EngineCore_DP0 pid=123) ", "ERROR 12-01 04:38:56 [core.py:12] "
     for pattern, meaning in FATAL_SIGNATURES:
         if pattern.search(text):
             return meaning
@@ -234,25 +220,28 @@ def match_fatal(line: str) -> str | None:
 class VLLMServer:
     """A running vLLM OpenAI server. Use as a context manager; `check()` raises if it died."""
 
+    STOP_GRACE_S = 10.0  # a healthy server stops in a few seconds; a failed one is not waited for at all
+
     def __init__(self, spec: ServerSpec, log_path: str | Path, *, python: str = sys.executable):
         self.spec = spec
         self.log_path = Path(log_path)
         self.python = python
         self.api_key = secrets.token_hex(16)
         self.port = 0
-        self.process: subprocess.Popen[str] | None = None
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.all_error_lines: list[str] = []
+        self.child: ChildProcess | None = None
         self.fatal: str | None = None
         self.fatal_line: str = ""
         self.ready_s: float = 0.0
         self._stopping = False
-        self._reader: threading.Thread | None = None
-        self._previous_sigterm: Any = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def tail(self) -> list[str]:
+        """The server's last output lines."""
+        return self.child.last_lines(TAIL_LINES) if self.child is not None else []
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -272,58 +261,36 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM: %s", " ".join(cmd))
         log.info("server log: %s", self.log_path)
-        self.process = subprocess.Popen(
+        self.child = ChildProcess(
             cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
+            name="the vLLM server",
             env=server_environment(self.spec, self.api_key),
-            start_new_session=True,
-        )
-        self._reader = threading.Thread(target=self._read_output, name="vllm-log", daemon=True)
-        self._reader.start()
-        if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            log_path=self.log_path,
+            prefix="[vllm] ",
+            on_line=self._watch_line,
+            tail_lines=TAIL_LINES,
+            stop_grace_s=self.STOP_GRACE_S,
+            output_label="server log lines",
+        ).start()
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        log.error("received SIGTERM (preemption or cancellation): stopping the vLLM server")
-        self.stop()
-        raise SystemExit(143)
-
-    def _read_output(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        with open(self.log_path, "a", encoding="utf-8") as sink:
-            for raw in self.process.stdout:
-                line = raw.rstrip("\n")
-                sink.write(f"[vllm] {line}\n")
-                sink.flush()
-                self.tail.append(line)
-                if len(self.all_error_lines) < 400 and ("Error" in line or "Traceback" in line or self.all_error_lines):
-                    self.all_error_lines.append(line)
-                if not self._stopping and self.fatal is None:
-                    meaning = match_fatal(line)
-                    if meaning:
-                        self.fatal, self.fatal_line = meaning, line
+    def _watch_line(self, line: str) -> None:
+        if not self._stopping and self.fatal is None:
+            meaning = match_fatal(line)
+            if meaning:
+                self.fatal, self.fatal_line = meaning, line
 
     def _failure(self, headline: str) -> ServerFailure:
-        tail = list(self.tail)
-        traceback_text = first_traceback(self.all_error_lines) or first_traceback(tail)
-        parts = [headline]
+        assert self.child is not None
         if self.fatal_line:
-            parts.append(f"first fatal line: {self.fatal_line}")
-        if traceback_text:
-            parts.append("first traceback in the server log:\n" + traceback_text)
-        parts.append(f"last {len(tail)} server log lines ({self.log_path}):\n" + "\n".join(tail))
-        return ServerFailure("\n".join(parts))
+            headline += f"\nfirst fatal line: {self.fatal_line}"
+        return ServerFailure(self.child.failure_text(headline))
 
     def check(self) -> None:
         """Raise ServerFailure at once if the server exited or printed a fatal signature."""
-        if self.process is None:
+        if self.child is None:
             raise ServerFailure("the vLLM server was never started")
-        code = self.process.poll()
+        code = self.child.poll()
         if code is not None and not self._stopping:
-            time.sleep(0.2)  # let the reader drain the last lines
             raise self._failure(f"the vLLM server exited with code {code} while work was pending")
         if self.fatal is not None:
             raise self._failure(f"the vLLM server failed: {self.fatal}")
@@ -347,32 +314,12 @@ class VLLMServer:
             "(vllm.ready_timeout_s); a large model may need more, a stuck one shows why below"
         )
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Terminate the whole process group; escalate to SIGKILL. Safe to call twice."""
+    def stop(self) -> None:
+        """Stop the whole process tree. A server that already failed is killed without a grace period
+        (a broken engine does not answer SIGTERM: it used to cost 30 s per failed start). Safe to call twice."""
         self._stopping = True
-        process = self.process
-        if process is not None and process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("vLLM did not stop within %.0f s: SIGKILL to its process group", timeout)
-            except ProcessLookupError:
-                pass
-        if process is not None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # any straggler (workers) in the group
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                log.error("vLLM process %d did not exit after SIGKILL", process.pid)
-        if self._reader is not None:
-            self._reader.join(timeout=5)
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        if self.child is not None:
+            self.child.stop(grace_s=0.0 if self.fatal is not None else None)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SCRIPTS_DIR = Path(__file__).resolve().parent.parent
+SCRIPTS_DIR = Path(__file__).resolve().parents[2]  # workflow/scripts (this file: eagle3_workflow/runtime/__init__.py)
 INHERITED_THREAD_VARIABLES = (
     "MKL_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",

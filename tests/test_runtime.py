@@ -1,0 +1,401 @@
+"""The one process runtime: children die with their stage (even on SIGKILL), a stop signal is one line and exit
+143, a hung engine is a failure, and a failure quotes the root cause from vLLM's prefixed logs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from eagle3_workflow.runtime.child import (
+    BUSY_MARKER,
+    PROGRESS_MARKER,
+    ChildFailure,
+    ChildProcess,
+    ProgressWatch,
+    first_traceback,
+    strip_log_prefixes,
+)
+
+SCRIPTS = REPO / "workflow" / "scripts"
+VLLM_LOGS = Path(__file__).resolve().parent / "vllm_logs"
+
+
+# ---------------------------------------------------------------- helpers: process trees, read from /proc
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+    except OSError:
+        return None
+    state, parent = stat.rsplit(")", 1)[1].split()[:2]
+    return state, int(parent)
+
+
+def tree(root: int) -> set[int]:
+    """root and every live descendant."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (found := _stat(int(entry))) and found[0] != "Z":
+            parents[int(entry)] = found[1]
+    found, frontier = {root}, {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if (found := _stat(pid)) and found[0] != "Z"}
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Stage:
+    """A stage-like process started by the test, its output collected line by line."""
+
+    def __init__(self, source: str, env: dict[str, str] | None = None):
+        full_env = dict(os.environ if env is None else env)
+        full_env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), full_env.get("PYTHONPATH", "")])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(source)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        wait_until(lambda: any(text in line for line in self.lines) or self.proc.poll() is not None, timeout_s, text)
+        assert any(text in line for line in self.lines), "\n".join(self.lines[-60:])
+
+    def kill_and_expect_no_orphans(self, at_least: int) -> None:
+        pids = tree(self.proc.pid)
+        assert len(pids) >= at_least, f"expected a tree of >= {at_least} processes, found {pids}"
+        self.proc.kill()
+        self.proc.wait()
+        wait_until(lambda: not alive(pids), 10, f"the stage's tree {sorted(pids)} to end after SIGKILL")
+
+
+# ---------------------------------------------------------------- first_traceback on vLLM's log shapes
+
+
+def test_prefixes_vllm_and_torchrun_put_before_lines_are_stripped():
+    assert strip_log_prefixes("(EngineCore_DP0 pid=123) ERROR 12-01 04:38:56 [core.py:708] Traceback (most") == (
+        "Traceback (most"
+    )
+    assert strip_log_prefixes('(Worker_TP0 pid=7)   File "x.py", line 1') == '  File "x.py", line 1'
+    assert strip_log_prefixes("ERROR 12-01 04:38:56.123 [core.py:7]     raise X") == "    raise X"
+    assert strip_log_prefixes("WARNING [utils.py:1] hello") == "hello"
+    assert strip_log_prefixes("[rank0]: ValueError: bad") == "ValueError: bad"
+    assert strip_log_prefixes("(APIServer pid=1) INFO 12-01 04:38:56 [api_server.py:1] up\r") == "up"
+    assert strip_log_prefixes('  File "(x)", line 2') == '  File "(x)", line 2'  # indentation is content
+
+
+@pytest.mark.parametrize(
+    ("log_name", "exception_line"),
+    [
+        ("engine_core_no_eagle3.log", "RuntimeError: Model does not support EAGLE3 interface but "
+                                      "aux_hidden_state_outputs was requested"),
+        ("connector_import_error.log", "ModuleNotFoundError: No module named 'eagle3_missing_connector'"),
+        ("worker_exception.log", "TypeError: 'NoneType' object is not subscriptable"),
+        ("out_of_memory.log", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ],
+)  # fmt: skip
+def test_first_traceback_quotes_the_exception_line_of_real_vllm_failures(log_name, exception_line):
+    lines = (VLLM_LOGS / log_name).read_text().splitlines()
+    quoted = first_traceback(lines)
+    assert quoted.splitlines()[0] == "Traceback (most recent call last):"
+    assert quoted.splitlines()[-1].startswith(exception_line), quoted
+    assert "pid=" not in quoted and "[core.py" not in quoted
+
+
+def test_first_traceback_of_torchrun_ranks_and_no_traceback():
+    lines = ["noise", "[rank0]: Traceback (most recent call last):", '[rank0]:   File "x.py", line 1, in <module>',
+             "[rank0]:     main()", "[rank0]: ValueError: bad ids", "Traceback (most recent call last):", "KeyError: 2"]  # fmt: skip
+    assert first_traceback(lines).splitlines()[-1] == "ValueError: bad ids"
+    assert first_traceback(["all", "fine"]) == ""
+
+
+# ---------------------------------------------------------------- the progress watch (pure)
+
+
+def test_progress_watch_adapts_to_the_pace_with_a_floor():
+    watch = ProgressWatch(floor_s=10, factor=20)
+    assert watch.stalled_for(1000.0) is None  # not armed: an engine loading is not watched
+    watch.observe(BUSY_MARKER, 0.0)
+    assert watch.stalled_for(9.0) is None and watch.stalled_for(11.0) == 11.0  # the floor bounds the first item
+    watch.observe(PROGRESS_MARKER, 5.0)
+    watch.observe(PROGRESS_MARKER, 7.0)  # slowest interval so far: 5 s -> limit 100 s
+    assert watch.limit_s() == 100.0
+    assert watch.stalled_for(100.0) is None and watch.stalled_for(108.0) == 101.0
+    watch.observe("@@eagle3 idle", 200.0)
+    assert watch.stalled_for(10_000.0) is None
+
+
+# ---------------------------------------------------------------- ChildProcess, with plain processes (fast)
+
+SPAWN_TREE = """
+import os, subprocess, sys, time
+plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+escaped = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(600)"])
+print("tree up", plain.pid, escaped.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_stage_takes_its_whole_child_tree_with_it(tmp_path):
+    """Grandchildren too, even one that left the process group (setsid): nothing is adopted by PID 1."""
+    stage = Stage(f"""
+        import sys, time
+        from eagle3_workflow.runtime.child import ChildProcess
+        child = ChildProcess([sys.executable, "-c", {SPAWN_TREE!r}], name="tree", log_path={str(tmp_path / "log")!r})
+        child.start()
+        while not any(line.startswith("tree up") for line in child.head):
+            time.sleep(0.05)
+        print("stage ready", flush=True)
+        time.sleep(600)
+    """)
+    stage.wait_for("stage ready", 60)
+    stage.kill_and_expect_no_orphans(at_least=5)  # stage, launcher, command, two grandchildren
+
+
+def test_stragglers_die_when_the_command_exits_and_stop_does_not_wait(tmp_path, caplog):
+    command = "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(p.pid, flush=True)"  # noqa: E501
+    child = ChildProcess([sys.executable, "-c", command], name="leaves a worker", log_path=tmp_path / "log")
+    with child:
+        assert child.wait() == 0
+        worker = int(child.head[0])
+        assert not alive({worker})  # the launcher killed the worker its command left behind
+    assert "did not stop" not in caplog.text
+    assert (tmp_path / "log").read_text().strip() == str(worker)
+
+
+def test_a_killed_launcher_leaves_nothing_holding_the_output(tmp_path):
+    """Someone SIGKILLs the launcher itself (a `pkill -f` matching the command line): the command's children
+    in its group are killed when the stage reads the failure, not left holding the output pipe. (A process
+    that also left the group, with its launcher killed, is out of reach: see launcher.py.)"""
+    worker = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print('tree up', p.pid, flush=True); time.sleep(600)"  # noqa: E501
+    child = ChildProcess([sys.executable, "-c", worker], name="tree", stop_grace_s=30)
+    with child:
+        wait_until(lambda: any(line.startswith("tree up") for line in child.head), 60, "the tree")
+        plain = int(child.head[0].split()[2])
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait() == -signal.SIGKILL
+        assert child._reader is not None and not child._reader.is_alive()  # the pipe closed: nothing holds it
+        wait_until(lambda: not alive({plain}), 10, "the orphaned worker to be killed")
+
+
+def test_a_child_killed_by_a_signal_reports_it_and_failures_quote_the_traceback(tmp_path):
+    child = ChildProcess([sys.executable, "-c", "import os; os.kill(os.getpid(), 15)"], name="c")
+    with child:
+        assert child.wait() == -signal.SIGTERM
+    source = "import sys; print('ERROR 12-01 04:38:56 [x.py:1] Traceback (most recent call last):'); 1/0"
+    child = ChildProcess([sys.executable, "-c", source], name="c", prefix="[c] ", log_path=tmp_path / "log")
+    with child:
+        assert child.wait() == 1
+    text = child.failure_text("it failed")
+    assert text.startswith("it failed\n") and "ZeroDivisionError: division by zero" in text
+    assert "[c] Traceback" in (tmp_path / "log").read_text()
+
+
+def test_no_progress_while_busy_fails_with_the_stall_message():
+    """The child stops itself (SIGSTOP) after two finished items: alive, not answering."""
+    source = (f"import os, signal; print({BUSY_MARKER!r}); print({PROGRESS_MARKER!r}); print({PROGRESS_MARKER!r}); "
+              "print('last words', flush=True); os.kill(os.getpid(), signal.SIGSTOP)")  # fmt: skip
+    child = ChildProcess([sys.executable, "-c", source], name="engine", progress=ProgressWatch(floor_s=2))
+    with child, pytest.raises(ChildFailure) as failure:
+        child.wait()
+    message = str(failure.value)
+    assert "no progress for" in message and "engine alive but not answering" in message
+    assert "last words" in message and "@@eagle3" not in message  # markers stay out of logs and quotes
+
+
+STAGE_WITH_A_CHILD = """
+import logging, sys
+from eagle3_workflow.runtime.child import ChildProcess
+from eagle3_workflow.runtime.stage import run_stage
+
+def body(log):
+    with ChildProcess([sys.executable, "-c", {tree!r}], name="tree", on_line=lambda line: log.info("| %s", line)) as c:
+        c.wait()
+
+run_stage("demo", {log!r}, body)
+"""
+
+
+def test_sigterm_to_a_stage_is_one_line_exit_143_and_stops_its_children(tmp_path):
+    log_path = tmp_path / "stage.log"
+    stage = Stage(STAGE_WITH_A_CHILD.format(tree=SPAWN_TREE, log=str(log_path)))
+    stage.wait_for("tree up", 60)
+    pids = tree(stage.proc.pid)
+    stage.proc.send_signal(signal.SIGTERM)
+    assert stage.proc.wait(timeout=60) == 143
+    log = log_path.read_text()
+    assert "stage demo stopped by SIGTERM; the rerun resumes" in log
+    assert "Traceback" not in log and "FAILED" not in log and "SystemExit" not in log
+    assert len([line for line in log.splitlines() if "SIGTERM" in line]) == 1
+    wait_until(lambda: not alive(pids), 10, "the stage's children to end")
+
+
+# ---------------------------------------------------------------- real vLLM trees (slow)
+
+
+def _vllm_settings() -> dict:
+    from conftest import tiny_config
+
+    return tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": [], "stall_timeout_s": 600}
+
+
+@pytest.mark.slow
+def test_a_sigkilled_stage_leaves_no_vllm_server_behind(tiny_targets, tmp_path):
+    """canary and extract_hidden_states start their server exactly like this (VLLMServer with
+    hidden_states_server_spec): API server + EngineCore under the launcher, all gone after SIGKILL."""
+    stage = Stage(f"""
+        import time
+        from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
+        spec = hidden_states_server_spec({_vllm_settings()!r}, model={str(tiny_targets("llama"))!r},
+            layer_ids=[2, 4, 5, 8], storage_dir={str(tmp_path / "hs")!r}, device="cpu", tensor_parallel_size=1,
+            trust_remote_code=False)
+        with VLLMServer(spec, {str(tmp_path / "server.log")!r}) as server:
+            print("server ready", server.port, flush=True)
+            time.sleep(600)
+    """)
+    stage.wait_for("server ready", 300)
+    stage.kill_and_expect_no_orphans(at_least=4)  # stage, launcher, API server, EngineCore
+
+
+REGENERATE_STAGE = """
+import json
+from pathlib import Path
+from eagle3_workflow.regenerate import run_subprocess
+from eagle3_workflow.runtime.stage import run_stage
+config = json.loads({config!r})
+run_stage("regenerate_responses", None,
+          lambda log: run_subprocess(Path({target!r}), [Path({prompts!r})], Path({out!r}), Path({stats!r}), config, log))
+"""
+
+
+def _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s: float) -> Stage:
+    import json
+
+    from test_regenerate import SETTINGS
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"Write a long story about ship number {i} and its crew.\n" for i in range(64)))
+    config = {
+        "target": {"dtype": "bfloat16", "trust_remote_code": False},
+        "vllm": _vllm_settings() | {"stall_timeout_s": stall_timeout_s},
+        "extraction": {"tensor_parallel_size": 1},
+        "regenerate": SETTINGS | {"max_tokens": 256},
+    }
+    return Stage(REGENERATE_STAGE.format(config=json.dumps(config), target=str(tiny_targets("llama")),
+                                         prompts=str(prompts), out=str(tmp_path / "o.jsonl"),
+                                         stats=str(tmp_path / "s.json")))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_sigkilled_regenerate_stage_leaves_no_engine_behind(tiny_targets, tmp_path):
+    stage = _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s=600)
+    stage.wait_for("vLLM ready", 300)
+    stage.kill_and_expect_no_orphans(at_least=4)  # stage, launcher, regeneration process, EngineCore
+
+
+@pytest.mark.slow
+def test_a_stopped_engine_fails_regenerate_as_stalled(tiny_targets, tmp_path):
+    """SIGSTOP of the engine (a wedged GPU or a hung collective looks the same): the stage fails in bounded
+    time with the stall message, and its tree is gone. 64 requests x 256 tokens keep the engine busy for
+    seconds, far longer than the moment between the 'vLLM ready' line and the SIGSTOP."""
+    stage = _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s=5)
+    stage.wait_for("vLLM ready", 300)
+    launcher = next(pid for pid in tree(stage.proc.pid) if _stat(pid)[1] == stage.proc.pid)
+    command = next(pid for pid in tree(launcher) if _stat(pid)[1] == launcher)
+    engine = tree(command) - {command}
+    assert engine, "the offline engine runs its EngineCore in a process of its own"
+    for pid in engine:
+        os.kill(pid, signal.SIGSTOP)
+    pids = tree(stage.proc.pid)
+    assert stage.proc.wait(timeout=120) == 1
+    output = "\n".join(stage.lines)
+    assert "no progress for" in output and "engine alive but not answering" in output
+    wait_until(lambda: not alive(pids), 10, "the stalled stage's tree to end")
+
+
+@pytest.mark.slow
+def test_a_sigkilled_evaluate_stage_leaves_no_engine_behind(tiny_targets, tmp_path):
+    from eagle3_workflow.evaluation import engine_kwargs
+
+    engine = engine_kwargs(_vllm_settings(), target=str(tiny_targets("llama")), dtype="bfloat16",
+                           trust_remote_code=False, seed=0, device="cpu", tensor_parallel_size=1, in_process=False)  # fmt: skip
+    log_path = tmp_path / "eval.log"
+    stage = Stage(f"""
+        from pathlib import Path
+        from eagle3_workflow.evaluation import (MeasurementRun, MeasurementSpec, measurement_environment,
+                                                run_measurement_process)
+        spec = MeasurementSpec(engine={engine!r}, prompts=[[1, 2, 3]] * 64, max_tokens=256, timing_repeats=3,
+                               runs=[MeasurementRun("no_speculation", None)])
+        env = measurement_environment(device="cpu", cpu_threads=None, in_process=False)
+        run_measurement_process(spec, Path({str(tmp_path)!r}), "m", env=env, log_path={str(log_path)!r},
+                                timeout_s=600, stall_timeout_s=600)
+    """)
+    wait_until(lambda: log_path.exists() and "Starting to load model" in log_path.read_text(), 300,
+               "the measurement engine to load")  # fmt: skip
+    stage.kill_and_expect_no_orphans(at_least=4)  # stage, launcher, measurement process, EngineCore
+
+
+@pytest.mark.slow
+def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_for(tiny_targets, tmp_path, caplog):
+    """A connector module that cannot be imported (a plugin's import error) kills the EngineCore at start: the
+    failure quotes the traceback down to its exception line, and the broken server is killed at once (it used
+    to cost 'vLLM did not stop within 30 s')."""
+    from eagle3_workflow.vllm_server import ServerFailure, VLLMServer, hidden_states_server_spec
+
+    spec = hidden_states_server_spec(_vllm_settings(), model=str(tiny_targets("llama")), layer_ids=[2, 4, 5, 8],
+                                     storage_dir=str(tmp_path / "hs"), device="cpu", tensor_parallel_size=1,
+                                     trust_remote_code=False)  # fmt: skip
+    spec.kv_transfer_config["kv_connector_module_path"] = "eagle3_missing_connector"
+    server = VLLMServer(spec, tmp_path / "server.log")
+    with pytest.raises(ServerFailure) as failure:
+        server.__enter__()
+    message = str(failure.value)
+    quoted = message.split("first traceback in the output of the vLLM server:\n", 1)[1].split("\nlast ", 1)[0]
+    assert quoted.splitlines()[-1] == "ModuleNotFoundError: No module named 'eagle3_missing_connector'", quoted
+    assert "did not stop" not in caplog.text
+    assert server.child is not None and not alive(tree(server.child.pid))
+
+
+def test_the_engine_progress_bar_prints_one_marker_per_finished_request(capsys):
+    """Used the way vllm.LLM drives use_tqdm: created with total/desc/postfix, updated per finished request."""
+    from eagle3_workflow.runtime.child import engine_progress_bar
+
+    bar = engine_progress_bar()(total=3, desc="Processed prompts", dynamic_ncols=True, postfix="est. speed")
+    for _ in range(3):
+        bar.update(1)
+    bar.postfix = "est. speed input: 1.00 toks/s"
+    assert bar.format_dict["elapsed"] >= 0
+    bar.close()
+    for _ in engine_progress_bar()(range(2), desc="Adding requests"):  # vLLM also wraps iterables with it
+        pass
+    assert capsys.readouterr().out.splitlines() == [PROGRESS_MARKER] * 3

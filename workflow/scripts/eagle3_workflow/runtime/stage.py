@@ -1,0 +1,98 @@
+"""How every stage runs: logging to the rule's log, one failure format, one signal policy.
+
+Signal policy (the whole package): SIGTERM or SIGINT to a stage process (Snakemake cancelling the job, SLURM
+preemption or time limit, scancel, Ctrl-C) raises StageStopped in the main thread. Children started through
+ChildProcess are stopped on the way out (their context managers), the stage logs one line saying so and exits
+128 + the signal number (143 for SIGTERM). Declared outputs are written last, so the rerun resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from eagle3_workflow.errors import StageError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StageStopped(BaseException):  # noqa: N818 - not an error: a request to stop, like KeyboardInterrupt
+    """The stage process received a stop signal. A BaseException, so `except Exception` cannot swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def describe_exception(exc: BaseException) -> str:
+    """repr() plus the full traceback: never the bare `str(e)`, which can be empty."""
+    return f"{exc!r}\n{''.join(traceback.format_exception(exc))}"
+
+
+def setup_logging(log_path: str | Path | None = None) -> logging.Logger:
+    """Log to stderr and, when given, to the rule's log file (both keep everything)."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_path, mode="a"))
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
+    return logging.getLogger("eagle3")
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    for other in STOP_SIGNALS:  # a second signal must not interrupt the teardown the first one started
+        signal.signal(other, signal.SIG_IGN)
+    raise StageStopped(signum)
+
+
+def install_stop_handlers() -> None:
+    """Make SIGTERM/SIGINT raise StageStopped (main thread only: Python delivers signals there)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, _raise_stopped)
+
+
+def run_stage(
+    name: str,
+    log_path: str | Path | None,
+    body: Callable[[logging.Logger], object],
+    *,
+    resumes: str = "the rerun resumes",
+) -> None:
+    """Run a stage body; on failure log the cause (repr + traceback) and exit non-zero.
+
+    Snakemake deletes declared outputs of a failed job, and stages write their artefact last, so a failed
+    stage never leaves a file the next stage could mistake for success. `resumes` says what a rerun after a
+    stop signal does (the one line logged then).
+    """
+    log = setup_logging(log_path)
+    log.info("stage %s: start", name)
+    install_stop_handlers()
+    try:
+        body(log)
+    except StageStopped as stop:
+        log.warning("stage %s stopped by %s; %s", name, stop.signal_name, resumes)
+        sys.exit(128 + stop.signum)
+    except StageError as exc:
+        log.error("stage %s FAILED:\n%s", name, exc)
+        log.debug("%s", describe_exception(exc))
+        sys.exit(1)
+    except BaseException as exc:  # noqa: BLE001 - the point is to report anything, loudly
+        log.error("stage %s FAILED with an unexpected error:\n%s", name, describe_exception(exc))
+        sys.exit(1)
+    log.info("stage %s: done", name)
