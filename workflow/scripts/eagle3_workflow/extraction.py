@@ -326,22 +326,26 @@ async def _extract_async(
     tracker.report_period_s = settings.progress_interval_s
     tracker.last_finished = time.monotonic()
     async with httpx.AsyncClient(limits=limits) as client:
-        tasks = [asyncio.create_task(one(client, s)) for s in samples]
-        gathered = asyncio.gather(*tasks)
-        guard = asyncio.create_task(watchdog())
-        report = asyncio.create_task(reporter())
-        try:
-            done, _ = await asyncio.wait({gathered, guard}, return_when=asyncio.FIRST_COMPLETED)
-            if guard in done:
-                guard.result()  # raises the ServerFailure or ServerStalled
-            await gathered
-        finally:
-            for task in (*tasks, guard, report):
-                task.cancel()
-            # Drain everything, the gather future included: an exception nobody retrieved is printed by asyncio
-            # at garbage collection, i.e. after (and burying) the stage's FAILED block.
-            await asyncio.gather(*tasks, gathered, guard, report, return_exceptions=True)
+        await _run_guarded([asyncio.create_task(one(client, s)) for s in samples], watchdog(), reporter())
     return bytes_written
+
+
+async def _run_guarded(tasks: list[asyncio.Task], watchdog: Any, reporter: Any) -> None:
+    """Await `tasks` while the watchdog may fail them all; whatever happens, every task ends and is drained."""
+    gathered = asyncio.gather(*tasks)
+    guard = asyncio.create_task(watchdog)
+    report = asyncio.create_task(reporter)
+    try:
+        done, _ = await asyncio.wait({gathered, guard}, return_when=asyncio.FIRST_COMPLETED)
+        if guard in done:
+            guard.result()  # raises the ServerFailure or ServerStalled
+        await gathered
+    finally:
+        for task in (*tasks, guard, report):
+            task.cancel()
+        # Drain everything, the gather future included: an exception nobody retrieved is printed by asyncio
+        # at garbage collection, i.e. after (and burying) the stage's FAILED block.
+        await asyncio.gather(*tasks, gathered, guard, report, return_exceptions=True)
 
 
 def check_stall(server: VLLMServer, tracker: ProgressTracker, settings: ClientSettings) -> None:
