@@ -540,7 +540,7 @@ def main(snakemake: Any) -> None:
         table = check_table(report.checks)
         if not report.passed:
             raise StageError(
-                f"canary FAILED on a {report.canary_layers}-layer slice of the target; extraction will "
+                f"canary FAILED on a slice of {report.canary_layers} layers of the target (ids {report.canary_layer_ids}); extraction will "
                 f"not start:\n{table}\nreference: {report.reference}"
             )
         log.info(
