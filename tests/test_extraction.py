@@ -7,9 +7,11 @@ redone by the rerun, a disk that is too small is refused before any server start
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,6 +179,8 @@ def test_clean_run_writes_progress_manifest_and_validation(clean_run):
     progress = json.loads((hidden / "progress_replica_0.json").read_text())
     assert manifest["samples_extracted"] == manifest["samples_total"] == 96 and manifest["tokens_per_s"] > 0
     assert validation["passed"] and validation["samples_valid"] == 96 and validation["layer_count"] == 4
+    assert len(manifest["greedy_probes"]) == 4  # extraction.greedy_probe_samples
+    assert [r["ok"] for r in validation["greedy_check"]] == [True] * 4
     assert progress["state"] == "done" and progress["samples_done"] == 96 and progress["eta_s"] == 0.0
     log = (clean_run / "results" / "x" / "logs" / "extract_hidden_states_replica_0.log").read_text()
     assert "[vllm]" in log and "samples," in log and "tok/s" in log
@@ -328,3 +332,244 @@ extract_replica(prepared_dir=Path({str(prepared)!r}), replica=0, replicas=1, fil
     assert "received SIGTERM" in output
     time.sleep(1)
     assert not vllm_processes(marker), "orphan vLLM processes after SIGTERM"
+
+
+# ---------------------------------------------------------------- stalls, a dead server's log, the greedy cross-check
+
+LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+STAGE_DRIVER = """
+import json, sys
+from pathlib import Path
+from eagle3_workflow.errors import run_stage
+from eagle3_workflow.extraction import ClientSettings, extract_replica
+from eagle3_workflow.vllm_server import hidden_states_server_spec
+args = json.loads(sys.argv[1])
+spec = lambda d: hidden_states_server_spec(args["vllm"], model=args["target"], layer_ids=args["layer_ids"],
+    storage_dir=d, device="cpu", tensor_parallel_size=1, trust_remote_code=False)
+def body(log):
+    manifest = extract_replica(prepared_dir=Path(args["prepared"]), replica=0, replicas=1,
+        files_dir=Path(args["work"]) / "files", scratch_dir=Path(args["work"]) / "scratch",
+        progress_path=Path(args["work"]) / "progress.json", server_spec_factory=spec,
+        server_log=Path(args["log"]), layer_count=len(args["layer_ids"]), hidden_size=64,
+        settings=ClientSettings(**args["settings"]), disk_margin=1.1, available_bytes_override=None,
+        **({"probe_samples": args["probe_samples"]} if args["probe_samples"] else {}))
+    (Path(args["work"]) / "manifest.json").write_text(json.dumps(manifest.greedy_probes))
+run_stage("extract_hidden_states", args["log"], body)
+"""
+
+
+def random_prepared(path: Path, samples: int, tokens: int, seed: int = 0) -> Path:
+    import datasets
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 1000, (samples, tokens), generator=generator).tolist()
+    datasets.Dataset.from_dict({"input_ids": ids}).save_to_disk(str(path))
+    return path
+
+
+def start_stage(target: Path, work: Path, prepared: Path, **settings) -> subprocess.Popen:
+    args = {
+        "vllm": tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []},
+        "target": str(target),
+        "layer_ids": [2, 4, 5, 8],
+        "prepared": str(prepared),
+        "work": str(work),
+        "log": str(work / "stage.log"),
+        "probe_samples": settings.pop("probe_samples", 0),
+        "settings": {"concurrency": 2, "progress_interval_s": 0.5, **settings},
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "workflow" / "scripts"), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", STAGE_DRIVER, json.dumps(args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_progress(proc: subprocess.Popen, progress: Path, done_at_least: int) -> dict:
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        if progress.exists():
+            state = json.loads(progress.read_text())
+            if state["state"] == "running" and state["samples_done"] >= done_at_least:
+                return state
+        time.sleep(0.1)
+    raise AssertionError("extraction never reached the wanted progress")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], children(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo += children(child)
+    return out
+
+
+def assert_failed_block_is_last(log: str) -> None:
+    assert "never retrieved" not in log
+    records = [line for line in log.splitlines() if LOG_RECORD.match(line)]
+    assert "stage extract_hidden_states FAILED" in records[-1], records[-3:]
+
+
+@pytest.mark.slow
+def test_a_stopped_engine_is_a_stall_not_progress(tiny_targets, tmp_path):
+    """SIGSTOP of EngineCore + workers (a hung GPU looks the same): the stage fails as stalled, not running."""
+    prepared = random_prepared(tmp_path / "prepared", samples=3000, tokens=48)
+    proc = start_stage(tiny_targets("llama"), tmp_path, prepared, stall_timeout_s=4, stall_factor=3)
+    stopped: list[int] = []
+    try:
+        wait_for_progress(proc, tmp_path / "progress.json", done_at_least=5)
+        server = next(p for p in children(proc.pid) if "vllm" in Path(f"/proc/{p}/cmdline").read_text())
+        stopped = descendants(server)
+        assert stopped, "the server has no engine-core process to stop"
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        proc.communicate(timeout=180)
+    finally:
+        for pid in stopped:  # ours: never leave stopped processes behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    log = (tmp_path / "stage.log").read_text()
+    assert "no progress for" in log and "server alive but not answering" in log and "last server log lines" in log
+    assert "last sample finished" in log  # the bar said so before the limit
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    assert progress["state"] == "stalled" and progress["samples_done"] < 3000
+    failed_line = next(line for line in log.splitlines() if "stage extract_hidden_states FAILED" in line)
+    failed_at = datetime.datetime.strptime(failed_line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert failed_at - stopped_at < 30, f"the stall took {failed_at - stopped_at:.1f} s to be reported"
+    assert_failed_block_is_last(log)
+
+
+@pytest.mark.slow
+def test_a_dead_server_leaves_the_failed_block_last(tiny_targets, tmp_path):
+    """No `_GatheringFuture exception was never retrieved` or client traceback after the FAILED block."""
+    prepared = random_prepared(tmp_path / "prepared", samples=3000, tokens=48)
+    proc = start_stage(tiny_targets("llama"), tmp_path, prepared, concurrency=8)
+    wait_for_progress(proc, tmp_path / "progress.json", done_at_least=5)
+    server = next(p for p in children(proc.pid) if "vllm" in Path(f"/proc/{p}/cmdline").read_text())
+    os.kill(server, signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    log = (tmp_path / "stage.log").read_text()
+    assert "the vLLM server exited with code -9" in log
+    assert json.loads((tmp_path / "progress.json").read_text())["state"] == "failed"
+    assert_failed_block_is_last(log)
+
+
+def test_greedy_check_row_accepts_ties_and_names_a_different_token():
+    from eagle3_workflow.validation import greedy_check_row
+
+    head = torch.eye(4, 3) * torch.tensor([10.0, 10.0, 1.0])
+    norm = torch.ones(3)
+    state = torch.tensor([1.0, 0.999, 0.2])  # tokens 0 and 1: a bf16 tie
+    tie = greedy_check_row(state, {"row": 3, "token_id": 1}, norm, head, 1e-6)
+    assert tie["ok"] and tie["recomputed_token"] == 0 and tie["logit_gap"] > 0
+    wrong = greedy_check_row(state, {"row": 3, "token_id": 2}, norm, head, 1e-6)
+    assert not wrong["ok"] and wrong["server_token"] == 2 and wrong["logit_gap"] > wrong["tolerance"]
+
+
+def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):
+    from eagle3_workflow.validation import load_final_head
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_hidden_layers": 2}))
+    with pytest.raises(StageError, match="does not know the final norm of model_type 'gemma2'"):
+        load_final_head(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [None, "remap:last_from_previous"])
+def test_greedy_cross_check_on_the_full_model(tiny_targets, tmp_path, monkeypatch, fault):
+    """The server's greedy token equals norm+lm_head of the captured id N; a wrong id N is caught."""
+    from eagle3_workflow.validation import greedy_cross_check, greedy_failure_message
+
+    if fault:
+        monkeypatch.setenv("EAGLE3_FAULT", fault)
+        plugins = str(REPO / "tests" / "fault_plugins")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([plugins, os.environ.get("PYTHONPATH", "")]))
+    prepared = random_prepared(tmp_path / "prepared", samples=6, tokens=40, seed=1)
+    proc = start_stage(tiny_targets("llama"), tmp_path, prepared, probe_samples=6)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    probes = json.loads((tmp_path / "manifest.json").read_text())
+    assert len(probes) == 6 and all(p["top_logprobs"] for p in probes)
+    rows = greedy_cross_check(tiny_targets("llama"), tmp_path / "files", probes)
+    if fault is None:
+        assert all(r["ok"] for r in rows), rows
+    else:
+        assert sum(not r["ok"] for r in rows) >= 4, rows
+        assert "does not give the server's own greedy next token" in greedy_failure_message(rows)
+
+
+PREFIX_HITS = re.compile(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", re.M)
+
+
+def extract_with_server(target: Path, work: Path, samples: list, extra_args: list[str]) -> float:
+    """Extract `samples` one at a time (each can hit the cache the previous one filled); returns prefix hits."""
+    import httpx
+
+    from eagle3_workflow.extraction import ClientSettings, ProgressTracker, extract_samples
+    from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
+
+    settings = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": extra_args}
+    (work / "scratch").mkdir(parents=True)
+    spec = hidden_states_server_spec(
+        settings,
+        model=str(target),
+        layer_ids=[2, 4, 5, 8],
+        storage_dir=str(work / "scratch"),
+        device="cpu",
+        tensor_parallel_size=1,
+        trust_remote_code=False,
+    )
+    with VLLMServer(spec, work / "server.log") as server:
+        extract_samples(
+            server,
+            samples,
+            work / "files",
+            layer_count=4,
+            hidden_size=64,
+            settings=ClientSettings(concurrency=1),
+            tracker=ProgressTracker(None, 0, len(samples), 0),
+        )
+        metrics = httpx.get(f"{server.base_url}/metrics", headers=server.headers(), timeout=30).text
+    return sum(float(v) for v in PREFIX_HITS.findall(metrics))
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_give_the_same_hidden_states(tiny_targets, tmp_path):
+    """Extraction runs with vLLM's prefix caching on: samples served from the cache equal a cache-off run."""
+    generator = torch.Generator().manual_seed(3)
+    system = torch.randint(10, 1000, (300,), generator=generator).tolist()  # > 2 KV blocks on CPU (128 each)
+    samples = [Sample(i, system + torch.randint(10, 1000, (40,), generator=generator).tolist()) for i in range(4)]
+    target = tiny_targets("llama")
+    hits = extract_with_server(target, tmp_path / "cached", samples, [])
+    misses = extract_with_server(target, tmp_path / "uncached", samples, ["--no-enable-prefix-caching"])
+    assert hits >= 3 * 256, f"prefix-cache hits {hits}: the cached run proves nothing"
+    assert misses == 0
+    for sample in samples:
+        cached = load_file(tmp_path / "cached" / "files" / f"hs_{sample.row}.safetensors")
+        uncached = load_file(tmp_path / "uncached" / "files" / f"hs_{sample.row}.safetensors")
+        assert torch.equal(cached["token_ids"], uncached["token_ids"])
+        assert torch.equal(cached["hidden_states"], uncached["hidden_states"]), f"row {sample.row} differs"

@@ -13,7 +13,14 @@ from conftest import REPO, TINY_DATA, run_workflow, tiny_config
 from safetensors.torch import load_file, save_file
 
 from eagle3_workflow.api_checks import run_api_checks
-from eagle3_workflow.canary import canary_layer_count, keep_tensor, run_canary, truncated_config
+from eagle3_workflow.canary import (
+    canary_layer_count,
+    canary_layer_ids,
+    id_set_shape_problems,
+    keep_tensor,
+    run_canary,
+    truncated_config,
+)
 from eagle3_workflow.extraction import Sample
 from eagle3_workflow.prepare import prepare_conversations
 from eagle3_workflow.vllm_server import hidden_states_server_spec
@@ -109,12 +116,79 @@ def test_check_api_catches_an_unsupported_architecture(tiny_targets, tmp_path):
 
 
 def test_canary_layer_count_covers_layer_types():
-    assert canary_layer_count({"num_hidden_layers": 32}, None) == 3
-    assert canary_layer_count({"num_hidden_layers": 61, "first_k_dense_replace": 3}, None) == 4
-    types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 6
-    assert canary_layer_count({"num_hidden_layers": 12, "layer_types": types}, None) == 6
+    assert canary_layer_count({"num_hidden_layers": 32}, None) == 8
+    assert canary_layer_count({"num_hidden_layers": 61, "first_k_dense_replace": 3}, None) == 8
+    assert canary_layer_count({"num_hidden_layers": 61, "first_k_dense_replace": 10}, None) == 11
+    types = ["sliding_attention"] * 11 + ["full_attention"] + ["sliding_attention"] * 6
+    assert canary_layer_count({"num_hidden_layers": 18, "layer_types": types}, None) == 12
     assert canary_layer_count({"num_hidden_layers": 2}, None) == 2
     assert canary_layer_count({"num_hidden_layers": 32}, 5) == 5
+
+
+@pytest.mark.parametrize("layers", range(5, 130))  # below 5 layers no id can sit between two gaps
+def test_canary_ids_have_the_shape_of_productions(layers):
+    """Gaps everywhere, last id = K, a middle id: the shape that makes count-preserving remaps visible."""
+    ids = canary_layer_ids(layers)
+    assert id_set_shape_problems(ids, layers) == []
+    assert ids == sorted(set(ids)) and ids[0] >= 1
+    if layers >= 8:
+        assert len(ids) == 4 and ids[0] == 2  # production's count and first id
+    # issue 13's remap (id k from layer k+1 whenever k+1 < N) moves at least one id of this set
+    assert any(k + 1 < layers for k in ids)
+
+
+def test_contiguous_ids_are_refused_by_the_shape_check():
+    assert "two ids are adjacent" in id_set_shape_problems([1, 2, 3, 4], 4)
+    assert "last id is not 8" in id_set_shape_problems([2, 4, 6], 8)
+
+
+def _candidates(tokens: int = 12, hidden: int = 16, layers: int = 8):
+    """Reference states where adjacent layers are close (a residual stream with small updates)."""
+    generator = torch.Generator().manual_seed(0)
+    states = [torch.randn(tokens, hidden, generator=generator)]
+    for _ in range(layers):
+        states.append(states[-1] + 0.3 * torch.randn(tokens, hidden, generator=generator))
+    states.append(states[-1] / states[-1].pow(2).mean(-1, keepdim=True).sqrt())  # post-norm
+    labels = [str(k) for k in range(layers + 1)] + ["post-norm"]
+    return labels, torch.stack(states, dim=1)
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [
+        {2: "3", 4: "5", 6: "7"},  # issue 13: k -> k+1 below N
+        {2: "1", 4: "3", 6: "5", 8: "7"},  # all one layer too early
+        {2: "4", 4: "2"},  # two ids swapped
+        {4: "2", 6: "2", 8: "2"},  # every id from the first id's layer
+        {4: "5"},  # off by one only in the middle
+        {8: "post-norm"},  # last id after the final norm
+    ],
+)
+def test_match_slots_names_every_remapped_slot(sources):
+    from eagle3_workflow.canary import convention_row, match_slots, squared_distances
+
+    labels, candidates = _candidates()
+    ids = [2, 4, 6, 8]
+    columns = [labels.index(sources.get(k, str(k))) for k in ids]
+    extracted = (candidates[:, columns] + 0.01 * torch.randn(candidates.shape[0], 4, 16)).to(torch.bfloat16)
+    matches = match_slots(ids, labels, squared_distances(extracted, candidates), extracted.float().pow(2).sum((0, 2)))
+    assert {m.claimed: m.best for m in matches if not m.ok} == sources
+    row = convention_row(matches, 8)
+    assert not row.passed
+    for claimed, source in sources.items():
+        assert f"id {claimed} is layer {source}" in row.found
+
+
+def test_match_slots_passes_a_correct_capture_and_reports_the_margin():
+    from eagle3_workflow.canary import convention_row, match_slots, squared_distances
+
+    labels, candidates = _candidates()
+    ids = [2, 4, 6, 8]
+    extracted = candidates[:, [2, 4, 6, 8]].to(torch.bfloat16)
+    matches = match_slots(ids, labels, squared_distances(extracted, candidates), extracted.float().pow(2).sum((0, 2)))
+    assert all(m.ok for m in matches)
+    assert min(m.margin for m in matches) > 5
+    assert convention_row(matches, 8).passed and "weakest margin" in convention_row(matches, 8).found
 
 
 def test_truncation_keeps_only_needed_tensors():
@@ -190,32 +264,60 @@ def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
     assert report.passed, report.checks
     assert report.reference.startswith("HF transformers")
     assert max(report.per_layer_max_rel_error.values()) < 0.05
-    assert report.canary_layer_ids == list(range(1, report.canary_layers + 1))
+    assert report.canary_layer_ids == [2, 4, 6, 8]  # production's shape on the 8-layer tiny target
+    assert set(report.layer_matches) == {"2", "4", "6", "8"}
+    assert all(m["best"] == k for k, m in report.layer_matches.items())
+
+
+def with_fault(monkeypatch, fault: str) -> None:
+    monkeypatch.setenv("EAGLE3_FAULT", fault)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_canary_catches_captures_shifted_by_one_layer(tiny_targets, tmp_path, monkeypatch, arch):
-    monkeypatch.setenv("EAGLE3_FAULT", "shift_layers")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]))
+    with_fault(monkeypatch, "shift_layers")
     report = canary(tiny_targets(arch), tmp_path)
     assert not report.passed
     assert not row(report, "layer-id convention").passed
-    assert "best match" in row(report, "layer-id convention").found
+    assert "id 2 is layer 1" in row(report, "layer-id convention").found
+
+
+# Captures that keep the number and order of slots (tests/fault_plugins/sitecustomize.py): fault -> the true source
+# of each wrong slot on the canary's [2, 4, 6, 8]. The first is issue 13's bug, which passed the 1..K canary.
+REMAPS = {
+    "shift_up_if_count_kept": {2: "3", 4: "5", 6: "7"},
+    "remap:swap_first_two": {2: "4", 4: "2"},
+    "remap:all_from_first": {4: "2", 6: "2", 8: "2"},
+    "remap:middle_off_by_one": {4: "5", 6: "7"},
+    "remap:post_norm_last": {8: "post-norm"},
+    "remap:last_from_previous": {8: "7"},
+}
 
 
 @pytest.mark.slow
-def test_canary_stops_a_shifted_deepseek_at_its_first_forward(tiny_targets, tmp_path, monkeypatch):
-    """On DeepSeek-V3 the shifted capture asks for layer 0's residual, which does not exist yet: the worker
-    dies at the first forward (the seed story). The canary reports it with the worker's own error."""
-    from eagle3_workflow.vllm_server import ServerFailure
+@pytest.mark.parametrize("fault", list(REMAPS))
+def test_canary_names_every_remapped_layer(tiny_targets, tmp_path, monkeypatch, fault):
+    with_fault(monkeypatch, fault)
+    report = canary(tiny_targets("llama"), tmp_path)
+    check = row(report, "layer-id convention")
+    assert not report.passed and not check.passed, report.checks
+    wrong = {int(k): m["best"] for k, m in report.layer_matches.items() if m["best"] != k}
+    assert wrong == REMAPS[fault], check.found
+    for claimed, source in REMAPS[fault].items():
+        assert f"id {claimed} is layer {source}" in check.found
 
-    monkeypatch.setenv("EAGLE3_FAULT", "shift_layers")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]))
-    with pytest.raises(ServerFailure) as info:
-        canary(tiny_targets("deepseek_v3"), tmp_path)
-    message = str(info.value)
-    assert "engine" in message.lower() and "TypeError" in message
+
+@pytest.mark.slow
+def test_canary_names_the_layers_of_a_shifted_deepseek(tiny_targets, tmp_path, monkeypatch):
+    """DeepSeek-V3 captures in its own forward (not vLLM's mixin). With the old contiguous ids 1..K the shift asked
+    for layer 0's residual and the worker died; on [2, 4, 6, 8] it runs, and the canary names every wrong layer."""
+    with_fault(monkeypatch, "shift_layers")
+    report = canary(tiny_targets("deepseek_v3"), tmp_path)
+    check = row(report, "layer-id convention")
+    assert not report.passed and not check.passed, report.checks
+    assert {int(k): m["best"] for k, m in report.layer_matches.items()} == {2: "1", 4: "3", 6: "5", 8: "7"}
 
 
 @pytest.mark.slow

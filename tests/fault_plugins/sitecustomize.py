@@ -1,13 +1,92 @@
 """Fault injection for the gate tests: imported by every Python process started with this folder on PYTHONPATH.
 
 EAGLE3_FAULT=shift_layers makes vLLM capture every auxiliary hidden state one layer too early (id k records
-the state of id k-1), the bug class of a patched model whose layer indexing drifted. Nothing happens without
-the variable, so a stray PYTHONPATH entry is harmless.
+the state of id k-1), the bug class of a patched model whose layer indexing drifted.
+
+EAGLE3_FAULT=shift_up_if_count_kept is issue 13's bug: id k from layer k+1 whenever k+1 < N, only when that keeps
+the number of ids (a no-op on a contiguous 1..K set, [2, 4, 5, 8] -> [3, 5, 6, 8] in production).
+
+EAGLE3_FAULT=remap:<name> keeps the number and order of captured slots but fills each claimed id from another
+layer (every layer 0..N is computed anyway), so only a canary that matches each slot against every layer can
+tell. The remaps (`REMAPS`) cover injective, non-injective and conditional shapes; `post_norm_last` takes id N
+after the final norm instead of before it. Works for the models that capture through vLLM's EagleModelMixin
+(llama, qwen3, ...). Nothing happens without the variable, so a stray PYTHONPATH entry is harmless.
 """
 
 import os
 
-if os.environ.get("EAGLE3_FAULT") == "shift_layers":
+FAULT = os.environ.get("EAGLE3_FAULT", "")
+
+
+def _shift_up_below_last(claimed, last):
+    # issue 13: id k recorded from layer k+1 whenever k+1 < N (a no-op on a contiguous 1..K slice)
+    return {k: (k + 1 if k + 1 < last else k) for k in claimed}
+
+
+def _shift_down(claimed, last):
+    return {k: k - 1 for k in claimed}
+
+
+def _swap_first_two(claimed, last):
+    out = {k: k for k in claimed}
+    if len(claimed) >= 2:
+        out[claimed[0]], out[claimed[1]] = claimed[1], claimed[0]
+    return out
+
+
+def _all_from_first(claimed, last):
+    return {k: claimed[0] for k in claimed}
+
+
+def _middle_off_by_one(claimed, last):
+    # only the ids strictly between the first and the last one move, one layer deeper
+    return {k: (k + 1 if claimed[0] < k < claimed[-1] else k) for k in claimed}
+
+
+def _post_norm_last(claimed, last):
+    return {k: ("post_norm" if k == last else k) for k in claimed}
+
+
+def _last_from_previous(claimed, last):
+    return {k: (last - 1 if k == last else k) for k in claimed}
+
+
+REMAPS = {
+    "last_from_previous": _last_from_previous,
+    "shift_up_below_last": _shift_up_below_last,
+    "shift_down": _shift_down,
+    "swap_first_two": _swap_first_two,
+    "all_from_first": _all_from_first,
+    "middle_off_by_one": _middle_off_by_one,
+    "post_norm_last": _post_norm_last,
+}
+
+
+def _install_remap(name):
+    from vllm.model_executor.models import interfaces
+
+    remap = REMAPS[name]
+
+    def remapped(self, aux_hidden_states, layer_idx, hidden_states, residual):
+        claimed = tuple(sorted(self.aux_hidden_state_layers))
+        if not claimed:
+            return aux_hidden_states
+        value = hidden_states + residual if residual is not None else hidden_states
+        if layer_idx == 0:
+            self._fault_stash = {}
+        self._fault_stash[layer_idx] = value
+        last = len(self.layers)
+        if layer_idx == last:  # the final call of a forward: emit one slot per claimed id, in id order
+            self._fault_stash["post_norm"] = self.norm(value)
+            sources = remap(claimed, last)
+            aux_hidden_states.extend(self._fault_stash[sources[k]] for k in claimed)
+            self._fault_stash = {}
+        return aux_hidden_states
+
+    interfaces.EagleModelMixin._maybe_add_hidden_state = remapped
+
+
+if FAULT == "shift_layers":
     from vllm.model_executor.models import deepseek_v2, interfaces
 
     _mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
@@ -21,3 +100,18 @@ if os.environ.get("EAGLE3_FAULT") == "shift_layers":
         self.model.aux_hidden_state_layers = tuple(layer - 1 for layer in layers)
 
     deepseek_v2.DeepseekV2ForCausalLM.set_aux_hidden_state_layers = _shifted_deepseek
+elif FAULT == "shift_up_if_count_kept":
+    # issue 13 verbatim: id k captured from layer k+1 whenever k+1 < N, applied only when that keeps the number
+    # of distinct ids. On a contiguous 1..K set the shift would merge two ids, so it never fires there.
+    from vllm.model_executor.models import interfaces
+
+    _mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
+
+    def _shift_when_count_kept(self, layers):
+        last = len(self.layers)
+        shifted = tuple(sorted({k + 1 if k + 1 < last else k for k in layers}))
+        _mixin_set(self, shifted if len(shifted) == len(set(layers)) else tuple(layers))
+
+    interfaces.EagleModelMixin._set_aux_hidden_state_layers = _shift_when_count_kept
+elif FAULT.startswith("remap:"):
+    _install_remap(FAULT.split(":", 1)[1])

@@ -34,6 +34,7 @@ rule extract_hidden_states:
 
 rule validate_hidden_states:
     input:
+        target=target_dir(),
         prepared=out("data", "prepared"),
         api_compat=out("checks", "api_compat.json"),
         manifests=expand(out("hidden_states", "replica_{replica}.json"), replica=REPLICAS),

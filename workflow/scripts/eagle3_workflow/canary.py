@@ -1,13 +1,18 @@
 """Stage `canary`: the production extraction path on a few-layer slice of the real checkpoint.
 
-1. Truncate: same config with K layers (enough to cover every distinct layer type: for DeepSeek-V3/Kimi the
-   dense layers plus the first MoE layer), reading only the needed tensors lazily from the safetensors shards.
+1. Truncate: same config with K layers (every distinct layer type covered, e.g. DeepSeek-V3/Kimi's dense
+   layers plus the first MoE layer, and at least 8 so the id set can have production's shape), reading only
+   the needed tensors lazily from the safetensors shards.
 2. Serve it exactly as extraction does (same spec builder, connector, tensor-parallel size, client code) and
-   extract a handful of prepared samples, capturing every layer id 1..K.
+   extract a handful of prepared samples, capturing ids shaped like production's [2, N//2, N-3, N]:
+   [2, K//2, K-2, K] (gaps between all ids, last = K). A contiguous 1..K set would hide any remap that keeps
+   the number of ids (issue 13: id k taken from layer k+1 whenever k+1 < N).
 3. Compare with an independent HF transformers forward in fp32 using the documented convention (id k < K =
-   output_hidden_states[k], id K = pre-norm output of the last layer). Besides the error against the
-   tolerance, each id must match its own reference better than any other layer's: a shifted capture fails
-   even where consecutive layers are similar.
+   output_hidden_states[k], id K = pre-norm output of the last layer), computed for EVERY layer 0..K plus the
+   post-norm output. Each captured slot is matched to the reference it is nearest to (distance summed over
+   all tokens of all samples); the `layer-id convention` row fails, naming the layer, when that is not the
+   id the slot claims. Shift, swap, one layer for all ids, post-norm for K: all are a wrong nearest layer.
+   The margin to the runner-up is recorded (adjacent layers of a tiny random model can be close).
 4. Also: shapes [T, L, H], dtype, finite, non-degenerate, token ids round-trip, and the server's chat rendering
    (render endpoint) equals prepare_data's ids.
 Where HF cannot run the checkpoint, the artefact says so and self-consistency (two extractions equal) is
@@ -16,6 +21,7 @@ checked instead; it never passes silently.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -48,13 +54,16 @@ TOKENIZER_FILES = (
 )
 
 
+MIN_SHAPED_LAYERS = 8  # the fewest layers where [2, K//2, K-2, K] has a gap between every pair of ids
+
+
 def canary_layer_count(config: dict[str, Any], requested: int | None) -> int:
-    """Layers to keep: every distinct layer type covered, at least 3 (so ids 1..K include a mid layer)."""
+    """Layers to keep: every distinct layer type covered and room for a production-shaped id set (>= 8)."""
     text = config.get("text_config") or config
     total = int(text["num_hidden_layers"])
     if requested:
         return min(requested, total)
-    needed = 3
+    needed = MIN_SHAPED_LAYERS
     dense = text.get("first_k_dense_replace")
     if dense is not None:
         needed = max(needed, int(dense) + 1)  # the dense layers plus the first MoE layer
@@ -65,6 +74,32 @@ def canary_layer_count(config: dict[str, Any], requested: int | None) -> int:
             first_seen.setdefault(str(kind), i)
         needed = max(needed, max(first_seen.values()) + 1)
     return min(needed, total)
+
+
+def canary_layer_ids(layers: int) -> list[int]:
+    """Ids with the shape of production's [2, N//2, N-3, N] on a K-layer slice.
+
+    A gap between every pair of ids, the last id = K (the pre-norm output), and middle ids that are neither
+    first nor adjacent to another: a capture bug that remaps ids only when that keeps their count (which is
+    invisible on a contiguous 1..K set) moves at least one slot here. K-2 rather than K-3 keeps the gap at K=8.
+    """
+    if layers >= MIN_SHAPED_LAYERS:
+        return [2, layers // 2, layers - 2, layers]
+    if layers <= 2:
+        return list(range(1, layers + 1))
+    return sorted(range(layers, 0, -2))[-4:]  # every second layer down from K: gaps, at most four ids
+
+
+def id_set_shape_problems(ids: list[int], layers: int) -> list[str]:
+    """What keeps `ids` from having production's shape on a K-layer slice (empty = fine)."""
+    problems = []
+    if not ids or ids[-1] != layers:
+        problems.append(f"last id is not {layers}")
+    if any(b - a < 2 for a, b in zip(ids, ids[1:], strict=False)):
+        problems.append("two ids are adjacent")
+    if not any(0 < i < len(ids) - 1 for i in range(len(ids))):
+        problems.append("no middle id")
+    return problems
 
 
 def truncated_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -129,16 +164,16 @@ def build_truncated_target(target_dir: Path, out_dir: Path, layers: int) -> dict
     return config
 
 
-def reference_hidden_states(
-    model_dir: Path, input_ids: list[int], layer_ids: list[int], trust_remote_code: bool, model: Any = None
-) -> torch.Tensor:
-    """HF fp32 forward in vLLM's convention: [T, L, H]."""
-    from transformers import AutoModelForCausalLM
+POST_NORM = "post-norm"  # label of the final norm's output: a plausible wrong source for id K
 
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
-        ).eval()
+
+def reference_all_layers(input_ids: list[int], model: Any) -> tuple[list[str], torch.Tensor]:
+    """HF fp32 forward; every candidate source in vLLM's convention: labels and [T, K + 2, H].
+
+    Label str(k) for k in 0..K-1 is HF ``output_hidden_states[k]`` (the input of layer k), "K" is the pre-norm
+    output of the last layer, "post-norm" the final norm's output (HF ``hidden_states[-1]``). All of them, not
+    only the claimed ids, so a slot filled from any layer is named.
+    """
     captured: dict[str, torch.Tensor] = {}
     layers = model.model.layers
 
@@ -152,27 +187,86 @@ def reference_hidden_states(
     finally:
         handle.remove()
     num_layers = len(layers)
-    columns = []
-    for layer_id in layer_ids:
-        state = captured["last"] if layer_id == num_layers else out.hidden_states[layer_id]
-        columns.append(state[0].float())
-    return torch.stack(columns, dim=1)
+    states = [out.hidden_states[k][0] for k in range(num_layers)]
+    states += [captured["last"][0], out.hidden_states[num_layers][0]]
+    labels = [str(k) for k in range(num_layers + 1)] + [POST_NORM]
+    return labels, torch.stack([s.float() for s in states], dim=1)
+
+
+def squared_distances(extracted: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """[L, C]: sum over tokens and features of (slot l - candidate c)^2 (fp32)."""
+    got = extracted.float()
+    return torch.stack([(got[:, j, None, :] - candidates).pow(2).sum(dim=(0, 2)) for j in range(got.shape[1])])
+
+
+@dataclasses.dataclass
+class SlotMatch:
+    claimed: int
+    best: str
+    best_rel: float  # ||slot - best|| / ||slot||
+    runner_up: str
+    runner_up_rel: float
+    own_rel: float
+
+    @property
+    def ok(self) -> bool:
+        return self.best == str(self.claimed)
+
+    @property
+    def margin(self) -> float:
+        """How much farther the second-nearest layer is than the nearest one (>1; large = unambiguous)."""
+        return self.runner_up_rel / max(self.best_rel, 1e-12)
+
+
+def match_slots(
+    layer_ids: list[int], labels: list[str], sq_dist: torch.Tensor, sq_norm: torch.Tensor
+) -> list[SlotMatch]:
+    """Each captured slot's nearest reference layer (plain distance, so every candidate is judged alike)."""
+    matches = []
+    for j, claimed in enumerate(layer_ids):
+        rel = (sq_dist[j] / sq_norm[j].clamp_min(1e-24)).sqrt().tolist()
+        order = sorted(range(len(labels)), key=rel.__getitem__)
+        matches.append(
+            SlotMatch(
+                claimed=claimed,
+                best=labels[order[0]],
+                best_rel=rel[order[0]],
+                runner_up=labels[order[1]],
+                runner_up_rel=rel[order[1]],
+                own_rel=rel[labels.index(str(claimed))],
+            )
+        )
+    return matches
+
+
+def convention_row(matches: list[SlotMatch], layers: int) -> CheckRow:
+    expected = f"each id nearest to its own layer of all 0..{layers} (+ post-norm)"
+    wrong = [m for m in matches if not m.ok]
+    if wrong:
+        found = "; ".join(
+            f"id {m.claimed} is layer {m.best} (rel {m.best_rel:.3g}; vs its own layer {m.own_rel:.3g})" for m in wrong
+        )
+        return CheckRow("layer-id convention", expected, f"WRONG LAYER: {found}", False)
+    weakest = min(matches, key=lambda m: m.margin)
+    found = (
+        f"ok; weakest margin {weakest.margin:.1f}x (id {weakest.claimed}: rel {weakest.best_rel:.3g}, "
+        f"next nearest layer {weakest.runner_up} at {weakest.runner_up_rel:.3g})"
+    )
+    return CheckRow("layer-id convention", expected, found, True)
 
 
 def compare_layers(
     extracted: torch.Tensor, reference: torch.Tensor, layer_ids: list[int]
-) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
-    """Per id: max error / max |ref|, mean error / mean |ref|, and which reference id it matches best."""
-    max_rel, mean_rel, best = {}, {}, {}
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per id against its own reference: max error / max |ref|, mean error / mean |ref|."""
+    max_rel, mean_rel = {}, {}
     for j, layer_id in enumerate(layer_ids):
         got = extracted[:, j].float()
         ref = reference[:, j].float()
         diff = (got - ref).abs()
         max_rel[str(layer_id)] = float(diff.max() / ref.abs().max().clamp_min(1e-12))
         mean_rel[str(layer_id)] = float(diff.mean() / ref.abs().mean().clamp_min(1e-12))
-        distances = [float((got - reference[:, k].float()).abs().mean()) for k in range(len(layer_ids))]
-        best[str(layer_id)] = layer_ids[min(range(len(layer_ids)), key=distances.__getitem__)]
-    return max_rel, mean_rel, best
+    return max_rel, mean_rel
 
 
 def render_check(server: VLLMServer, messages: list[dict[str, str]], expected_ids: list[int]) -> str | None:
@@ -205,6 +299,125 @@ def render_check(server: VLLMServer, messages: list[dict[str, str]], expected_id
     return None
 
 
+def load_hf_reference(model_dir: Path, trust_remote_code: bool) -> tuple[Any, str]:
+    """The fp32 HF model, or None and why (e.g. a quantization HF cannot run: self-consistency instead)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
+        ).eval()
+    except Exception as exc:  # noqa: BLE001 - recorded in the artefact, the fallback check runs instead
+        note = f"no HF reference ({repr(exc)[:300]}); self-consistency: two extractions must be equal"
+        log.warning("canary: %s", note)
+        return None, note
+    return model, "HF transformers fp32 forward"
+
+
+@dataclasses.dataclass
+class FileFindings:
+    shape_ok: bool = True
+    dtype_ok: bool = True
+    finite_ok: bool = True
+    varied_ok: bool = True
+    ids_ok: bool = True
+    repeat_ok: bool = True
+    max_rel: dict[str, float] = dataclasses.field(default_factory=dict)
+    mean_rel: dict[str, float] = dataclasses.field(default_factory=dict)
+    matches: list[SlotMatch] = dataclasses.field(default_factory=list)
+
+
+def inspect_files(
+    samples: list[Sample], files_dir: Path, repeat_dir: Path, layer_ids: list[int], hidden_size: int, hf_model: Any
+) -> FileFindings:
+    """Read every extracted file once: format checks, and against the HF reference of every layer."""
+    from safetensors.torch import load_file
+
+    found = FileFindings()
+    labels: list[str] = []
+    sq_dist = sq_norm = None
+    for sample in samples:
+        data = load_file(str(hs_file(files_dir, sample.row)))
+        hidden, token_ids = data["hidden_states"], data["token_ids"]
+        found.shape_ok &= list(hidden.shape) == [len(sample.input_ids), len(layer_ids), hidden_size]
+        found.dtype_ok &= hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        found.finite_ok &= bool(torch.isfinite(hidden).all())
+        found.varied_ok &= all(float(hidden[:, j].float().std()) > 0 for j in range(hidden.shape[1]))
+        found.ids_ok &= token_ids.tolist() == sample.input_ids
+        if hf_model is None:
+            again = load_file(str(hs_file(repeat_dir, sample.row)))["hidden_states"]
+            found.repeat_ok &= torch.equal(again, hidden)
+            continue
+        if not (found.finite_ok and found.shape_ok):
+            continue
+        labels, candidates = reference_all_layers(sample.input_ids, hf_model)
+        own = candidates[:, [labels.index(str(i)) for i in layer_ids]]
+        sample_max, sample_mean = compare_layers(hidden, own, layer_ids)
+        for key in sample_max:
+            found.max_rel[key] = max(found.max_rel.get(key, 0.0), sample_max[key])
+            found.mean_rel[key] = max(found.mean_rel.get(key, 0.0), sample_mean[key])
+        dist = squared_distances(hidden, candidates)
+        norm = hidden.float().pow(2).sum(dim=(0, 2))
+        sq_dist = dist if sq_dist is None else sq_dist + dist
+        sq_norm = norm if sq_norm is None else sq_norm + norm
+    if sq_dist is not None:
+        found.matches = match_slots(layer_ids, labels, sq_dist, sq_norm)
+    return found
+
+
+def build_checks(
+    found: FileFindings,
+    layer_ids: list[int],
+    hidden_size: int,
+    render_problems: list[tuple[int, str | None]],
+    tolerance: float,
+    with_reference: bool,
+) -> list[CheckRow]:
+    bad_render = [f"sample {i}: {p}" for i, p in render_problems if p]
+    checks = [
+        CheckRow(
+            "shape [T, L, H]", f"[T, {len(layer_ids)}, {hidden_size}]", _ok(found.shape_ok, "mismatch"), found.shape_ok
+        ),
+        CheckRow("dtype", "bf16/f16/f32", _ok(found.dtype_ok, "other"), found.dtype_ok),
+        CheckRow("finite", "no NaN/Inf", _ok(found.finite_ok, "NaN or Inf found"), found.finite_ok),
+        CheckRow("non-degenerate", "every layer varies", _ok(found.varied_ok, "a constant layer"), found.varied_ok),
+        CheckRow("token ids round-trip", "file token_ids == sent ids", _ok(found.ids_ok, "differ"), found.ids_ok),
+        CheckRow(
+            "server chat rendering",
+            "render endpoint ids == prepare_data ids",
+            f"{len(render_problems) - len(bad_render)}/{len(render_problems)} equal"
+            + (f"; {bad_render[0]}" if bad_render else ""),
+            not bad_render,
+        ),
+    ]
+    if not with_reference:
+        checks.append(
+            CheckRow(
+                "self-consistency", "two extractions bit-identical", _ok(found.repeat_ok, "differ"), found.repeat_ok
+            )
+        )
+        return checks
+    if found.matches:
+        checks.append(convention_row(found.matches, layer_ids[-1]))
+    else:  # nothing could be compared (bad shape or NaN): those rows fail already; this one must not pass
+        checks.append(CheckRow("layer-id convention", "each id nearest to its own layer", "not compared", False))
+    worst = max(found.max_rel.values()) if found.max_rel else float("inf")
+    per_layer = json.dumps({k: round(v, 4) for k, v in found.max_rel.items()})
+    checks.append(
+        CheckRow(
+            "vs HF fp32 reference",
+            f"max rel error <= {tolerance}",
+            f"worst {worst:.4f} ({per_layer})",
+            worst <= tolerance,
+        )
+    )
+    return checks
+
+
+def _ok(passed: bool, otherwise: str) -> str:
+    return "ok" if passed else otherwise
+
+
 def run_canary(
     *,
     target_dir: Path,
@@ -218,10 +431,11 @@ def run_canary(
     render_samples: int,
     trust_remote_code: bool,
     device: str,
+    settings: ClientSettings | None = None,
 ) -> CanaryReport:
     config = json.loads((target_dir / "config.json").read_text())
     layers = canary_layer_count(config, canary_layers)
-    layer_ids = list(range(1, layers + 1))
+    layer_ids = canary_layer_ids(layers)
     canary_model = work_dir / "model"
     build_truncated_target(target_dir, canary_model, layers)
     hidden_size = int((config.get("text_config") or config)["hidden_size"])
@@ -229,118 +443,21 @@ def run_canary(
     for d in (files_dir, second_dir, scratch):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-    checks: list[CheckRow] = []
-    reference_note = "HF transformers fp32 forward"
-    hf_model, hf_error = None, None
-    try:
-        from transformers import AutoModelForCausalLM
-
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            canary_model, dtype=torch.float32, trust_remote_code=trust_remote_code
-        ).eval()
-    except Exception as exc:  # noqa: BLE001 - e.g. a quantization HF cannot run: recorded, fallback below
-        hf_error = repr(exc)
-        reference_note = f"no HF reference ({hf_error[:300]}); self-consistency: two extractions must be equal"
-        log.warning("canary: %s", reference_note)
-
-    settings = ClientSettings(concurrency=4, request_timeout_s=300, max_retries=1, progress_interval_s=5)
+    hf_model, reference_note = load_hf_reference(canary_model, trust_remote_code)
+    log.info("canary: %d-layer slice, capturing ids %s", layers, layer_ids)
+    settings = settings or ClientSettings(concurrency=4, request_timeout_s=300, max_retries=1, progress_interval_s=5)
+    extract = dict(layer_count=len(layer_ids), hidden_size=hidden_size, settings=settings)
     with VLLMServer(spec_factory(str(canary_model), layer_ids, str(scratch.resolve())), server_log) as server:
         ready_s = server.ready_s
-        extract_samples(
-            server,
-            samples,
-            files_dir,
-            layer_count=len(layer_ids),
-            hidden_size=hidden_size,
-            settings=settings,
-            tracker=ProgressTracker(None, 0, len(samples), 0),
-        )
+        extract_samples(server, samples, files_dir, tracker=ProgressTracker(None, 0, len(samples), 0), **extract)
         if hf_model is None:
-            extract_samples(
-                server,
-                samples,
-                second_dir,
-                layer_count=len(layer_ids),
-                hidden_size=hidden_size,
-                settings=settings,
-                tracker=ProgressTracker(None, 0, len(samples), 0),
-            )
+            extract_samples(server, samples, second_dir, tracker=ProgressTracker(None, 0, len(samples), 0), **extract)
         render_problems = [
             (i, render_check(server, messages[i], samples[i].input_ids))
             for i in range(min(render_samples, len(samples)))
         ]
-
-    from safetensors.torch import load_file
-
-    max_rel: dict[str, float] = {}
-    mean_rel: dict[str, float] = {}
-    shape_ok = dtype_ok = finite_ok = varied_ok = ids_ok = convention_ok = repeat_ok = True
-    convention_found: dict[str, int] = {}
-    for sample in samples:
-        data = load_file(str(hs_file(files_dir, sample.row)))
-        hidden, token_ids = data["hidden_states"], data["token_ids"]
-        shape_ok &= list(hidden.shape) == [len(sample.input_ids), len(layer_ids), hidden_size]
-        dtype_ok &= hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        finite_ok &= bool(torch.isfinite(hidden).all())
-        varied_ok &= all(float(hidden[:, j].float().std()) > 0 for j in range(len(layer_ids)))
-        ids_ok &= token_ids.tolist() == sample.input_ids
-        if hf_model is not None and finite_ok and shape_ok:
-            reference = reference_hidden_states(
-                canary_model, sample.input_ids, layer_ids, trust_remote_code, model=hf_model
-            )
-            sample_max, sample_mean, best = compare_layers(hidden, reference, layer_ids)
-            for key in sample_max:
-                max_rel[key] = max(max_rel.get(key, 0.0), sample_max[key])
-                mean_rel[key] = max(mean_rel.get(key, 0.0), sample_mean[key])
-            for key, matched in best.items():
-                if int(key) != matched:
-                    convention_ok = False
-                    convention_found[key] = matched
-        if hf_model is None:
-            again = load_file(str(hs_file(second_dir, sample.row)))["hidden_states"]
-            repeat_ok &= torch.equal(again, hidden)
-
-    checks.append(
-        CheckRow("shape [T, L, H]", f"[T, {len(layer_ids)}, {hidden_size}]", "ok" if shape_ok else "mismatch", shape_ok)
-    )
-    checks.append(CheckRow("dtype", "bf16/f16/f32", "ok" if dtype_ok else "other", dtype_ok))
-    checks.append(CheckRow("finite", "no NaN/Inf", "ok" if finite_ok else "NaN or Inf found", finite_ok))
-    checks.append(
-        CheckRow("non-degenerate", "every layer varies", "ok" if varied_ok else "a constant layer", varied_ok)
-    )
-    checks.append(CheckRow("token ids round-trip", "file token_ids == sent ids", "ok" if ids_ok else "differ", ids_ok))
-    bad_render = [f"sample {i}: {p}" for i, p in render_problems if p]
-    checks.append(
-        CheckRow(
-            "server chat rendering",
-            "render endpoint ids == prepare_data ids",
-            f"{len(render_problems) - len(bad_render)}/{len(render_problems)} equal"
-            + (f"; {bad_render[0]}" if bad_render else ""),
-            not bad_render,
-        )
-    )
-    if hf_model is not None:
-        worst = max(max_rel.values()) if max_rel else float("inf")
-        checks.append(
-            CheckRow(
-                "layer-id convention",
-                "id k matches reference k best",
-                "ok" if convention_ok else f"id -> best match {convention_found}",
-                convention_ok,
-            )
-        )
-        checks.append(
-            CheckRow(
-                "vs HF fp32 reference",
-                f"max rel error <= {tolerance}",
-                f"worst {worst:.4f} ({json.dumps({k: round(v, 4) for k, v in max_rel.items()})})",
-                worst <= tolerance,
-            )
-        )
-    else:
-        checks.append(
-            CheckRow("self-consistency", "two extractions bit-identical", "equal" if repeat_ok else "differ", repeat_ok)
-        )
+    found = inspect_files(samples, files_dir, second_dir, layer_ids, hidden_size, hf_model)
+    checks = build_checks(found, layer_ids, hidden_size, render_problems, tolerance, hf_model is not None)
     return CanaryReport(
         passed=all(c.passed for c in checks),
         device=device,
@@ -348,11 +465,12 @@ def run_canary(
         canary_layer_ids=layer_ids,
         reference=reference_note,
         tolerance=tolerance,
-        per_layer_max_rel_error=max_rel,
-        per_layer_mean_rel_error=mean_rel,
+        per_layer_max_rel_error=found.max_rel,
+        per_layer_mean_rel_error=found.mean_rel,
         samples=len(samples),
         server_ready_s=round(ready_s, 2),
         checks=checks,
+        layer_matches={str(m.claimed): dataclasses.asdict(m) | {"margin": round(m.margin, 3)} for m in found.matches},
     )
 
 
@@ -410,11 +528,19 @@ def main(snakemake: Any) -> None:
             render_samples=canary_cfg["render_samples"],
             trust_remote_code=config["target"]["trust_remote_code"],
             device=device,
+            settings=ClientSettings(
+                concurrency=4,
+                request_timeout_s=300,
+                max_retries=1,
+                progress_interval_s=5,
+                stall_timeout_s=config["extraction"]["stall_timeout_s"],
+                stall_factor=config["extraction"]["stall_factor"],
+            ),
         )
         table = check_table(report.checks)
         if not report.passed:
             raise StageError(
-                f"canary FAILED on a {report.canary_layers}-layer slice of the target; extraction will "
+                f"canary FAILED on a slice of {report.canary_layers} layers of the target (ids {report.canary_layer_ids}); extraction will "
                 f"not start:\n{table}\nreference: {report.reference}"
             )
         log.info(

@@ -113,6 +113,9 @@ class CanaryReport:
     samples: int
     server_ready_s: float
     checks: list[CheckRow]
+    # per captured id: the reference layer nearest to its slot (of all 0..K and post-norm), the runner-up, the
+    # relative distances and their ratio (margin); the `layer-id convention` row fails when best != the id
+    layer_matches: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -129,11 +132,14 @@ class ExtractionManifest:
     tokens_per_s: float
     files_dir: str
     rows: list[int]
+    # the server's greedy next token (+ top logprobs) after a few samples; validate_hidden_states recomputes it
+    # from the captured last state through the target's final norm and lm_head
+    greedy_probes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class ProgressSnapshot:
-    state: str  # starting | running | done | failed
+    state: str  # starting | running | done | failed | stalled (server alive, no sample finished in time)
     replica: int
     samples_done: int
     samples_total: int
@@ -156,6 +162,7 @@ class ValidationReport:
     layer_count: int
     hidden_size: int
     files_dir: list[str]
+    greedy_check: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,15 @@ from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
 log = logging.getLogger("eagle3.extraction")
 
 
+class ServerStalled(StageError):
+    """The server is alive but no sample finished for the stall limit while requests were in flight."""
+
+
+def stall_limit_s(floor_s: float, factor: float, slowest_sample_s: float) -> float:
+    """How long the client waits for the next finished sample: the floor, or more when samples are slow."""
+    return max(floor_s, factor * slowest_sample_s)
+
+
 @dataclasses.dataclass
 class ClientSettings:
     concurrency: int = 8
@@ -43,6 +53,9 @@ class ClientSettings:
     max_retries: int = 3
     progress_interval_s: float = 5.0
     fail_after_samples: int | None = None
+    # a stall: requests in flight and no sample finished for max(floor, factor x slowest sample so far)
+    stall_timeout_s: float = 300.0
+    stall_factor: float = 10.0
 
 
 @dataclasses.dataclass
@@ -110,12 +123,22 @@ class ProgressTracker:
         self.done_this_run = 0
         self.tokens = 0
         self.started = time.monotonic()
+        self.last_finished = self.started
+        self.slowest_sample_s = 0.0
+        self.in_flight = 0
         self.state = "starting"
+        self.report_period_s = 5.0
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, latency_s: float = 0.0) -> None:
         self.done += 1
         self.done_this_run += 1
         self.tokens += tokens
+        self.last_finished = time.monotonic()
+        self.slowest_sample_s = max(self.slowest_sample_s, latency_s)
+
+    def idle_s(self) -> float:
+        """Seconds since the last sample finished (or since the client started)."""
+        return time.monotonic() - max(self.last_finished, self.started)
 
     def snapshot(self, message: str = "") -> ProgressSnapshot:
         elapsed = max(time.monotonic() - self.started, 1e-6)
@@ -141,34 +164,57 @@ class ProgressTracker:
         width = 30
         filled = int(width * snap.samples_done / max(snap.samples_total, 1))
         eta = "?" if snap.eta_s is None else f"{snap.eta_s:.0f}s"
+        idle = self.idle_s()
+        # a rate and an ETA keep looking plausible while nothing finishes: say so once it lasts
+        quiet = (
+            f", last sample finished {idle:.0f} s ago"
+            if self.state == "running" and idle > 3 * self.report_period_s
+            else ""
+        )
         log.info(
-            "[%s%s] %d/%d samples, %.0f tok/s, ETA %s%s",
+            "[%s%s] %d/%d samples, %.0f tok/s, ETA %s%s%s",
             "#" * filled,
             "." * (width - filled),
             snap.samples_done,
             snap.samples_total,
             snap.tokens_per_s,
             eta,
+            quiet,
             f" ({message})" if message else "",
         )
 
 
 async def _wait_for_file(path: str, timeout_s: float) -> None:
     """Block until the connector's writer releases its lock on `path` (shared flock, like vLLM's reader)."""
+    stop = threading.Event()
+    try:
+        await asyncio.to_thread(_wait_unlocked, path, timeout_s, stop)
+    finally:
+        stop.set()  # a cancelled wait must not leave a thread polling: asyncio.run joins them before it returns
+
+
+def _wait_unlocked(path: str, timeout_s: float, stop: threading.Event) -> None:
     lock_path = path + ".lock"
+    deadline = time.monotonic() + timeout_s
 
-    def wait() -> None:
-        deadline = time.monotonic() + timeout_s
-        while not os.path.exists(lock_path) and not os.path.exists(path):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"neither {path} nor its lock appeared within {timeout_s:.0f} s")
-            time.sleep(0.01)
-        if os.path.exists(lock_path):
-            with open(lock_path) as handle:
-                fcntl.flock(handle, fcntl.LOCK_SH)
-            os.unlink(lock_path)
+    def give_up() -> bool:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} was not complete within {timeout_s:.0f} s")
+        return stop.wait(0.01)
 
-    await asyncio.to_thread(wait)
+    while not os.path.exists(lock_path) and not os.path.exists(path):
+        if give_up():
+            return
+    if os.path.exists(lock_path):
+        with open(lock_path) as handle:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if give_up():
+                        return
+        os.unlink(lock_path)
 
 
 async def _request_one(client: Any, server: VLLMServer, sample: Sample, settings: ClientSettings) -> str:
@@ -247,8 +293,13 @@ async def _extract_async(
                     f"fault injection: extraction.fail_after_samples={settings.fail_after_samples} "
                     "stopped this replica on purpose"
                 )
-            produced = await _request_one(client, server, sample, settings)
-            await _wait_for_file(produced, settings.request_timeout_s)
+            sent = time.monotonic()
+            tracker.in_flight += 1
+            try:
+                produced = await _request_one(client, server, sample, settings)
+                await _wait_for_file(produced, settings.request_timeout_s)
+            finally:
+                tracker.in_flight -= 1
             reason = check_file(Path(produced), sample.input_ids, layer_count, hidden_size, full=False)
             if reason is not None:
                 raise StageError(f"row {sample.row}: the file the server wrote ({produced}) is invalid: {reason}")
@@ -256,18 +307,14 @@ async def _extract_async(
             os.replace(produced, final)  # atomic: a reader sees no file or the whole file
             bytes_written += final.stat().st_size
             completed_this_run += 1
-            tracker.add(len(sample.input_ids))
+            tracker.add(len(sample.input_ids), time.monotonic() - sent)
             if on_file is not None:
                 on_file(sample, final)
 
-    async def watchdog(tasks: list[asyncio.Task]) -> None:
+    async def watchdog() -> None:
         while True:
-            try:
-                server.check()
-            except ServerFailure:
-                for task in tasks:
-                    task.cancel()
-                raise
+            server.check()  # a dead server: ServerFailure with its log
+            check_stall(server, tracker, settings)
             await asyncio.sleep(0.5)
 
     async def reporter() -> None:
@@ -276,21 +323,47 @@ async def _extract_async(
             tracker.write()
 
     limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
+    tracker.report_period_s = settings.progress_interval_s
+    tracker.last_finished = time.monotonic()
     async with httpx.AsyncClient(limits=limits) as client:
-        tasks = [asyncio.create_task(one(client, s)) for s in samples]
-        guard = asyncio.create_task(watchdog(tasks))
-        report = asyncio.create_task(reporter())
-        try:
-            gathered = asyncio.gather(*tasks)
-            done, _ = await asyncio.wait({gathered, guard}, return_when=asyncio.FIRST_COMPLETED)
-            if guard in done:
-                guard.result()  # raises the ServerFailure
-            await gathered
-        finally:
-            for task in (*tasks, guard, report):
-                task.cancel()
-            await asyncio.gather(*tasks, guard, report, return_exceptions=True)
+        await _run_guarded([asyncio.create_task(one(client, s)) for s in samples], watchdog(), reporter())
     return bytes_written
+
+
+async def _run_guarded(tasks: list[asyncio.Task], watchdog: Any, reporter: Any) -> None:
+    """Await `tasks` while the watchdog may fail them all; whatever happens, every task ends and is drained."""
+    gathered = asyncio.gather(*tasks)
+    guard = asyncio.create_task(watchdog)
+    report = asyncio.create_task(reporter)
+    try:
+        done, _ = await asyncio.wait({gathered, guard}, return_when=asyncio.FIRST_COMPLETED)
+        if guard in done:
+            guard.result()  # raises the ServerFailure or ServerStalled
+        await gathered
+    finally:
+        for task in (*tasks, guard, report):
+            task.cancel()
+        # Drain everything, the gather future included: an exception nobody retrieved is printed by asyncio
+        # at garbage collection, i.e. after (and burying) the stage's FAILED block.
+        await asyncio.gather(*tasks, gathered, guard, report, return_exceptions=True)
+
+
+def check_stall(server: VLLMServer, tracker: ProgressTracker, settings: ClientSettings) -> None:
+    """Raise ServerStalled when requests are in flight and nothing finished for the stall limit."""
+    limit = stall_limit_s(settings.stall_timeout_s, settings.stall_factor, tracker.slowest_sample_s)
+    idle = tracker.idle_s()
+    if tracker.in_flight == 0 or idle <= limit:
+        return
+    tail = "\n".join(list(server.tail)[-40:])
+    raise ServerStalled(
+        f"no progress for {idle:.0f} s; server alive but not answering ({tracker.in_flight} requests in flight, "
+        f"{tracker.done}/{tracker.total} samples done; limit {limit:.0f} s = max(extraction.stall_timeout_s="
+        f"{settings.stall_timeout_s:g}, extraction.stall_factor={settings.stall_factor:g} x slowest sample "
+        f"{tracker.slowest_sample_s:.1f} s)). A hung engine looks like this: a wedged GPU, a stuck NCCL "
+        "collective, a stopped process. Check the GPUs (nvidia-smi) and the log below, then rerun (finished "
+        f"samples are kept); raise extraction.stall_timeout_s if samples are legitimately this slow.\n"
+        f"last server log lines:\n{tail}"
+    )
 
 
 def extract_samples(
@@ -319,6 +392,50 @@ def extract_samples(
         raise
 
 
+def parse_greedy_probe(row: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """The server's greedy next token and its top logprobs (token ids, via return_tokens_as_token_ids)."""
+    choice = (payload.get("choices") or [{}])[0]
+    logprobs = choice.get("logprobs") or {}
+    tokens = logprobs.get("tokens") or []
+    top = (logprobs.get("top_logprobs") or [{}])[0] or {}
+    if not tokens or not str(tokens[0]).startswith("token_id:"):
+        raise StageError(f"row {row}: greedy probe response has no token ids in logprobs: {json.dumps(payload)[:600]}")
+    return {
+        "row": row,
+        "token_id": int(str(tokens[0]).split(":", 1)[1]),
+        "top_logprobs": {str(k).split(":", 1)[1]: float(v) for k, v in top.items()},
+    }
+
+
+def greedy_probes(server: VLLMServer, samples: list[Sample], timeout_s: float) -> list[dict[str, Any]]:
+    """One extra request per sample: the server's own greedy next token after the whole sample.
+
+    validate_hidden_states applies the target's final norm and lm_head to the captured id N at the last
+    position and must find the same token: a capture that is wrong on the full model (which the canary's
+    slice cannot see) is caught there.
+    """
+    import httpx
+
+    probes = []
+    for sample in samples:
+        body = {
+            "model": server.spec.served_model_name,
+            "prompt": sample.input_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": 5,
+            "return_tokens_as_token_ids": True,
+        }
+        response = httpx.post(
+            f"{server.base_url}/v1/completions", json=body, headers=server.headers(), timeout=timeout_s
+        )
+        if response.status_code != 200:
+            server.check()
+            raise StageError(f"row {sample.row}: greedy probe HTTP {response.status_code}: {response.text[:500]}")
+        probes.append(parse_greedy_probe(sample.row, response.json()))
+    return probes
+
+
 def extract_replica(
     *,
     prepared_dir: Path,
@@ -334,6 +451,7 @@ def extract_replica(
     settings: ClientSettings,
     disk_margin: float,
     available_bytes_override: int | None,
+    probe_samples: int = 0,
 ) -> ExtractionManifest:
     """The whole replica: preflight, resume, server, client, manifest."""
     started = time.monotonic()
@@ -358,6 +476,7 @@ def extract_replica(
     tracker = ProgressTracker(progress_path, replica, len(samples), len(done))
     tracker.write("starting the vLLM server" if todo else "nothing to extract")
     bytes_written, ready_s = 0, 0.0
+    probes: list[dict[str, Any]] = []
     client_started = time.monotonic()
     if todo:
         if scratch_dir.exists():
@@ -378,9 +497,10 @@ def extract_replica(
                     settings=settings,
                     tracker=tracker,
                 )
+                probes = greedy_probes(server, samples[:probe_samples], settings.request_timeout_s)
         except BaseException as exc:
-            tracker.state = "failed"
-            tracker.write(f"failed: {exc!r}"[:500])
+            tracker.state = "stalled" if isinstance(exc, ServerStalled) else "failed"
+            tracker.write(f"{tracker.state}: {exc!r}"[:500])
             raise
         shutil.rmtree(scratch_dir, ignore_errors=True)
     client_s = time.monotonic() - client_started
@@ -400,6 +520,7 @@ def extract_replica(
         tokens_per_s=round(tokens / client_s, 1) if todo and client_s > 0 else 0.0,
         files_dir=str(files_dir),
         rows=rows,
+        greedy_probes=probes,
     )
 
 
@@ -450,9 +571,12 @@ def main(snakemake: Any) -> None:
                 max_retries=extraction["max_retries"],
                 progress_interval_s=extraction["progress_interval_s"],
                 fail_after_samples=extraction["fail_after_samples"],
+                stall_timeout_s=extraction["stall_timeout_s"],
+                stall_factor=extraction["stall_factor"],
             ),
             disk_margin=extraction["disk_margin"],
             available_bytes_override=extraction["available_bytes_override"],
+            probe_samples=extraction["greedy_probe_samples"],
         )
         log.info(
             "replica %d: %d extracted, %d reused, %s written, %.0f tok/s",

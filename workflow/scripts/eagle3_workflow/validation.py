@@ -3,6 +3,11 @@
 Checks per file: keys, shape [T, L, H] with the captured L and the target's H, float dtype, finite,
 non-constant, token_ids equal to the prepared input_ids. Missing or bad samples above
 validation.max_bad_samples (default 0) fail the stage with a table of what is wrong.
+
+Cross-check on the full model: for the few samples whose greedy next token the extraction server reported
+(replica manifests, `greedy_probes`), the captured last state (id N, last position) goes through the target's
+final norm and lm_head (read lazily from its safetensors, fp32) and must give that token. The slice-based
+canary cannot see a capture that drifts only on the full model; this can, for id N.
 """
 
 from __future__ import annotations
@@ -16,6 +21,93 @@ from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.hidden_states import check_file, hs_file, human_bytes
 
 MAX_LISTED = 50
+# Final norms this check knows: plain RMSNorm x * rsqrt(mean(x^2) + eps) * w. Gemma's (1 + w) and logit
+# soft-capping, or any other head, are refused by name rather than checked with the wrong formula.
+RMSNORM_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
+# bf16 has an 8-bit significand: the server's bf16 logits cannot order two tokens closer than a couple of ulps
+# (2^-7 relative each). A token within 2^-6 x the largest |logit| of our fp32 argmax counts as a tie.
+TIE_RELATIVE = 2.0**-6
+
+
+def load_final_head(target_dir: Path) -> tuple[Any, Any, float]:
+    """(final norm weight, lm_head weight [V, H], eps) of the target, read lazily from its safetensors."""
+    import json
+
+    from safetensors import safe_open
+
+    config = json.loads((target_dir / "config.json").read_text())
+    text = config.get("text_config") or config
+    model_type = str(text.get("model_type") or config.get("model_type"))
+    if model_type not in RMSNORM_MODEL_TYPES:
+        raise StageError(
+            f"the greedy-token cross-check does not know the final norm of model_type {model_type!r} (it knows "
+            f"{sorted(RMSNORM_MODEL_TYPES)}); set extraction.greedy_probe_samples: 0 to skip it for this target"
+        )
+    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    names = {"norm": "model.norm.weight", "head": "model.embed_tokens.weight" if tied else "lm_head.weight"}
+    index = target_dir / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    tensors = {}
+    for key, name in names.items():
+        shard = weight_map.get(name, "model.safetensors")
+        with safe_open(str(target_dir / shard), framework="pt") as handle:
+            if name not in handle.keys():
+                raise StageError(f"{target_dir / shard} has no tensor {name!r}; cannot cross-check the last state")
+            tensors[key] = handle.get_tensor(name).float()
+    return tensors["norm"], tensors["head"], float(text.get("rms_norm_eps", 1e-6))
+
+
+def greedy_check_row(last_state: Any, probe: dict[str, Any], norm: Any, head: Any, eps: float) -> dict[str, Any]:
+    """Recompute the next token from one captured last state; ok when it is the server's or a bf16 tie."""
+    import torch
+
+    state = last_state.float()
+    normed = state * torch.rsqrt(state.pow(2).mean() + eps) * norm
+    logits = head @ normed
+    ours = int(logits.argmax())
+    server = int(probe["token_id"])
+    gap = float(logits[ours] - logits[server])
+    tolerance = TIE_RELATIVE * float(logits.abs().max())
+    return {
+        "row": probe["row"],
+        "server_token": server,
+        "recomputed_token": ours,
+        "logit_gap": round(gap, 4),
+        "tolerance": round(tolerance, 4),
+        "ok": gap <= tolerance,
+    }
+
+
+def greedy_cross_check(target_dir: Path, files_dir: Path, probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from safetensors import safe_open
+
+    if not probes:
+        return []
+    norm, head, eps = load_final_head(target_dir)
+    rows = []
+    for probe in probes:
+        with safe_open(str(hs_file(files_dir, probe["row"])), framework="pt") as handle:
+            last_state = handle.get_slice("hidden_states")[-1:, -1:, :].reshape(-1)  # last position, id N
+        rows.append(greedy_check_row(last_state, probe, norm, head, eps))
+    return rows
+
+
+def greedy_failure_message(rows: list[dict[str, Any]]) -> str:
+    table = render_table(
+        ["row", "server token", "from captured id N", "logit gap", "tolerance"],
+        [
+            (r["row"], r["server_token"], r["recomputed_token"], r["logit_gap"], r["tolerance"])
+            for r in rows
+            if not r["ok"]
+        ],
+    )
+    return (
+        f"{sum(not r['ok'] for r in rows)} of {len(rows)} samples: the captured last state (id N) through the "
+        f"target's final norm and lm_head does not give the server's own greedy next token:\n{table}\n"
+        "The last captured layer is not the pre-norm output of the last decoder layer (a layer-id remap or a "
+        "post-norm capture in this vLLM build). The hidden states are unusable for training; do not raise "
+        "tolerances. Check the vLLM version against envs/ and rerun the canary."
+    )
 
 
 def validate_files(
@@ -86,6 +178,14 @@ def main(snakemake: Any) -> None:
         )
         if not report.passed:
             raise StageError(failure_message(report, max_bad))
+        probes = [p for path in snakemake.input.manifests for p in read_json(path).get("greedy_probes", [])]
+        report.greedy_check = greedy_cross_check(Path(snakemake.input.target), Path(snakemake.params.files_dir), probes)
+        if not probes:
+            log.warning("greedy-token cross-check: no probes in the replica manifests (nothing was extracted this run)")
+        elif not all(r["ok"] for r in report.greedy_check):
+            raise StageError(greedy_failure_message(report.greedy_check))
+        else:
+            log.info("greedy-token cross-check: %d/%d samples give the server's token", len(probes), len(probes))
         write_json_atomic(snakemake.output.report, report)
 
     run_stage("validate_hidden_states", snakemake.log[0], body)
