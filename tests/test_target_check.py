@@ -101,7 +101,7 @@ def test_a_plain_text_end_of_turn_is_a_stop_string(turn_tokenizer):
 
 
 def test_check_api_lists_the_architectures_this_vllm_can_capture(tiny_targets, tmp_path):
-    from eagle3_workflow.api_checks import failure_advice, run_api_checks
+    from eagle3_workflow.api_checks import eagle3_capable_architectures, failure_advice, run_api_checks
 
     target = tmp_path / "model"
     target.mkdir()
@@ -122,13 +122,13 @@ def test_check_api_lists_the_architectures_this_vllm_can_capture(tiny_targets, t
     )
     failed = [r for r in report.checks if not r.passed]
     assert [r.name for r in failed] == ["target architecture"]
-    found = failed[0].found
-    assert "supports_eagle3=False" in found
-    capable = found.split("this vLLM can capture: ")[1].split(", ")
+    assert "supports_eagle3=False" in failed[0].found
+    capable = eagle3_capable_architectures()  # read from the installed vLLM's registry
     assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"} <= set(capable)
-    assert "GPT2LMHeadModel" not in capable
-    advice = failure_advice(failed)
+    assert "GPT2LMHeadModel" not in capable and not any("Eagle" in a for a in capable)
+    advice = failure_advice(failed, capable)
     assert "this vLLM cannot capture" in advice and "Environment" not in advice
+    assert "LlamaForCausalLM" in advice and f"these {len(capable)}" in advice
 
 
 # ---------------------------------------------------------------- group-readable artefacts

@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import re
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,8 @@ def check_completion_protocol() -> tuple[str, bool]:
 
 # draft-model classes registered beside the targets (EAGLE, DFlash, ...): they capture nothing themselves
 DRAFT_ARCHITECTURE = re.compile(r"eagle|draft|dflash", re.IGNORECASE)
+# a target generates text: embedding, classification and bare-model classes are not targets
+GENERATIVE_ARCHITECTURE = re.compile(r"(ForCausalLM|ForConditionalGeneration)$")
 
 
 def eagle3_capable_architectures() -> list[str]:
@@ -191,7 +194,7 @@ def eagle3_capable_architectures() -> list[str]:
     registry_log.setLevel(logging.CRITICAL)  # classes needing extras absent here (vision) would log tracebacks
     try:
         for arch in sorted(ModelRegistry.get_supported_archs()):
-            if DRAFT_ARCHITECTURE.search(arch):
+            if DRAFT_ARCHITECTURE.search(arch) or not GENERATIVE_ARCHITECTURE.search(arch):
                 continue
             model_cls = ModelRegistry._try_load_model_cls(arch)
             if model_cls is not None and supports_eagle3(model_cls):
@@ -211,12 +214,7 @@ def check_architecture(architecture: str, trust_remote_code: bool) -> tuple[str,
     if model_cls is None:
         return f"{architecture} registered but its class failed to import", False
     ok = bool(supports_eagle3(model_cls))
-    if not ok:
-        return (
-            f"{model_cls.__name__}: supports_eagle3=False; this vLLM can capture: "
-            f"{', '.join(eagle3_capable_architectures())}"
-        ), False
-    return f"{model_cls.__name__}: supports_eagle3=True", True
+    return f"{model_cls.__name__}: supports_eagle3={ok}", ok
 
 
 def check_layer_ids(num_layers: int, configured: list[int] | None) -> tuple[str, bool]:
@@ -328,11 +326,19 @@ FIX_HEADINGS = {
 }
 
 
-def failure_advice(failed: list[CheckRow]) -> str:
-    """The failed rows grouped by who fixes them, each with its fix. Pure."""
+def failure_advice(failed: list[CheckRow], capable_architectures: list[str] | None = None) -> str:
+    """The failed rows grouped by who fixes them, each with its fix. Pure.
+
+    `capable_architectures`: what this vLLM can capture, listed under a failed architecture row.
+    """
     groups: dict[str, list[str]] = {kind: [] for kind in FIX_HEADINGS}
     for row in failed:
         kind, fix = ROW_FIXES.get(row.name, ("environment", "update the adapted code and its check"))
+        if row.name == "target architecture" and capable_architectures:
+            listed = textwrap.fill(
+                ", ".join(capable_architectures), 110, initial_indent="    ", subsequent_indent="    "
+            )
+            fix += f"; this vLLM can capture these {len(capable_architectures)}:\n{listed}"
         groups[kind].append(f"- {row.name}: {row.found}\n  fix: {fix}")
     return "\n".join(f"{FIX_HEADINGS[kind]}:\n" + "\n".join(lines) for kind, lines in groups.items() if lines)
 
@@ -450,9 +456,11 @@ def main(snakemake: Any) -> None:
         table = check_table(report.checks)
         if not report.passed:
             failed = [r for r in report.checks if not r.passed]
+            architecture_failed = any(r.name == "target architecture" for r in failed)
+            capable = eagle3_capable_architectures() if architecture_failed else None
             raise StageError(
                 f"API compatibility check failed ({len(failed)} of {len(report.checks)}):\n{table}\n"
-                f"{failure_advice(failed)}"
+                f"{failure_advice(failed, capable)}"
             )
         log.info("API compatibility: all %d checks pass\n%s", len(report.checks), table)
         write_json_atomic(snakemake.output.report, report)
