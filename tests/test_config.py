@@ -61,3 +61,71 @@ def test_snakemake_refuses_a_bad_config_before_planning(tmp_path: Path):
     proc = run_workflow(tmp_path, config, extra=["-n"], check=False)
     assert proc.returncode != 0
     assert "replicas" in proc.stderr + proc.stdout
+
+
+def test_unknown_top_level_key_is_named_with_the_allowed_keys():
+    from eagle3_workflow.config_errors import config_errors
+
+    config = tiny_config()
+    config["extration"] = {"replicas": 2}
+    (line,) = config_errors(config, SCHEMA)
+    assert "extration" in line and "extraction" in line and "hidden_states" in line
+
+
+def test_snakemake_names_a_misspelled_key_in_a_few_lines(tmp_path: Path):
+    from conftest import run_workflow
+
+    config = tiny_config()
+    config["extration"] = {"replicas": 2}
+    config["extraction"]["concurency"] = 3
+    proc = run_workflow(tmp_path, config, extra=["-n"], check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "unknown key extration" in output and "unknown key extraction.concurency" in output
+    assert "allowed keys: " in output and "concurrency" in output  # the allowed keys, so the fix is visible
+    assert "$schema" not in output and "description" not in output  # neither the schema nor the config dump
+    assert len(output.splitlines()) < 20, output
+
+
+# ---------------------------------------------------------------- check_api: a config mistake is not an environment one
+
+
+def test_layer_id_failures_name_the_key_not_the_environment(tiny_targets):
+    from eagle3_workflow.api_checks import failure_advice, run_api_checks
+
+    report = run_api_checks(
+        target_dir=str(tiny_targets("llama")),
+        prepared_dir=None,
+        configured_layer_ids=[2, 2, 8],
+        vllm_min="0.18.0",
+        vllm_max_exclusive="0.34.0",
+        device="cpu",
+        trust_remote_code=False,
+    )
+    failed = [r for r in report.checks if not r.passed]
+    assert [r.name for r in failed] == ["layer ids"]
+    assert "list each layer id once" in failed[0].found and "explicitly" not in failed[0].found
+    advice = failure_advice(failed)
+    assert "change hidden_states.layer_ids" in advice
+    assert "envs/" not in advice and "environment" not in advice.lower()
+
+
+def test_default_layer_ids_that_collide_ask_for_explicit_ids():
+    from eagle3_workflow.hidden_states import resolve_layer_ids
+
+    with pytest.raises(ValueError, match="default ids .* collide on a 4-layer target; set hidden_states.layer_ids"):
+        resolve_layer_ids(4, None)
+
+
+def test_environment_failures_name_the_package():
+    from eagle3_workflow.api_checks import failure_advice
+    from eagle3_workflow.contracts import CheckRow
+
+    advice = failure_advice(
+        [
+            CheckRow("vllm version", ">= 0.18.0, < 0.34.0", "0.40.0", False),
+            CheckRow("speculators train fields", "TrainConfig has every flag", "missing ['ttt_steps']", False),
+        ]
+    )
+    assert "Environment" in advice and "Config" not in advice
+    assert "vllm: install" in advice and "speculators: install" in advice

@@ -3,7 +3,7 @@ import json
 import os
 from pathlib import Path
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -15,7 +15,20 @@ if not config:
     configfile: str(Path(workflow.current_basedir).parent.parent / "config" / "config.yaml")
 
 
-validate(config, schema="../schemas/config.schema.yaml")
+def validate_run_config():
+    """The schema's check and defaults; a refusal names the key path and the allowed keys, nothing more."""
+    import sys
+
+    scripts = str(Path(workflow.current_basedir).parent / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        from eagle3_workflow.config_errors import validate_config
+    finally:
+        sys.path.remove(scripts)
+    validate_config(config, Path(workflow.current_basedir).parent / "schemas" / "config.schema.yaml")
+
+
+validate_run_config()
 
 RUN = config["run"]
 OUT = f"results/{RUN}"

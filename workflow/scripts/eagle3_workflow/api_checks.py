@@ -14,6 +14,8 @@ import importlib.metadata
 import inspect
 import json
 import logging
+import re
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,37 @@ def check_completion_protocol() -> tuple[str, bool]:
     )
 
 
+# draft-model classes registered beside the targets (EAGLE, DFlash, ...): they capture nothing themselves
+DRAFT_ARCHITECTURE = re.compile(r"eagle|draft|dflash", re.IGNORECASE)
+# a target generates text: embedding, classification and bare-model classes are not targets
+GENERATIVE_ARCHITECTURE = re.compile(r"(ForCausalLM|ForConditionalGeneration)$")
+
+
+def eagle3_capable_architectures() -> list[str]:
+    """Target architectures of the installed vLLM's registry whose class supports EAGLE-3 capture.
+
+    vLLM's own supports_eagle3 on every registered class (about 400; ~35 s on a loaded 2-core machine, run
+    only when the target's architecture fails). Draft-model classes are left out: they are not targets.
+    """
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    capable = []
+    registry_log = logging.getLogger("vllm.model_executor.models.registry")
+    level = registry_log.level
+    registry_log.setLevel(logging.CRITICAL)  # classes needing extras absent here (vision) would log tracebacks
+    try:
+        for arch in sorted(ModelRegistry.get_supported_archs()):
+            if DRAFT_ARCHITECTURE.search(arch) or not GENERATIVE_ARCHITECTURE.search(arch):
+                continue
+            model_cls = ModelRegistry._try_load_model_cls(arch)
+            if model_cls is not None and supports_eagle3(model_cls):
+                capable.append(arch)
+    finally:
+        registry_log.setLevel(level)
+    return capable
+
+
 def check_architecture(architecture: str, trust_remote_code: bool) -> tuple[str, bool]:
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
@@ -185,7 +218,10 @@ def check_architecture(architecture: str, trust_remote_code: bool) -> tuple[str,
 
 
 def check_layer_ids(num_layers: int, configured: list[int] | None) -> tuple[str, bool]:
-    ids = resolve_layer_ids(num_layers, configured)
+    try:
+        ids = resolve_layer_ids(num_layers, configured)
+    except ValueError as exc:  # a config mistake: its own words, not an "error:" repr of an internal failure
+        return str(exc), False
     return f"{ids} of {num_layers} layers", True
 
 
@@ -254,6 +290,57 @@ def check_chat_template(target_dir: str, prepared_dir: str | None, trust_remote_
         if again[: len(stored)] != stored:
             return f"row {i}: re-tokenizing gives different ids than prepare_data stored", False
     return f"{rows} prepared rows reproduce", True
+
+
+# What a failed row means for the person reading it: a config key to change, the target they brought, or a
+# package of the environment (and which one). Keyed by row name.
+ROW_FIXES: dict[str, tuple[str, str]] = {
+    "vllm version": ("environment", "vllm: install the version envs/ pins"),
+    "speculative method extract_hidden_states": ("environment", "vllm: install the version envs/ pins"),
+    "hidden-states connector": ("environment", "vllm: install the version envs/ pins"),
+    "connector write hook signature": ("environment", "vllm: install the version envs/ pins"),
+    "extract_from_kv_cache signature": ("environment", "vllm: install the version envs/ pins"),
+    "completion protocol": ("environment", "vllm: install the version envs/ pins"),
+    "render endpoint": ("environment", "vllm: install the version envs/ pins"),
+    "spec-decode metrics": ("environment", "vllm: install the version envs/ pins"),
+    "CPU connector internals": ("environment", "vllm (CPU build): install the version envs/cpu.yaml pins"),
+    "speculators model + transfer": ("environment", "speculators: install the version envs/ pins"),
+    "speculators train fields": ("environment", "speculators: install the version envs/ pins"),
+    "CPU trainer shim patch points": ("environment", "speculators: install the version envs/cpu.yaml pins"),
+    "layer ids": ("config", "change hidden_states.layer_ids"),
+    "target architecture": (
+        "target",
+        "this vLLM cannot capture hidden states of this architecture; use a target whose architecture is "
+        "listed, or a vLLM that adds SupportsEagle3 to its model class",
+    ),
+    "chat template": (
+        "target",
+        "give target.path a tokenizer with a chat template (tokenizer_config.json or chat_template.jinja); "
+        "if it has one, transformers differs from the version envs/ pins",
+    ),
+}
+FIX_HEADINGS = {
+    "config": "Config (change the key named)",
+    "target": "Target model (target.path)",
+    "environment": "Environment (install the pinned package named; envs/ lists the verified versions)",
+}
+
+
+def failure_advice(failed: list[CheckRow], capable_architectures: list[str] | None = None) -> str:
+    """The failed rows grouped by who fixes them, each with its fix. Pure.
+
+    `capable_architectures`: what this vLLM can capture, listed under a failed architecture row.
+    """
+    groups: dict[str, list[str]] = {kind: [] for kind in FIX_HEADINGS}
+    for row in failed:
+        kind, fix = ROW_FIXES.get(row.name, ("environment", "update the adapted code and its check"))
+        if row.name == "target architecture" and capable_architectures:
+            listed = textwrap.fill(
+                ", ".join(capable_architectures), 110, initial_indent="    ", subsequent_indent="    "
+            )
+            fix += f"; this vLLM can capture these {len(capable_architectures)}:\n{listed}"
+        groups[kind].append(f"- {row.name}: {row.found}\n  fix: {fix}")
+    return "\n".join(f"{FIX_HEADINGS[kind]}:\n" + "\n".join(lines) for kind, lines in groups.items() if lines)
 
 
 def run_api_checks(
@@ -369,11 +456,11 @@ def main(snakemake: Any) -> None:
         table = check_table(report.checks)
         if not report.passed:
             failed = [r for r in report.checks if not r.passed]
-            details = "\n".join(f"- {r.name}: {r.found}" for r in failed)
+            architecture_failed = any(r.name == "target architecture" for r in failed)
+            capable = eagle3_capable_architectures() if architecture_failed else None
             raise StageError(
                 f"API compatibility check failed ({len(failed)} of {len(report.checks)}):\n{table}\n"
-                f"{details}\nThe environment does not match what this workflow was verified with "
-                "(envs/); install the pinned versions or update the adapted code and its checks."
+                f"{failure_advice(failed, capable)}"
             )
         log.info("API compatibility: all %d checks pass\n%s", len(report.checks), table)
         write_json_atomic(snakemake.output.report, report)

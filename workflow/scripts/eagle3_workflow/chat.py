@@ -123,3 +123,52 @@ def normalize_messages(turns: list[dict[str, Any]], *, role_key: str, content_ke
     if not any(m["role"] == "assistant" for m in out):
         raise ValueError("conversation has no assistant turn")
     return out
+
+
+ANSWER_SENTINEL = "EAGLE3ANSWERSENTINEL"
+
+
+@dataclasses.dataclass
+class StopSet:
+    """Where a generated assistant turn ends: token ids (eos and the template's end-of-turn) and strings."""
+
+    token_ids: list[int]
+    strings: list[str]
+    end_of_turn: str  # the text the template writes after an assistant message ("" if nothing)
+
+
+def assistant_end_of_turn(tokenizer: Any) -> str:
+    """The text the chat template writes right after an assistant message's content, up to the next turn."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ANSWER_SENTINEL}]
+    text = render(tokenizer, messages, add_generation_prompt=False)
+    if text.count(ANSWER_SENTINEL) != 1:
+        raise TemplateError(
+            f"the chat template rendered an assistant message's content {text.count(ANSWER_SENTINEL)} times "
+            "(expected once); its end-of-turn cannot be derived"
+        )
+    return text.split(ANSWER_SENTINEL, 1)[1]
+
+
+def assistant_stop_set(tokenizer: Any, extra_eos_ids: list[int] | tuple[int, ...] = ()) -> StopSet:
+    """Stop tokens for an assistant answer, from the template's end-of-turn (not only generation_config's eos).
+
+    A converted checkpoint may list only `eos` while its template ends a turn with another token (Gemma's
+    `<end_of_turn>`): generation would then run past the turn. The end-of-turn is the first token of what the
+    template writes after the answer; a special token is a stop token, plain text a stop string.
+    """
+    ids = {int(i) for i in extra_eos_ids}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    after = assistant_end_of_turn(tokenizer)
+    marker = after.strip()
+    strings: list[str] = []
+    if marker:
+        first = tokenizer(marker, add_special_tokens=False)["input_ids"][0]
+        if (
+            first in set(tokenizer.all_special_ids)
+            or tokenizer.convert_ids_to_tokens(first) in tokenizer.get_added_vocab()
+        ):
+            ids.add(int(first))
+        else:
+            strings.append(marker.splitlines()[0])
+    return StopSet(sorted(ids), strings, after)

@@ -12,6 +12,37 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def process_umask() -> int:
+    """The umask, read without changing it (os.umask's read-by-setting races with other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_as_umask_allows(root: str | Path) -> None:
+    """Give every file (and folder) under `root` the permissions a plain open() would have given it.
+
+    safetensors >= 0.8 writes through a private temporary file, so every save_file / save_pretrained leaves
+    model.safetensors 0600 whatever the umask; mkstemp/mkdtemp do the same. A target, draft or hidden-state
+    file that only its writer can read breaks jobs that run as another user of the group.
+    """
+    umask = process_umask()
+    root = Path(root)
+    for path in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        if path.is_symlink():
+            continue
+        allowed = (0o777 if path.is_dir() else 0o666) & ~umask
+        mode = path.stat().st_mode & 0o7777
+        if mode | allowed != mode:
+            path.chmod(mode | allowed)
+
+
 def write_json_atomic(path: str | Path, payload: Any) -> None:
     """Write JSON so that a reader sees the old file or the whole new one, never a partial one."""
     path = Path(path)
@@ -23,7 +54,7 @@ def write_json_atomic(path: str | Path, payload: Any) -> None:
         with os.fdopen(fd, "w") as handle:
             json.dump(payload, handle, indent=2, sort_keys=False, default=str)
             handle.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; artefacts are meant to be read by others
+        os.chmod(tmp, 0o666 & ~process_umask())  # mkstemp creates 0600; artefacts are meant to be read by others
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -250,6 +281,8 @@ class AcceptanceReport:
     untrained_baseline: str  # how the untrained draft was built, and whether its frozen tensors match
     processes: list[MeasurementProcess]
     notes: list[str]
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # where answers ended (eos + end-of-turn)
+    stop_strings: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.processes = [

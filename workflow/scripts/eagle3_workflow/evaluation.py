@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.chat import assistant_stop_set
 from eagle3_workflow.contracts import (
     AcceptanceReport,
     AcceptanceResult,
@@ -605,6 +606,8 @@ class MeasurementSpec:
     timing_repeats: int
     runs: list[MeasurementRun]
     top_logprobs: int = TOP_LOGPROBS
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # eos + the template's end-of-turn
+    stop: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MeasurementSpec:
@@ -664,6 +667,17 @@ def _shutdown(llm: Any) -> None:
         engine_core.shutdown()
 
 
+def measured_sampling(spec: MeasurementSpec) -> dict[str, Any]:
+    """SamplingParams of the measured passes: greedy, stopping at eos and the template's end-of-turn."""
+    return {
+        "temperature": 0.0,
+        "max_tokens": spec.max_tokens,
+        "logprobs": spec.top_logprobs,
+        "stop_token_ids": list(spec.stop_token_ids) or None,
+        "stop": list(spec.stop) or None,
+    }
+
+
 def measure(spec: MeasurementSpec) -> MeasurementResult:
     """Start each engine in turn, warm it up, generate greedily on every prompt, read its counters."""
     started = time.perf_counter()
@@ -676,7 +690,7 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
     progress_bar = engine_progress_bar()  # one marker per finished request: the parent's stall watch
     print(f"{LOG_PREFIX}vllm {vllm.__version__} imported in {import_s:.1f} s", flush=True)
     prompts = [{"prompt_token_ids": ids} for ids in spec.prompts]
-    sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, logprobs=spec.top_logprobs)
+    sampling = SamplingParams(**measured_sampling(spec))
     warmup = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS)
     results = []
     for run in spec.runs:
@@ -875,6 +889,8 @@ def evaluate_draft(
         max_model_len=vllm_settings["max_model_len"],
     )
     log.info("%d evaluation prompts from %s", len(prompt_set.prompts), prompt_set.detail)
+    stop = assistant_stop_set(tokenizer)
+    log.info("answers stop at token ids %s, strings %s", stop.token_ids, stop.strings)
 
     untrained = build_untrained_draft(draft, target, work_dir / "untrained_draft", settings.seed)
     log.info("untrained baseline: %s", untrained.description)
@@ -909,6 +925,8 @@ def evaluate_draft(
             max_tokens=settings.max_tokens,
             timing_repeats=settings.timing_repeats,
             runs=group,
+            stop_token_ids=stop.token_ids,
+            stop=stop.strings,
         )
         result, wall_s = run_measurement_process(
             spec,
@@ -995,6 +1013,8 @@ def evaluate_draft(
         untrained_baseline=untrained.description,
         processes=processes,
         notes=notes,
+        stop_token_ids=stop.token_ids,
+        stop_strings=stop.strings,
     )
     log.info("\n%s", summary_table(report))
     if not report.lossless:

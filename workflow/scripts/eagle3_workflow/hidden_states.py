@@ -37,10 +37,13 @@ def resolve_layer_ids(num_layers: int, configured: list[int] | None) -> list[int
     if ids and ids[-1] != num_layers:
         problems.append(f"the last id must be {num_layers} (the verifier's final pre-norm state), got {ids[-1]}")
     if len(set(ids)) != len(ids):
-        problems.append(
-            f"ids {ids} contain duplicates (the target has only {num_layers} layers; set "
-            "hidden_states.layer_ids explicitly)"
-        )
+        if configured:
+            problems.append(f"ids {ids} contain duplicates; list each layer id once")
+        else:
+            problems.append(
+                f"EAGLE-3's default ids {ids} collide on a {num_layers}-layer target; set "
+                "hidden_states.layer_ids explicitly"
+            )
     elif ids != sorted(ids):
         # vLLM stores captures sorted by id: any other order would silently permute the file's L axis
         problems.append(f"ids {ids} must be in increasing order")

@@ -64,27 +64,40 @@ def read_records(path: Path, declared_format: str) -> Iterator[RawRecord | BadRe
         for i, row in enumerate(frame.to_dict(orient="records")):
             yield RawRecord(str(path), i + 1, _from_parquet_row(row))
         return
-    with open(path, encoding="utf-8") as handle:
-        head = handle.read(1)
-        while head and head.isspace():
-            head = handle.read(1)
-        handle.seek(0)
-        if head == "[":
-            try:
-                items = json.load(handle)
-            except json.JSONDecodeError as exc:
-                yield BadRecord(str(path), exc.lineno, "malformed_json", repr(exc))
-                return
-            for i, item in enumerate(items):
-                yield RawRecord(str(path), i + 1, item)
-            return
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield RawRecord(str(path), lineno, json.loads(line))
-            except json.JSONDecodeError as exc:
-                yield BadRecord(str(path), lineno, "malformed_json", repr(exc))
+    data = path.read_bytes()
+    if data.lstrip()[:1] == b"[":
+        yield from _json_array_records(path, data)
+        return
+    # decoded line by line: one bad byte is one bad record (with its line), not a crash of the whole file
+    for lineno, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield BadRecord(str(path), lineno, "not_utf8", f"byte {raw[exc.start]:#04x} at column {exc.start + 1}")
+            continue
+        if not line.strip():
+            continue
+        try:
+            yield RawRecord(str(path), lineno, json.loads(line))
+        except json.JSONDecodeError as exc:
+            yield BadRecord(str(path), lineno, "malformed_json", repr(exc))
+
+
+def _json_array_records(path: Path, data: bytes) -> Iterator[RawRecord | BadRecord]:
+    """A .json array is one document: a bad byte or bad syntax makes it one bad record, at its line."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        yield BadRecord(str(path), line, "not_utf8", f"byte {data[exc.start]:#04x}; the whole JSON array is unread")
+        return
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        yield BadRecord(str(path), exc.lineno, "malformed_json", repr(exc))
+        return
+    for i, item in enumerate(items):
+        yield RawRecord(str(path), i + 1, item)
 
 
 def _from_parquet_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -97,15 +110,50 @@ def _from_parquet_row(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class RecordError(ValueError):
+    """A record that cannot be trained on; `reason` is its key in manifest.json's `dropped`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+FORMAT_KEYS = {"sharegpt": "conversations", "messages": "messages"}
+
+
 def messages_of(record: RawRecord, declared_format: str) -> list[dict[str, str]]:
     payload = record.payload
     if not isinstance(payload, dict):
-        raise ValueError(f"record is {type(payload).__name__}, expected an object")
-    if declared_format in ("sharegpt", "auto", "parquet") and "conversations" in payload:
-        return normalize_messages(payload["conversations"], role_key="from", content_key="value")
-    if declared_format in ("messages", "auto", "parquet") and "messages" in payload:
-        return normalize_messages(payload["messages"], role_key="role", content_key="content")
-    raise ValueError(f"record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(payload)}")
+        raise RecordError("invalid_record", f"record is {type(payload).__name__}, expected an object")
+    fitting = [fmt for fmt, key in FORMAT_KEYS.items() if key in payload]
+    accepted = list(FORMAT_KEYS) if declared_format in ("auto", "parquet") else [declared_format]
+    usable = [fmt for fmt in accepted if fmt in fitting]
+    if not usable:
+        if fitting:
+            raise RecordError(
+                "format_mismatch",
+                f"the declared format {declared_format!r} does not match this record: it has "
+                f"{FORMAT_KEYS[fitting[0]]!r}, which is format {fitting[0]!r}; set format: {fitting[0]} "
+                "(or auto) for this file in data.sources",
+            )
+        raise RecordError(
+            "invalid_record",
+            f"record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(payload)}",
+        )
+    fmt = usable[0]
+    role_key, content_key = ("from", "value") if fmt == "sharegpt" else ("role", "content")
+    try:
+        messages = normalize_messages(payload[FORMAT_KEYS[fmt]], role_key=role_key, content_key=content_key)
+    except ValueError as exc:
+        reason = "no_assistant_turn" if "no assistant turn" in str(exc) else "invalid_record"
+        raise RecordError(reason, str(exc)) from exc
+    empty = [
+        f"turn {j} ({m['role']})" for j, m in enumerate(messages) if m["role"] != "system" and not m["content"].strip()
+    ]
+    if empty:
+        # an empty answer trains only the end-of-turn token; an empty question teaches answering nothing
+        raise RecordError("empty_turn", f"{', '.join(empty)} empty; fill or remove the record")
+    return messages
 
 
 @dataclasses.dataclass
@@ -115,6 +163,7 @@ class PreparedSample:
     messages: list[dict[str, str]]
     source: str
     line: int
+    truncated: bool = False  # cut at max_seq_len (and kept)
 
 
 @dataclasses.dataclass
@@ -122,6 +171,48 @@ class PreparationResult:
     samples: list[PreparedSample]
     manifest_counts: dict[str, Any]
     bad_records: list[BadRecord]
+
+
+@dataclasses.dataclass
+class LengthPolicy:
+    max_seq_len: int
+    overlength: str  # truncate | drop
+    min_assistant_tokens: int
+
+
+def prepare_record(
+    item: RawRecord, declared: str, tokenizer: Any, policy: LengthPolicy
+) -> PreparedSample | BadRecord | str:
+    """One record's single outcome: a sample (maybe truncated), a bad record, or the name of a plain drop."""
+    try:
+        messages = messages_of(item, declared)
+        tokenized = tokenize_conversation(tokenizer, messages)
+    except RecordError as exc:
+        return BadRecord(item.source, item.line, exc.reason, str(exc))
+    except TemplateError as exc:
+        return BadRecord(item.source, item.line, "template_error", str(exc))
+    ids, mask = tokenized.input_ids, tokenized.loss_mask
+    truncated = len(ids) > policy.max_seq_len
+    if truncated:
+        if policy.overlength == "drop":
+            return "overlength"
+        ids, mask = ids[: policy.max_seq_len], mask[: policy.max_seq_len]
+    if sum(mask) < policy.min_assistant_tokens:
+        return BadRecord(
+            item.source,
+            item.line,
+            "no_assistant_tokens",
+            f"{sum(mask)} assistant tokens kept (minimum {policy.min_assistant_tokens}) of "
+            f"{len(tokenized.input_ids)} tokens; max_seq_len={policy.max_seq_len}",
+        )
+    return PreparedSample(ids, mask, messages, item.source, item.line, truncated)
+
+
+def bad_record_table(bad: list[BadRecord]) -> str:
+    shown = bad[:MAX_REPORTED_BAD]
+    table = render_table(["where", "reason", "detail"], [(b.where(), b.reason, b.detail) for b in shown])
+    more = f"\n... and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
+    return table + more
 
 
 def prepare_conversations(
@@ -135,55 +226,36 @@ def prepare_conversations(
     max_samples: int | None = None,
     seed: int = 0,
 ) -> PreparationResult:
-    """Parse, render, mask and length-filter every record. Pure: no files are written."""
+    """Parse, render, mask and length-filter every record. Pure: no files are written.
+
+    Every record read ends under exactly one outcome: kept, or one reason in `dropped`; `truncated` counts
+    the kept records that were cut at max_seq_len.
+    """
+    policy = LengthPolicy(max_seq_len, overlength, min_assistant_tokens)
     kept: list[PreparedSample] = []
     bad: list[BadRecord] = []
     dropped: collections.Counter[str] = collections.Counter()
     records_read = 0
-    truncated = 0
     for path, declared in sources:
+        read_here = 0
         for item in read_records(path, declared):
-            records_read += 1
-            if isinstance(item, BadRecord):
-                bad.append(item)
-                continue
-            try:
-                messages = messages_of(item, declared)
-            except ValueError as exc:
-                reason = "no_assistant_turn" if "no assistant turn" in str(exc) else "invalid_record"
-                bad.append(BadRecord(item.source, item.line, reason, str(exc)))
-                continue
-            try:
-                tokenized = tokenize_conversation(tokenizer, messages)
-            except TemplateError as exc:
-                bad.append(BadRecord(item.source, item.line, "template_error", str(exc)))
-                continue
-            ids, mask = tokenized.input_ids, tokenized.loss_mask
-            if len(ids) > max_seq_len:
-                if overlength == "drop":
-                    dropped["overlength"] += 1
-                    continue
-                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-                truncated += 1
-            if sum(mask) < min_assistant_tokens:
-                bad.append(
-                    BadRecord(
-                        item.source,
-                        item.line,
-                        "no_assistant_tokens",
-                        f"{sum(mask)} assistant tokens kept (minimum {min_assistant_tokens}) of "
-                        f"{len(tokenized.input_ids)} tokens; max_seq_len={max_seq_len}",
-                    )
-                )
-                continue
-            kept.append(PreparedSample(ids, mask, messages, item.source, item.line))
+            read_here += 1
+            outcome = item if isinstance(item, BadRecord) else prepare_record(item, declared, tokenizer, policy)
+            if isinstance(outcome, BadRecord):
+                bad.append(outcome)
+            elif isinstance(outcome, str):
+                dropped[outcome] += 1
+            else:
+                kept.append(outcome)
+        if not read_here:
+            raise StageError(
+                f"data source {path} holds no record (the file is empty); fix or remove it in data.sources"
+            )
+        records_read += read_here
 
     if bad and on_bad_record == "fail":
-        shown = bad[:MAX_REPORTED_BAD]
-        table = render_table(["where", "reason", "detail"], [(b.where(), b.reason, b.detail) for b in shown])
-        more = f"\n... and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
         raise StageError(
-            f"{len(bad)} bad record(s) in the input data:\n{table}{more}\n"
+            f"{len(bad)} bad record(s) in the input data:\n{bad_record_table(bad)}\n"
             "Fix the records, or set data.on_bad_record: skip to drop them (they are then counted in "
             "data/manifest.json under dropped)."
         )
@@ -191,16 +263,17 @@ def prepare_conversations(
         dropped[b.reason] += 1
 
     if not kept:
+        table = f"\n{bad_record_table(bad)}" if bad else ""
         raise StageError(
             f"no record survived preparation ({records_read} read; dropped by reason: {dict(dropped)}). "
-            "Check data.sources, the record format, data.max_seq_len and the tokenizer's chat template."
+            f"Check data.sources, the record format, data.max_seq_len and the tokenizer's chat template.{table}"
         )
     rng = random.Random(seed)
     rng.shuffle(kept)  # speculators splits train/validation by position: shuffle before that
     if max_samples is not None and len(kept) > max_samples:
         dropped["max_samples"] += len(kept) - max_samples
         kept = kept[:max_samples]
-    counts = {"records_read": records_read, "dropped": dict(dropped), "truncated": truncated}
+    counts = {"records_read": records_read, "dropped": dict(dropped), "truncated": sum(s.truncated for s in kept)}
     return PreparationResult(kept, counts, bad)
 
 

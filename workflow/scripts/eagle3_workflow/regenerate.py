@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.chat import ROLE_ALIASES, render
+from eagle3_workflow.chat import ROLE_ALIASES, StopSet, assistant_stop_set, render
 from eagle3_workflow.contracts import write_json_atomic
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.runtime.child import ChildProcess, ProgressWatch
@@ -314,11 +314,12 @@ def answer_conversations(
     max_model_len: int,
     temperature: float,
     seed: int,
+    stop: StopSet | None = None,
 ) -> AnswerResult:
     """Fill every assistant slot with the target's answer, turn by turn (later turns see earlier answers).
 
     A conversation is dropped when an answer comes back empty, or when its prompt leaves no room for
-    `max_tokens` within `max_model_len`.
+    `max_tokens` within `max_model_len`. `stop` ends an answer at the template's end-of-turn.
     """
     conversations = [PromptConversation([dict(m) for m in p.messages], p.origin) for p in prompts]
     alive = [True] * len(conversations)
@@ -339,7 +340,15 @@ def answer_conversations(
                 continue
             batch.append((c, slot))
             ids.append(list(prompt_ids))
-            sampling.append(Sampling(temperature=temperature, max_tokens=max_tokens, seed=next(seeds)))
+            sampling.append(
+                Sampling(
+                    temperature=temperature,
+                    max_tokens=max_tokens,
+                    seed=next(seeds),
+                    stop_token_ids=list(stop.token_ids) if stop else [],
+                    stop=list(stop.strings) if stop else [],
+                )
+            )
             counts["prompt_tokens"] += len(prompt_ids)
         if not batch:
             continue
@@ -395,6 +404,8 @@ class RegenerationStats:
     generate_s: float
     generated_tokens_per_s: float
     settings: dict[str, Any]
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # where answers end (eos + end-of-turn)
+    stop_strings: list[str] = dataclasses.field(default_factory=list)
 
 
 def regenerate(
@@ -452,6 +463,13 @@ def regenerate(
     log.info(
         "answering %d unique prompts (%d duplicates dropped, %d over max_prompts)", len(unique), duplicates, capped
     )
+    stop = assistant_stop_set(tokenizer)
+    log.info(
+        "answers stop at token ids %s, strings %s (template end-of-turn %r)",
+        stop.token_ids,
+        stop.strings,
+        stop.end_of_turn,
+    )
     answered = answer_conversations(
         tokenizer,
         unique,
@@ -460,6 +478,7 @@ def regenerate(
         max_model_len=settings["max_model_len"],
         temperature=settings["temperature"],
         seed=settings["seed"],
+        stop=stop,
     )
     generate_s = time.perf_counter() - started
     if not answered.conversations:
@@ -489,6 +508,8 @@ def regenerate(
         generate_s=round(generate_s, 2),
         generated_tokens_per_s=round(generated_tokens / generate_s, 1) if generate_s > 0 else 0.0,
         settings=dict(settings),
+        stop_token_ids=stop.token_ids,
+        stop_strings=stop.strings,
     )
     records = [to_sharegpt(c, i) for i, c in enumerate(answered.conversations)]
     return records, stats

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import write_json_atomic
+from eagle3_workflow.contracts import share_as_umask_allows, write_json_atomic
 from eagle3_workflow.errors import StageError
 
 log = logging.getLogger("eagle3.smollm2")
@@ -155,6 +155,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "bfloat16") -> 
     model.save_pretrained(out_dir)
     generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    share_as_umask_allows(out_dir)  # save_pretrained leaves model.safetensors 0600
     return model.config, source_state
 
 

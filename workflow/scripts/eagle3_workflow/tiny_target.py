@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.contracts import share_as_umask_allows
+
 log = logging.getLogger("eagle3.tiny_target")
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
@@ -132,6 +134,7 @@ def build_tiny_target(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
+    share_as_umask_allows(out_dir)  # save_pretrained leaves model.safetensors 0600
     log.info(
         "built tiny %s target: %d layers, hidden %d, vocab %d, %d params -> %s",
         arch,

@@ -1,0 +1,5 @@
+"""Snakemake entry for rule `check_target`: the work is in eagle3_workflow.target_check."""
+
+from eagle3_workflow.target_check import main
+
+main(snakemake)  # noqa: F821 - injected by Snakemake's script directive
