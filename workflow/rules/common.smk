@@ -100,8 +100,8 @@ def section_json(*keys):
 def gpu_resources(gpus):
     """SLURM resources for a rule using `gpus` GPUs, 0 = a CPU job (plugin >= 2.7.1 reads `gpu`/`gpu_model`).
     The run's config names partitions and the GPU model; where it says null, the site's SNAKEMAKE_SLURM_*
-    variables do (set in the shell, or by profiles/slurm from its local-overrides.yaml). Local runs ignore
-    all of it but `gpu` (the `--resources gpu=N` limit) and `gpu_placement` (which devices a job locks)."""
+    variables do (set in the shell, or by profiles/slurm from its local-overrides.yaml). Local runs use
+    only `gpu` (limited by --resources gpu=N) and `gpu_placement` (which devices a job locks)."""
     slurm = config["slurm"]
     site = os.environ.get
     res = {"gpu": gpus, "mem_mb": slurm["mem_mb_gpu_job"] if gpus else slurm["mem_mb_cpu_job"]}
