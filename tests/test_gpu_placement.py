@@ -7,6 +7,7 @@ start vLLM and torchrun), writes what the child saw, then waits until the test s
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SNAKEMAKE, VENV_BIN
+from conftest import REPO, SEED_PROMPTS, SNAKEMAKE, VENV_BIN, run_workflow, tiny_config
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.gpu_placement import (
@@ -309,3 +310,72 @@ def test_local_snakemake_run_places_eight_replicas_on_eight_devices(tmp_path):
         held[replica] = lines[0].split("holding GPU(s) ")[1].split(" ")[0]
         assert f"child process saw CUDA_VISIBLE_DEVICES={held[replica]}" in log_text
     assert sorted(held.values()) == [str(i) for i in range(8)], held
+
+
+# ------------------------------------------------------------------- the real rules
+
+GPU_RULES = {"regenerate_responses": 1, "canary": 1, "extract_hidden_states": 1, "train_draft": 2, "evaluate_draft": 1}
+
+
+def planned_resources(stdout: str) -> dict[str, list[str]]:
+    """rule -> the `resources:` lines of its jobs in a dry run's plan."""
+    found: dict[str, list[str]] = {}
+    rule = None
+    for line in stdout.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            rule = line.split()[1].rstrip(":")
+        elif line.strip().startswith("resources:") and rule:
+            found.setdefault(rule, []).append(line.strip())
+    return found
+
+
+def test_every_gpu_rule_declares_its_placement(tmp_path):
+    """The real workflow's plan: every GPU-using rule carries gpu=N and the placement settings, CPU rules
+    neither; and every GPU stage's entry point holds its devices."""
+    import eagle3_workflow.canary as canary
+    import eagle3_workflow.evaluation as evaluation
+    import eagle3_workflow.extraction as extraction
+    import eagle3_workflow.regenerate as regenerate
+    import eagle3_workflow.training as training
+
+    config = tiny_config(
+        "plan",
+        regenerate={"enabled": True, "prompt_files": [str(SEED_PROMPTS)]},
+        extraction={"replicas": 8, "gpus_per_replica": 1},
+        train={"gpus": 2},
+        evaluate={"gpus": 1},
+        gpu_placement={"machine_gpus": 8},
+    )
+    proc = run_workflow(tmp_path, config, extra=["-n"], env=worker_env())
+    plan = planned_resources(proc.stdout)
+    assert set(GPU_RULES) <= set(plan), sorted(plan)
+    assert len(plan["extract_hidden_states"]) == 8
+    for rule, lines in plan.items():
+        for line in lines:
+            if rule in GPU_RULES:
+                assert f"gpu={GPU_RULES[rule]}," in line and '"machine_gpus": 8' in line, (rule, line)
+            else:
+                assert "gpu_placement" not in line, (rule, line)
+    for stage in (canary, evaluation, extraction, regenerate, training):
+        assert "@holding_gpus(snakemake)" in inspect.getsource(stage.main), stage.__name__
+
+
+# ------------------------------------------------------------------- the real rules, real vLLM on CPU
+
+
+@pytest.mark.slow
+def test_real_gpu_stages_hold_their_devices(tmp_path):
+    """The real canary and extraction rules on a fake 2-GPU machine (vLLM on CPU): each job's log records the
+    device it held. Distinct ids for concurrent jobs are the Snakemake test's above (8 vLLM servers at once do
+    not fit this test's budget)."""
+    config = tiny_config(
+        "placed",
+        extraction={"replicas": 1, "gpus_per_replica": 1},
+        gpu_placement={"machine_gpus": 2, "lock_dir": str(tmp_path / "locks")},
+    )
+    target = "results/placed/hidden_states/replica_0.json"
+    run_workflow(tmp_path / "work", config, targets=[target], extra=["--resources", "gpu=2"], env=worker_env())
+    for job in ("canary", "extract_hidden_states_replica_0"):
+        log_text = (tmp_path / "work" / "results" / "placed" / "logs" / f"{job}.log").read_text()
+        held = [line for line in log_text.splitlines() if "gpu placement: holding GPU(s)" in line]
+        assert len(held) == 1 and " of 0,1 " in held[0], (job, held)
