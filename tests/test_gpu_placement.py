@@ -379,3 +379,18 @@ def test_real_gpu_stages_hold_their_devices(tmp_path):
         log_text = (tmp_path / "work" / "results" / "placed" / "logs" / f"{job}.log").read_text()
         held = [line for line in log_text.splitlines() if "gpu placement: holding GPU(s)" in line]
         assert len(held) == 1 and " of 0,1 " in held[0], (job, held)
+
+
+def test_the_busy_message_names_the_live_holder_only(tmp_path):
+    def settings(gpus: int) -> PlacementSettings:
+        return PlacementSettings(gpus=gpus, lock_dir=tmp_path, machine_gpus=2, wait_timeout_s=0)
+
+    with hold_gpus(settings(2), LOG, env={}, job="rule first"):
+        pass  # released: its text stays in both lock files
+    with hold_gpus(settings(1), LOG, env={}, job="rule holder"):  # GPU 0
+        with pytest.raises(StageError) as failure:
+            with hold_gpus(settings(2), LOG, env={}):
+                pass
+    message = str(failure.value)
+    assert "GPU 0: pid" in message and "rule holder" in message, message
+    assert "GPU 1: free" in message and "rule first" not in message, message

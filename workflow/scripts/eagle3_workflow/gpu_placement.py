@@ -207,11 +207,17 @@ def record_holder(held: Mapping[str, int], holder: str) -> None:
 
 
 def holders(plan: Plan, lock_dir: Path) -> str:
+    """Each device of the pool: 'free', or who holds it (a killed holder's text stays in the file: the lock
+    decides, not the text)."""
     rows = []
     for device in plan.pool:
         path = lock_path(lock_dir, plan.namespace, device)
-        text = path.read_text(errors="replace").strip() if path.exists() else ""
-        rows.append(f"GPU {device}: {text or 'free'}")
+        fd = try_lock(path)
+        if fd is not None:
+            os.close(fd)
+            rows.append(f"GPU {device}: free")
+        else:
+            rows.append(f"GPU {device}: {path.read_text(errors='replace').strip() or 'held'}")
     return "; ".join(rows)
 
 
