@@ -7,7 +7,7 @@ PRESET ?= config/presets/tiny.yaml
 CORES ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint format dryrun install-profile clean-demo
+.PHONY: setup demo test test-fast lint format dryrun install-profile clean-demo gpu-local
 
 setup:
 	bash envs/setup_cpu.sh
@@ -15,6 +15,15 @@ setup:
 demo: setup
 	$(SNAKEMAKE) --cores $(CORES) --configfile $(PRESET) --printshellcmds
 	@echo "report: results/$$($(PY) -c 'import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))["run"])' $(PRESET))/report.html"
+
+# One GPU machine, no scheduler: Snakemake runs at most GPUS GPUs' worth of jobs at a time, and each job locks
+# its own devices (docs/gpu.md, "GPU placement in local runs"). GPUS defaults to the machine's count. It runs
+# the `snakemake` of the active GPU environment (envs/gpu.yaml), not the CPU .venv that `setup` builds.
+GPUS ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+GPU_SNAKEMAKE ?= snakemake
+gpu-local:
+	@test "$(GPUS)" -gt 0 || { echo "no GPU found (nvidia-smi -L); set GPUS=<count>"; exit 1; }
+	$(GPU_SNAKEMAKE) --cores $(CORES) --resources gpu=$(GPUS) --configfile $(PRESET) $(EXTRA_CONFIG) --printshellcmds
 
 dryrun: setup
 	$(SNAKEMAKE) -n --configfile $(PRESET)

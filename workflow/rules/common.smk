@@ -113,8 +113,8 @@ def section_json(*keys):
 def gpu_resources(gpus):
     """SLURM resources for a rule using `gpus` GPUs, 0 = a CPU job (plugin >= 2.7.1 reads `gpu`/`gpu_model`).
     The run's config names partitions and the GPU model; where it says null, the site's SNAKEMAKE_SLURM_*
-    variables do (set in the shell, or by profiles/slurm from its local-overrides.yaml). Local runs ignore
-    all of it."""
+    variables do (set in the shell, or by profiles/slurm from its local-overrides.yaml). Local runs use
+    only `gpu` (limited by --resources gpu=N) and `gpu_placement` (which devices a job locks)."""
     slurm = config["slurm"]
     site = os.environ.get
     res = {"gpu": gpus, "mem_mb": slurm["mem_mb_gpu_job"] if gpus else slurm["mem_mb_cpu_job"]}
@@ -127,7 +127,24 @@ def gpu_resources(gpus):
         partition = slurm["cpu_partition"] or site("SNAKEMAKE_SLURM_CPU_PARTITION")
     if partition:
         res["slurm_partition"] = partition
+    if gpus:
+        res["gpu_placement"] = gpu_placement_resource()
     return res
+
+
+def gpu_placement_resource():
+    """How a GPU job picks its devices in a local run (eagle3_workflow.gpu_placement). A resource, not a
+    param: params are rerun triggers, and where the locks live changes no result."""
+    placement = config["gpu_placement"]
+    return json.dumps(
+        {
+            "lock_dir": os.path.abspath(placement["lock_dir"] or "results/.gpu_locks"),
+            "machine_gpus": placement["machine_gpus"],
+            "wait_timeout_s": placement["wait_timeout_s"],
+            "device": config["vllm"]["device"],
+        },
+        sort_keys=True,
+    )
 
 
 def final_outputs():

@@ -489,8 +489,10 @@ def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.gpu_placement import holding_gpus
     from eagle3_workflow.vllm_server import hidden_states_server_spec
 
+    @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
         config = snakemake.config
         api = read_json(snakemake.input.api_compat)

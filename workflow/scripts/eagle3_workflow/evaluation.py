@@ -1043,7 +1043,9 @@ def summary_table(report: AcceptanceReport) -> str:
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.gpu_placement import holding_gpus
 
+    @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
         settings = json.loads(snakemake.params.settings)
         # the prompt file as Snakemake resolved it (a relative path may name the copy shipped with the workflow)

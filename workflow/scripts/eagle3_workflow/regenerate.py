@@ -715,7 +715,9 @@ def run_subprocess(
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.gpu_placement import holding_gpus
 
+    @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
         run_subprocess(
             Path(snakemake.input.target),

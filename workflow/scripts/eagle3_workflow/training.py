@@ -972,7 +972,9 @@ def train_draft(
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.gpu_placement import holding_gpus
 
+    @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
         settings = TrainSettings.from_config(json.loads(snakemake.params.settings)["train"])
         train_draft(
