@@ -340,7 +340,7 @@ LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
 STAGE_DRIVER = """
 import json, sys
 from pathlib import Path
-from eagle3_workflow.errors import run_stage
+from eagle3_workflow.runtime.stage import run_stage
 from eagle3_workflow.extraction import ClientSettings, extract_replica
 from eagle3_workflow.vllm_server import hidden_states_server_spec
 args = json.loads(sys.argv[1])

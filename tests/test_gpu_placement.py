@@ -241,7 +241,7 @@ REPLICA_SCRIPT = textwrap.dedent(
     """
     import subprocess, sys, time
     from pathlib import Path
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.gpu_placement import holding_gpus
     from eagle3_workflow.runtime import child_environment
 

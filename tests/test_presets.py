@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, SNAKEMAKE, TINY_DATA, VENV_BIN
-from snakemake.utils import update_config, validate
+from snakemake.utils import validate
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 DEFAULTS = REPO / "config" / "config.yaml"
@@ -159,26 +159,26 @@ def test_kimi_preset_is_one_node_per_replica():
 GPU_SMOLLM2 = "smollm2-135m-gpu"  # builds its own target (no target.path): not in PRESETS' dry run through SLURM
 
 
-@pytest.mark.parametrize("name", [*PRESETS, GPU_SMOLLM2])
-def test_preset_is_complete_alone(name):
-    """Snakemake merges --configfile over config/config.yaml (the tiny CPU defaults): no tiny value may leak
-    into a published preset's effective config."""
-    preset = load_preset(name)
-    effective = yaml.safe_load(DEFAULTS.read_text())
-    update_config(effective, copy.deepcopy(preset))
-    effective = with_defaults(effective)
-    alone = with_defaults(preset)
-    # target.build cannot be nulled (the schema types it object); target.path wins over it (target_build_kind)
-    effective["target"].pop("build", None)
-    alone["target"].pop("build", None)
-    leaked = {
-        f"{section}.{key}": (effective[section].get(key), alone[section].get(key))
-        for section in alone
-        if isinstance(alone[section], dict)
-        for key in set(effective[section]) | set(alone[section])
-        if effective[section].get(key) != alone[section].get(key)
+def test_a_configfile_run_takes_nothing_from_the_tiny_defaults(tmp_path):
+    """With --configfile, config/config.yaml is not loaded: the run's config is the user's file plus the schema's
+    defaults (read back from the provenance the real rule records), so no tiny value can leak into a real run."""
+    user = {
+        "run": "no-leak",
+        "target": {"path": str(tmp_path / "model")},
+        "data": {"sources": [{"path": str(TINY_DATA), "format": "sharegpt"}]},
     }
-    assert not leaked, f"keys taking config/config.yaml's tiny value (effective, preset alone): {leaked}"
+    config_path = tmp_path / "user.yaml"
+    config_path.write_text(yaml.safe_dump(user))
+    tiny_defaults = yaml.safe_load(DEFAULTS.read_text())
+    proc = subprocess.run(
+        [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--cores", "1",
+         "results/no-leak/provenance.json", "--configfile", str(config_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recorded = json.loads((tmp_path / "results" / "no-leak" / "provenance.json").read_text())["config"]
+    assert recorded == with_defaults(user)
+    assert recorded["data"]["max_samples"] != tiny_defaults["data"]["max_samples"], "the tiny cap leaked"
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -25,7 +25,9 @@ def validate_run_config():
         from eagle3_workflow.config_errors import validate_config
     finally:
         sys.path.remove(scripts)
-    validate_config(config, Path(workflow.current_basedir).parent / "schemas" / "config.schema.yaml")
+    validate_config(
+        config, Path(workflow.current_basedir).parent / "schemas" / "config.schema.yaml"
+    )
 
 
 validate_run_config()

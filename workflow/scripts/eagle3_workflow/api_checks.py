@@ -438,7 +438,7 @@ def trainer_fields_used() -> list[str]:
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.vllm_server import resolve_device
 
     def body(log: logging.Logger) -> None:

@@ -1,12 +1,11 @@
 """Errors a person can act on: the cause, the fix, and a readable table where there is one.
 
-Logging and `run_stage` moved to eagle3_workflow.runtime.stage; the old names still resolve from here.
+Logging and `run_stage` live in eagle3_workflow.runtime.stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 
 class StageError(RuntimeError):
@@ -44,15 +43,3 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> st
     for row in text_rows:
         out.extend(lines(row))
     return "\n".join(out)
-
-
-_MOVED_TO_RUNTIME_STAGE = ("run_stage", "setup_logging", "describe_exception")
-
-
-def __getattr__(name: str) -> Any:
-    """`from eagle3_workflow.errors import run_stage` still works (lazily: runtime.stage imports this module)."""
-    if name in _MOVED_TO_RUNTIME_STAGE:
-        from eagle3_workflow.runtime import stage
-
-        return getattr(stage, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

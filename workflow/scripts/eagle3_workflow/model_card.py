@@ -280,7 +280,7 @@ def package_draft(paths: dict[str, Path], config: dict[str, Any], run: str, out_
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log) -> None:
         paths = {name: Path(value) for name, value in snakemake.input.items()}

@@ -332,7 +332,7 @@ def build_manifest(
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         cfg = snakemake.config["data"]

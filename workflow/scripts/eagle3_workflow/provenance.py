@@ -98,7 +98,7 @@ def collect(config: dict[str, Any], workflow_root: str | Path) -> Provenance:
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         record = collect(json.loads(snakemake.params.config), snakemake.params.workflow_root)

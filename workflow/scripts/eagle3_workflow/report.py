@@ -590,7 +590,7 @@ def build_report(snakefile: str, config: dict[str, Any], html_path: Path, work_d
 
 
 def summarize_main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         i, o = snakemake.input, snakemake.output
@@ -612,7 +612,7 @@ def summarize_main(snakemake: Any) -> None:
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         build_report(

@@ -273,7 +273,7 @@ def build_smollm2_target(out_dir: Path, *, gguf_path: Path | None = None, dtype:
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         out_dir = Path(snakemake.output.target)

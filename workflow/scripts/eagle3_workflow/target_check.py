@@ -155,7 +155,7 @@ def check_target(config: dict[str, Any], target: str, device: str, log_path: str
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.vllm_server import resolve_device
 
     def body(log: logging.Logger) -> None:

@@ -148,7 +148,7 @@ def build_tiny_target(
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         build = snakemake.config["target"]["build"]

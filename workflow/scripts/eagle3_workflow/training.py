@@ -971,8 +971,8 @@ def train_draft(
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.gpu_placement import holding_gpus
+    from eagle3_workflow.runtime.stage import run_stage
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:

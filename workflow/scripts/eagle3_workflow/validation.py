@@ -156,8 +156,8 @@ def failure_message(report: ValidationReport, max_bad_samples: int) -> str:
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.errors import run_stage
     from eagle3_workflow.extraction import load_prepared_input_ids
+    from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
         api = read_json(snakemake.input.api_compat)
