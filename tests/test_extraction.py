@@ -23,6 +23,7 @@ import torch
 from conftest import REPO, run_workflow, tiny_config
 from safetensors.torch import load_file, save_file
 
+from eagle3_workflow.contracts import process_umask
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction import Sample, disk_preflight, resume_scan
 from eagle3_workflow.hidden_states import check_file, eagle3_layer_ids, estimate_bytes, resolve_layer_ids, shard_rows
@@ -184,6 +185,8 @@ def test_clean_run_writes_progress_manifest_and_validation(clean_run):
     assert progress["state"] == "done" and progress["samples_done"] == 96 and progress["eta_s"] == 0.0
     log = (clean_run / "results" / "x" / "logs" / "extract_hidden_states_replica_0.log").read_text()
     assert "[vllm]" in log and "samples," in log and "tok/s" in log
+    modes = {oct(p.stat().st_mode & 0o777) for p in (hidden / "files").glob("hs_*.safetensors")}
+    assert modes == {oct(0o666 & ~process_umask())}, "hidden states must be readable by the group (vLLM writes 0600)"
 
 
 @pytest.mark.slow

@@ -162,6 +162,7 @@ def _candidates(tokens: int = 12, hidden: int = 16, layers: int = 8):
         {4: "2", 6: "2", 8: "2"},  # every id from the first id's layer
         {4: "5"},  # off by one only in the middle
         {8: "post-norm"},  # last id after the final norm
+        {8: "7"},  # last id from the layer before
     ],
 )
 def test_match_slots_names_every_remapped_slot(sources):
@@ -267,6 +268,7 @@ def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
     assert report.canary_layer_ids == [2, 4, 6, 8]  # production's shape on the 8-layer tiny target
     assert set(report.layer_matches) == {"2", "4", "6", "8"}
     assert all(m["best"] == k for k, m in report.layer_matches.items())
+    assert not (tmp_path / "model").exists() and not (tmp_path / "scratch").exists(), "the slice is scratch"
 
 
 def with_fault(monkeypatch, fault: str) -> None:
@@ -275,7 +277,7 @@ def with_fault(monkeypatch, fault: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen3"])  # llama's shift: test_workflow_stops_at_canary_on_shifted_layers
 def test_canary_catches_captures_shifted_by_one_layer(tiny_targets, tmp_path, monkeypatch, arch):
     with_fault(monkeypatch, "shift_layers")
     report = canary(tiny_targets(arch), tmp_path)
@@ -286,13 +288,12 @@ def test_canary_catches_captures_shifted_by_one_layer(tiny_targets, tmp_path, mo
 
 # Captures that keep the number and order of slots (tests/fault_plugins/sitecustomize.py): fault -> the true source
 # of each wrong slot on the canary's [2, 4, 6, 8]. The first is issue 13's bug, which passed the 1..K canary.
+# Through a real server, the two ends of the class (each ~1 canary run); the other shapes (swap, all from one
+# layer, middle off by one, last from the previous layer) run on the same matching code in
+# test_match_slots_names_every_remapped_slot, and the plugin keeps them for a manual run (EAGLE3_FAULT=remap:...).
 REMAPS = {
     "shift_up_if_count_kept": {2: "3", 4: "5", 6: "7"},
-    "remap:swap_first_two": {2: "4", 4: "2"},
-    "remap:all_from_first": {4: "2", 6: "2", 8: "2"},
-    "remap:middle_off_by_one": {4: "5", 6: "7"},
     "remap:post_norm_last": {8: "post-norm"},
-    "remap:last_from_previous": {8: "7"},
 }
 
 
@@ -346,6 +347,7 @@ def test_canary_fails_loudly_on_a_scrambled_layer(tiny_targets, tmp_path):
         canary(target, tmp_path / "work")
     message = str(info.value)
     assert "Traceback" in message and "last" in message and "server log lines" in message
+    assert not (tmp_path / "work" / "model").exists(), "a failed canary leaves its truncated model behind"
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_workflow.contracts import process_umask
 from eagle3_workflow.cpu_train_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.training import (
@@ -444,6 +445,8 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
     draft = tmp_path / "draft"
     assert {"config.json", "metrics.csv", "model.safetensors", "training.json"} <= {p.name for p in draft.iterdir()}
     assert not (draft / "optimizer_state_dict.pt").exists()
+    private = [p.name for p in draft.iterdir() if p.stat().st_mode & 0o044 != 0o044 & ~process_umask()]
+    assert not private, f"draft files others in the group cannot read: {private}"
     config = json.loads((draft / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS[:-1]

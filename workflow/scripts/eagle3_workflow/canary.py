@@ -435,8 +435,33 @@ def run_canary(
 ) -> CanaryReport:
     config = json.loads((target_dir / "config.json").read_text())
     layers = canary_layer_count(config, canary_layers)
-    layer_ids = canary_layer_ids(layers)
     canary_model = work_dir / "model"
+    try:
+        return _run_on_slice(target_dir, work_dir, canary_model, samples, messages, spec_factory, server_log,
+                             layers, tolerance, render_samples, trust_remote_code, device, settings)  # fmt: skip
+    finally:
+        # the slice is scratch (a few GB on a real model): gone on success, failure and SIGTERM alike
+        shutil.rmtree(canary_model, ignore_errors=True)
+        shutil.rmtree(work_dir / "scratch", ignore_errors=True)
+
+
+def _run_on_slice(
+    target_dir: Path,
+    work_dir: Path,
+    canary_model: Path,
+    samples: list[Sample],
+    messages: list[list[dict[str, str]]],
+    spec_factory: Any,
+    server_log: Path,
+    layers: int,
+    tolerance: float,
+    render_samples: int,
+    trust_remote_code: bool,
+    device: str,
+    settings: ClientSettings | None,
+) -> CanaryReport:
+    config = json.loads((target_dir / "config.json").read_text())
+    layer_ids = canary_layer_ids(layers)
     build_truncated_target(target_dir, canary_model, layers)
     hidden_size = int((config.get("text_config") or config)["hidden_size"])
     files_dir, second_dir, scratch = work_dir / "files", work_dir / "files_repeat", work_dir / "scratch"

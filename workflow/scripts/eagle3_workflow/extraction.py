@@ -23,7 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import ExtractionManifest, ProgressSnapshot, read_json, write_json_atomic
+from eagle3_workflow.contracts import (
+    ExtractionManifest,
+    ProgressSnapshot,
+    process_umask,
+    read_json,
+    write_json_atomic,
+)
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.hidden_states import (
     check_file,
@@ -304,6 +310,8 @@ async def _extract_async(
             if reason is not None:
                 raise StageError(f"row {sample.row}: the file the server wrote ({produced}) is invalid: {reason}")
             final = hs_file(files_dir, sample.row)
+            # vLLM's connector writes 0600: the group's jobs (training as another user) must read it
+            os.chmod(produced, 0o666 & ~process_umask())
             os.replace(produced, final)  # atomic: a reader sees no file or the whole file
             bytes_written += final.stat().st_size
             completed_this_run += 1

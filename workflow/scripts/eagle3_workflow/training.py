@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import read_json, write_json_atomic
+from eagle3_workflow.contracts import read_json, share_as_umask_allows, write_json_atomic
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
 
@@ -747,6 +747,7 @@ def _publish_draft(checkpoint: Path, out_dir: Path, metrics, summary: TrainingSu
         metrics.to_csv(staging / "metrics.csv", index=False)
         write_json_atomic(staging / "training.json", summary)
         verify_draft(staging, draft_vocab_size=summary.draft_vocab_size, target_layer_ids=summary.target_layer_ids)
+        share_as_umask_allows(staging)  # speculators' safetensors and the mkstemp'd .npy maps are 0600
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
