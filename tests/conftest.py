@@ -72,6 +72,22 @@ def run_workflow(
     return proc
 
 
+def api_report(target: Path, **overrides):
+    """check_api's report on a target, with the CPU settings the tests use (keyword overrides win)."""
+    from eagle3_workflow.api_checks import run_api_checks
+
+    kwargs = dict(
+        target_dir=str(target),
+        prepared_dir=None,
+        configured_layer_ids=None,
+        vllm_min="0.18.0",
+        vllm_max_exclusive="0.34.0",
+        device="cpu",
+        trust_remote_code=False,
+    )
+    return run_api_checks(**(kwargs | overrides))
+
+
 @pytest.fixture(scope="session")
 def tiny_targets(tmp_path_factory):
     """Build tiny targets lazily, once per architecture: tiny_targets('llama') -> Path."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, tiny_config
+from conftest import REPO, api_report, tiny_config
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
@@ -91,17 +91,9 @@ def test_snakemake_names_a_misspelled_key_in_a_few_lines(tmp_path: Path):
 
 
 def test_layer_id_failures_name_the_key_not_the_environment(tiny_targets):
-    from eagle3_workflow.api_checks import failure_advice, run_api_checks
+    from eagle3_workflow.api_checks import failure_advice
 
-    report = run_api_checks(
-        target_dir=str(tiny_targets("llama")),
-        prepared_dir=None,
-        configured_layer_ids=[2, 2, 8],
-        vllm_min="0.18.0",
-        vllm_max_exclusive="0.34.0",
-        device="cpu",
-        trust_remote_code=False,
-    )
+    report = api_report(tiny_targets("llama"), configured_layer_ids=[2, 2, 8])
     failed = [r for r in report.checks if not r.passed]
     assert [r.name for r in failed] == ["layer ids"]
     assert "list each layer id once" in failed[0].found and "explicitly" not in failed[0].found

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, run_workflow, tiny_config
+from conftest import REPO, TINY_DATA, api_report, run_workflow, tiny_config
 from safetensors.torch import load_file, save_file
 
-from eagle3_workflow.api_checks import run_api_checks
 from eagle3_workflow.canary import (
     canary_layer_count,
     canary_layer_ids,
@@ -28,19 +27,6 @@ from eagle3_workflow.vllm_server import hidden_states_server_spec
 ARCHS = ["llama", "qwen3", "deepseek_v3"]
 FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")
 VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
-
-
-def api_report(target: Path, **overrides):
-    kwargs = dict(
-        target_dir=str(target),
-        prepared_dir=None,
-        configured_layer_ids=None,
-        vllm_min="0.18.0",
-        vllm_max_exclusive="0.34.0",
-        device="cpu",
-        trust_remote_code=False,
-    )
-    return run_api_checks(**(kwargs | overrides))
 
 
 def failed_rows(report) -> dict[str, str]:

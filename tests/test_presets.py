@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, TINY_DATA, VENV_BIN
+from conftest import REPO, SNAKEMAKE, TINY_DATA, VENV_BIN, run_workflow
 from snakemake.utils import validate
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -260,21 +260,7 @@ def test_smollm2_gpu_preset_says_what_the_issue_asks():
 
 def test_smollm2_gpu_preset_plans_every_stage_on_cpu(tmp_path):
     """Schema validation and DAG planning need no GPU: the whole plan, the target built from the PyPI GGUF."""
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cmd = [
-        SNAKEMAKE,
-        "-s",
-        str(REPO / "Snakefile"),
-        "-d",
-        str(workdir),
-        "-n",
-        "--configfile",
-        str(preset_path(GPU_SMOLLM2)),
-    ]
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = run_workflow(tmp_path / "work", load_preset(GPU_SMOLLM2), extra=["-n"], timeout=300)
     planned = {job.rule for job in parse_dry_run_plan(proc.stdout)}
     stages = {"build_smollm2_target", "regenerate_responses", "prepare_data", "check_api", "canary",
               "extract_hidden_states", "validate_hidden_states", "train_draft", "evaluate_draft", "package_draft",

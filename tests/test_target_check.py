@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from conftest import api_report
 
 from eagle3_workflow.chat import assistant_stop_set
 from eagle3_workflow.target_check import SANITY_PROMPTS, answer_problem, failure_message, judge
@@ -101,7 +102,7 @@ def test_a_plain_text_end_of_turn_is_a_stop_string(turn_tokenizer):
 
 
 def test_check_api_lists_the_architectures_this_vllm_can_capture(tiny_targets, tmp_path):
-    from eagle3_workflow.api_checks import eagle3_capable_architectures, failure_advice, run_api_checks
+    from eagle3_workflow.api_checks import eagle3_capable_architectures, failure_advice
 
     target = tmp_path / "model"
     target.mkdir()
@@ -111,15 +112,7 @@ def test_check_api_lists_the_architectures_this_vllm_can_capture(tiny_targets, t
     for source in tiny_targets("llama").iterdir():  # the tokenizer and its chat template
         if source.is_file() and source.name != "config.json" and not source.name.endswith(".safetensors"):
             (target / source.name).write_bytes(source.read_bytes())
-    report = run_api_checks(
-        target_dir=str(target),
-        prepared_dir=None,
-        configured_layer_ids=None,
-        vllm_min="0.18.0",
-        vllm_max_exclusive="0.34.0",
-        device="cpu",
-        trust_remote_code=False,
-    )
+    report = api_report(target)
     failed = [r for r in report.checks if not r.passed]
     assert [r.name for r in failed] == ["target architecture"]
     assert "supports_eagle3=False" in failed[0].found
