@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 
@@ -112,8 +113,19 @@ def test_rule_package_draft_runs_after_evaluation(tmp_path):
     write_synthetic_run(tmp_path, "t", target=target, acceptance=acceptance_report())
     config = tiny_config("t", target={"path": str(target)})
     config["target"].pop("build")
+    draft_dir = tmp_path / "results" / "t" / "draft"
+    staged_at = draft_dir.stat().st_mtime
+    (draft_dir / ".snakemake_timestamp").touch()  # as train_draft's job leaves it, as old as the staged draft
+    for path in (draft_dir / ".snakemake_timestamp", draft_dir):
+        os.utime(path, (staged_at, staged_at))
     proc = run_workflow(tmp_path, config, targets=["results/t/published_draft"], extra=["--rerun-triggers=mtime"])
     ran = re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE)
     assert ran == ["package_draft"], ran
     card = (tmp_path / "results" / "t" / "published_draft" / CARD_NAME).read_text()
     assert "| trained | **2.500** |" in card and f"vllm serve {target}" in card
+    # publishing leaves draft/ untouched: Snakemake's timestamp file, once hard-linked into the published copy,
+    # was touched through it after package_draft, and every later run replanned evaluate_draft
+    draft_stamp = tmp_path / "results" / "t" / "draft" / ".snakemake_timestamp"
+    assert not (tmp_path / "results" / "t" / "published_draft" / ".snakemake_timestamp").samefile(draft_stamp)
+    again = run_workflow(tmp_path, config, targets=["results/t/published_draft"], extra=["--rerun-triggers=mtime"])
+    assert "Nothing to be done" in again.stdout + again.stderr

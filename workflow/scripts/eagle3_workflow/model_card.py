@@ -252,7 +252,9 @@ def package_draft(paths: dict[str, Path], config: dict[str, Any], run: str, out_
     """Publish draft/ + README.md into out_dir, all or nothing. paths: draft, acceptance, manifest, api_compat,
     provenance, and optionally target (the model directory) and regenerated (the regeneration stats)."""
     draft = Path(paths["draft"])
-    files = sorted(p for p in draft.iterdir() if p.is_file() and p.name != CARD_NAME)
+    # no hidden files: Snakemake's .snakemake_timestamp, hard-linked, would make touching the published copy's
+    # timestamp touch draft/'s too, and every later run would replan evaluate_draft
+    files = sorted(p for p in draft.iterdir() if p.is_file() and p.name != CARD_NAME and not p.name.startswith("."))
     if not any(p.name == "config.json" for p in files):
         raise StageError(f"{draft} has no config.json: not a published draft; rerun train_draft")
     training = _read(draft / "training.json") if (draft / "training.json").exists() else {}
