@@ -76,8 +76,16 @@ def install_metric_handler(path: Path | None, rank: int) -> bool:
     """
     if path is None or rank != 0:
         return False
+    import inspect
+
     import speculators.train.cli as cli
 
+    # checked now, not found out after hours of training when metrics.csv would be empty
+    if "setup_metric_logger(" not in inspect.getsource(cli.main):
+        raise RuntimeError(
+            "speculators.train.cli.main no longer calls setup_metric_logger, after which the workflow adds its "
+            "metrics handler: the installed speculators differs from 0.9.0; update eagle3_workflow/trainer_entry.py"
+        )
     configure = cli.setup_metric_logger
 
     def configure_then_add_jsonl(*args: Any, **kwargs: Any) -> None:
