@@ -342,6 +342,20 @@ def test_only_rank_0_writes_metrics(tmp_path):
     assert not (tmp_path / "rank1.jsonl").exists()
 
 
+def test_the_entry_refuses_a_speculators_whose_main_no_longer_sets_up_the_metric_logger(monkeypatch, tmp_path):
+    import speculators.train.cli as cli
+
+    from eagle3_workflow.trainer_entry import install_metric_handler
+
+    def main_of_another_version(cfg):
+        return cfg
+
+    monkeypatch.setattr(cli, "main", main_of_another_version)
+    with pytest.raises(RuntimeError, match="no longer calls setup_metric_logger"):
+        install_metric_handler(tmp_path / "m.jsonl", 0)
+    assert install_metric_handler(tmp_path / "m.jsonl", 1) is False  # other ranks write nothing
+
+
 def test_a_line_cut_short_by_a_kill_is_skipped_and_no_records_give_an_empty_table(tmp_path):
     cut = tmp_path / "metrics-attempt-01.jsonl"
     cut.write_text(json.dumps({"step": 0, "metrics": train_record(0, 0, 6.0)[1]}) + '\n{"step": 1, "metr')
