@@ -25,11 +25,13 @@ Ratios: workflow / plain(warm), connector / plain(warm), workflow / connector (t
 stage / plain(cold). Bytes/s = hidden-state bytes written / time.
 
 Training (same prepared data, same hidden-state files, same flags; flex attention, eager loss):
-  bare          `speculators train ...` (its console script), flags written out below
+  bare          speculators' `speculators train` (cli.main(TrainConfig.resolve(argv))) through the workflow's trainer
+                entry, which only adds a JSONL handler on its metric logger (and on CPU the shim's device patches);
+                flags written out below
   workflow      eagle3_workflow.training.train_draft (fingerprint, staging, vocab mapping, trainer subprocess with
-                its output parsed line by line, checkpoint checks, publishing draft/)
+                its output streamed line by line, checkpoint checks, publishing draft/)
 tokens/s = trained tokens (rows of the train split x epochs) / seconds: end to end (process or stage wall) and the
-trainer's own step rate (sum of tokens / sum of step time over the steps it profiled, from its metric log lines).
+trainer's own step rate (sum of tokens / sum of step time over the steps it profiled, from its metric records).
 """
 
 from __future__ import annotations
@@ -275,11 +277,11 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
 # training
 
 
-def trainer_step_rate(log_text: str) -> dict:
-    """Sum of tokens / sum of step time over the steps the trainer profiled (its metric log lines)."""
-    from eagle3_workflow.training import parse_trainer_metrics
+def trainer_step_rate(metrics_jsonl: Path) -> dict:
+    """Sum of tokens / sum of step time over the steps the trainer profiled (its metric records)."""
+    from eagle3_workflow.training import metrics_table, read_metric_lines
 
-    frame = parse_trainer_metrics([log_text])
+    frame = metrics_table([read_metric_lines(metrics_jsonl)])
     train = frame[frame["split"] == "train"]
     if "step_ms" not in train or train["step_ms"].dropna().empty:
         return {"steps_profiled": 0}
@@ -321,13 +323,12 @@ def flag_values(command: list[str]) -> dict[str, list[str]]:
 def bare_train_command(
     device: str, *, target: Path, data: Path, save: Path, log_dir: Path, target_layer_ids, common: dict, extra
 ) -> list[str]:
-    """`speculators train` with every hyperparameter written out (on CPU through the workflow's shim, which only
-    patches device placement). Nothing may be left to a speculators default the workflow sets otherwise."""
-    if device == "cpu":
-        launcher = [sys.executable, "-m", "eagle3_workflow.cpu_train_shim"]
-    else:
-        launcher = [shutil.which("speculators") or "speculators", "train"]
-    return launcher + [
+    """`speculators train` with every hyperparameter written out, through the workflow's trainer entry (it adds
+    a metrics handler, and on CPU, with EAGLE3_TRAIN_DEVICE=cpu, the shim that only patches device placement).
+    Nothing may be left to a speculators default the workflow sets otherwise."""
+    from eagle3_workflow.training import TRAINER_ENTRY
+
+    return [sys.executable, "-m", TRAINER_ENTRY] + [
         "--speculator-type", "eagle3",
         "--verifier-name-or-path", str(target),
         "--data-path", str(data),
@@ -376,6 +377,7 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, target_l
 def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int) -> dict:
     from eagle3_workflow.contracts import read_json
     from eagle3_workflow.extraction import load_prepared_input_ids
+    from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
     from eagle3_workflow.training import TrainDevice, TrainSettings, train_draft
     from eagle3_workflow.validation import validate_files
 
@@ -430,7 +432,12 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
     wf_work = work / "workflow-train-work"
     same_flags_or_exit(bare_cmd, settings, args.target, wf_work, layer_ids[:-1], TrainDevice(args.device, 1))
     result["bare_flags_checked"] = "equal to the workflow's trainer flags except " + ", ".join(sorted(PATH_FLAGS))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="4096")
+    bare_metrics = work / "bare-metrics.jsonl"
+    bare_metrics.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env[METRICS_ENV] = str(bare_metrics)
+    if args.device == "cpu":
+        env[DEVICE_ENV] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "workflow" / "scripts"), env.get("PYTHONPATH")) if p)
     log("training: bare speculators train: " + " ".join(bare_cmd))
     start = time.monotonic()
@@ -445,7 +452,7 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
         "wall_s": round(bare_s, 1),
         "tok_per_s_end_to_end": round(tokens / bare_s, 1),
     }
-    result["bare"] |= trainer_step_rate(bare_log)
+    result["bare"] |= trainer_step_rate(bare_metrics)
     shutil.rmtree(bare_save, ignore_errors=True)  # ~3.7 GB a checkpoint for this shape: the disk is 64 GiB
     log(f"bare: {result['bare']}")
 
@@ -466,13 +473,13 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
         on_line=lambda line: None,
     )
     wf_s = time.monotonic() - start
-    attempt_log = sorted((wf_work / "logs").glob("trainer-attempt-*.log"))[-1].read_text()
+    metrics_jsonl = sorted((wf_work / "logs").glob("metrics-attempt-*.jsonl"))[-1]
     result["workflow"] = {
         "command": summary.command,
         "wall_s": round(wf_s, 1),
         "tok_per_s_end_to_end": round(tokens / wf_s, 1),
         "steps": summary.steps,
-    } | trainer_step_rate(attempt_log)
+    } | trainer_step_rate(metrics_jsonl)
     log(f"workflow: {result['workflow']}")
     shutil.rmtree(wf_work / "checkpoints", ignore_errors=True)
     metrics = read_json(work / "workflow-draft" / "training.json")

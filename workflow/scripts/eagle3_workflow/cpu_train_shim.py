@@ -1,6 +1,6 @@
 """Run speculators' real ``speculators train`` on a machine with no accelerator (speculators 0.9.0).
 
-Usage: ``python -m eagle3_workflow.cpu_train_shim <speculators train args>``
+Used by the trainer entry (``python -m eagle3_workflow.trainer_entry`` with ``EAGLE3_TRAIN_DEVICE=cpu``).
 
 The trainer assumes an accelerator in a few places; this module patches exactly those and nothing else, so
 config resolution, the vocab mapping, the dataset and dataloader, the loss, the optimizer, the scheduler and
@@ -16,7 +16,8 @@ checkpointing/resume are speculators' own code:
 Flex attention has no CPU backward and the fused loss needs Triton: ``--draft-attn-impl sdpa`` and
 ``--loss-implementation eager`` are added when the command line does not choose them.
 
-The patch points are listed in ``SHIM_PATCH_POINTS`` so that the API gate can check they still exist in the
+The patch points (and the one the trainer entry wraps to add its metrics handler) are listed in
+``SHIM_PATCH_POINTS`` so that the API gate can check they still exist in the
 installed versions before anything long runs (``shim_patch_points_present``).
 """
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +36,7 @@ SHIM_PATCH_POINTS: list[tuple[str, str]] = [
     ("torch.accelerator", "synchronize"),
     ("torch.accelerator", "is_available"),
     ("speculators.train.cli", "main"),
+    ("speculators.train.cli", "setup_metric_logger"),  # trainer_entry.install_metric_handler
     ("speculators.train.config", "TrainConfig.resolve"),
 ]
 
@@ -110,15 +111,3 @@ def apply_cpu_patches() -> None:
 
     trainer.Trainer.__init__ = init_on_cpu
     setattr(trainer.Trainer, _PATCHED_MARKER, True)
-
-
-def main(argv: list[str] | None = None) -> None:
-    apply_cpu_patches()
-    from speculators.train.cli import main as train_main
-    from speculators.train.config import TrainConfig
-
-    train_main(TrainConfig.resolve(with_cpu_defaults(sys.argv[1:] if argv is None else argv)))
-
-
-if __name__ == "__main__":
-    main()

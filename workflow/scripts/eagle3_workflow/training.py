@@ -6,15 +6,16 @@ Layout of ``train_work/`` (kept across failures; Snakemake deletes only the decl
   ``token_freq.pt`` and ``hidden_states -> <files_dir>``, plus the vocabulary mapping
   ``d2t-<size>.npy`` / ``t2d-<size>.npy`` (built once from the token frequencies, then only ever read);
 - ``checkpoints/<epoch>/``: speculators' checkpoints, from which a rerun resumes;
-- ``logs/trainer-attempt-<n>.log``: the trainer's full output, one file per launch (metrics.csv is parsed
-  from these, so the steps of a killed attempt are not lost);
+- ``logs/trainer-attempt-<n>.log``: the trainer's full output, one file per launch;
+- ``logs/metrics-attempt-<n>.jsonl``: the metric records of that launch, one JSON line each, written by the
+  trainer's rank 0 (metrics.csv is built from these, so the steps of a killed attempt are not lost);
 - ``fingerprint.json``: what the checkpoints were trained from. When an input changes, the checkpoints and the
   mapping belong to another run: the directory is cleared and training starts afresh (logged).
 
-The trainer runs as a subprocess: ``python -m speculators.train`` (one GPU) or ``torch.distributed.run`` (several)
-when CUDA is there, else ``python -m eagle3_workflow.cpu_train_shim``. Its metrics come from the log lines of
-speculators' metric logger (``speculators.metrics``, rendered by its Rich root handler as ``key=value, ...``),
-which are the same on every device.
+The trainer runs as a subprocess: ``python -m eagle3_workflow.trainer_entry`` (CPU or one GPU) or
+``torch.distributed.run ... -m eagle3_workflow.trainer_entry`` (several GPUs). The entry runs speculators' own
+``speculators train`` with a handler on its metric logger (``speculators.metrics``) that writes each metric
+dict as a JSON line, and on CPU with the CPU shim's patches; the records are the same on every device.
 """
 
 from __future__ import annotations
@@ -40,11 +41,10 @@ from typing import Any
 from eagle3_workflow.contracts import read_json, share_as_umask_allows, write_json_atomic
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
+from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
 
 log = logging.getLogger("eagle3.training")
 
-# Wide enough that speculators' Rich handler prints each metric record on one line (it still parses if not)
-TRAINER_CONSOLE_COLUMNS = 4096
 # Files of a checkpoint that only serve resuming; the rest (config, weights, provenance) goes to draft/
 RESUME_ONLY_FILES = {"optimizer_state_dict.pt", "scheduler_state_dict.pt", "training_state.json"}
 # Train settings that may change between a kill and the rerun without invalidating the checkpoints
@@ -192,6 +192,10 @@ TRAINER_FIELDS_USED = list(
 )
 
 
+# speculators train with our metrics handler (and on CPU the shim); its arguments are speculators' own
+TRAINER_ENTRY = "eagle3_workflow.trainer_entry"
+
+
 def build_train_command(
     settings: TrainSettings,
     paths: TrainPaths,
@@ -203,9 +207,7 @@ def build_train_command(
     python: str = sys.executable,
 ) -> list[str]:
     """The full trainer command line. ``train.extra_args`` come last, so they override what is set here."""
-    if device.kind == "cpu":
-        launcher = [python, "-m", "eagle3_workflow.cpu_train_shim"]
-    elif device.processes > 1:
+    if device.kind == "cuda" and device.processes > 1:
         launcher = [
             python,
             "-m",
@@ -213,10 +215,10 @@ def build_train_command(
             "--standalone",
             f"--nproc-per-node={device.processes}",
             "-m",
-            "speculators.train",
+            TRAINER_ENTRY,
         ]
     else:
-        launcher = [python, "-m", "speculators.train"]
+        launcher = [python, "-m", TRAINER_ENTRY]
     command = list(launcher)
     for dest, value in trainer_arguments(
         settings,
@@ -252,76 +254,44 @@ def resolve_device(gpus: int, cuda_devices: int) -> TrainDevice:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Metrics: speculators' metric logger renders {"train": {...}, "profile": {...}, "epoch", "lr", "global_step"}
-# and {"val": {..._epoch}, "epoch"} as "key/sub=value, ..." through a Rich handler (time, level, message, path).
+# Metrics: speculators' metric logger records {"train": {...}, "profile": {...}, "epoch", "lr", "global_step"} per
+# logged train step and {"val": {..._epoch}, "epoch"} per validation epoch; the trainer entry writes each as a
+# JSON line {"step": ..., "metrics": <that dict>}.
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_RICH_RECORD = re.compile(r"^(?:\[[^\]]{1,40}\]\s+|\s+)(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+")
-_RICH_PATH = re.compile(r"\s{2,}[\w.<>-]+:\d+$")
-_RICH_PADDED_PATH = re.compile(r"\s{8,}[\w.<>-]+:\d+$")  # the source column after a wide console's padding
 _WORKER_SIGNAL = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([\w .]+)")
 _SIGNAL_NUMBERS = {s.value for s in signal.Signals}
 _PROGRESS_RUN = re.compile(r"([\u2500-\u259f])\1{39,}")
 
 
 def clean_trainer_line(line: str) -> str:
-    """A trainer output line as worth reading: no colour codes, no Rich padding and source column, progress
-    bars shortened."""
-    line = _RICH_PADDED_PATH.sub("", _ANSI.sub("", line).rstrip()).rstrip()
-    return _PROGRESS_RUN.sub(lambda m: m.group(1) * 40, line)
+    """A trainer output line as worth reading: no colour codes, progress bars shortened."""
+    return _PROGRESS_RUN.sub(lambda m: m.group(1) * 40, _ANSI.sub("", line).rstrip())
 
 
-def rich_records(text: str) -> list[str]:
-    """The messages of Rich log records in ``text``, with wrapped (folded) continuation lines joined."""
-    records: list[str] = []
-    current: list[str] | None = None
-    offset = 0
-    for raw in text.splitlines():
-        line = clean_trainer_line(raw)
-        match = _RICH_RECORD.match(line)
-        if match:
-            if current is not None:
-                records.append("".join(current))
-            offset = match.end()
-            current = [_RICH_PATH.sub("", line[offset:])]
-            continue
-        if current is not None and len(line) > offset and not line[:offset].strip():
-            piece = _RICH_PATH.sub("", line[offset:]).strip()
-            # Rich wraps at the space after "value," and folds over-long tokens in the middle
-            current.append((" " if current[-1].endswith(",") else "") + piece)
-            continue
-        if current is not None:
-            records.append("".join(current))
-            current = None
-    if current is not None:
-        records.append("".join(current))
+def read_metric_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of one attempt's metrics JSONL ([] when the attempt logged none). A kill can cut the last
+    line short: an unreadable line is skipped with a warning."""
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            log.warning("skipping line %d of %s (cut short by a kill?): %r", number, path, exc)
     return records
 
 
-def _value(text: str) -> Any:
-    if text == "None":
-        return None
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return text.strip("'\"")
-
-
-def parse_metric_record(message: str) -> dict[str, Any] | None:
-    """``train/loss=1.2, ..., global_step=3`` -> {"train/loss": 1.2, ...}; None for other messages."""
-    pairs: dict[str, Any] = {}
-    for item in message.split(", "):
-        key, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"[\w/.-]+", key):
-            return None
-        pairs[key] = _value(value.strip())
-    if any(k.startswith("train/") for k in pairs) and "global_step" in pairs:
-        return pairs
-    if any(k.startswith("val/") for k in pairs) and "epoch" in pairs:
-        return pairs
-    return None
+def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"loss": 1}} -> {"train/loss": 1}, as speculators' logger backends name the values."""
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}/")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _metric_column(key: str) -> str:
@@ -349,36 +319,41 @@ def _column_order(columns: Iterable[str]) -> list[str]:
     return ordered
 
 
-def parse_trainer_metrics(attempt_logs: Sequence[str]):
-    """One row per logged train step and per validation epoch, from the trainer output of each attempt, in order.
+def metric_row(attempt: int, record: dict[str, Any]) -> dict[str, Any] | None:
+    """One metrics.csv row for a JSONL record, or None for a record that is neither a train step nor a
+    validation epoch. A validation row's global_step is the record's step: the optimizer steps done when it ran."""
+    flat = _flatten(record.get("metrics") or {})
+    if any(k.startswith("train/") for k in flat) and "global_step" in flat:
+        split, step = "train", flat["global_step"]
+    elif any(k.startswith("val/") for k in flat) and "epoch" in flat:
+        split, step = "val", record.get("step")
+    else:
+        return None
+    row: dict[str, Any] = {"attempt": attempt, "split": split, "epoch": flat.get("epoch"), "global_step": step}
+    for key, value in flat.items():
+        if key in ("epoch", "global_step") or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if key == "lr" or key.startswith(("lr/", "train/", "val/", "profile/")):
+            row[_metric_column(key)] = float(value)
+    return row
+
+
+def metrics_table(attempts: Sequence[Sequence[dict[str, Any]]]):
+    """One row per logged train step and per validation epoch, from each attempt's metric records, in order.
 
     Columns: attempt, split (train|val), epoch, global_step, loss, loss_<k>, full_acc_<k>, cond_acc_<k> (k = draft
-    position, i.e. TTT step), lr, then the rest (error_records, profile timings). A validation row's global_step
-    is the number of optimizer steps done when it ran. A rerun that resumed from a checkpoint repeats the steps
-    after it: the last attempt's rows win, so the table follows the run that produced the final weights.
+    position, i.e. TTT step), lr, then the rest (error_records, profile timings). A rerun that resumed from a
+    checkpoint repeats the steps after it: the last attempt's rows win, so the table follows the run that
+    produced the final weights.
     """
     import pandas as pd
 
-    rows: list[dict[str, Any]] = []
-    for attempt, text in enumerate(attempt_logs, start=1):
-        steps_done: int | None = None
-        for message in rich_records(text):
-            record = parse_metric_record(message)
-            if record is None:
-                continue
-            split = "train" if any(k.startswith("train/") for k in record) else "val"
-            row: dict[str, Any] = {"attempt": attempt, "split": split, "epoch": record.get("epoch")}
-            if split == "train":
-                row["global_step"] = record["global_step"]
-                steps_done = record["global_step"] + 1
-            else:
-                row["global_step"] = steps_done
-            for key, value in record.items():
-                if key in ("epoch", "global_step") or not isinstance(value, int | float) or value is None:
-                    continue
-                if key == "lr" or key.startswith(("lr/", "train/", "val/", "profile/")):
-                    row[_metric_column(key)] = float(value)
-            rows.append(row)
+    rows = [
+        row
+        for attempt, records in enumerate(attempts, start=1)
+        for record in records
+        if (row := metric_row(attempt, record)) is not None
+    ]
     if not rows:
         return pd.DataFrame(columns=["attempt", "split", "epoch", "global_step", "loss"])
     frame = pd.DataFrame(rows)
@@ -676,11 +651,24 @@ def trainer_env(device: TrainDevice, cpu_threads: int | None) -> dict[str, str]:
     from eagle3_workflow.runtime import child_environment
 
     env = child_environment()
-    env["COLUMNS"] = str(TRAINER_CONSOLE_COLUMNS)
     env.pop("FORCE_COLOR", None)
-    if device.kind == "cpu" and cpu_threads and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(cpu_threads)
+    env.pop(DEVICE_ENV, None)
+    if device.kind == "cpu":
+        env[DEVICE_ENV] = "cpu"  # the trainer entry applies the CPU shim
+        if cpu_threads and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(cpu_threads)
     return env
+
+
+def attempt_files(logs_dir: Path, attempt: int) -> tuple[Path, Path]:
+    """(trainer output log, metrics JSONL) of one launch."""
+    return logs_dir / f"trainer-attempt-{attempt:02d}.log", logs_dir / f"metrics-attempt-{attempt:02d}.jsonl"
+
+
+def attempt_metrics(logs_dir: Path) -> list[list[dict[str, Any]]]:
+    """The metric records of every launch so far, in order (an attempt killed before its first step has none)."""
+    launches = len(list(logs_dir.glob("trainer-attempt-*.log")))
+    return [read_metric_lines(attempt_files(logs_dir, n)[1]) for n in range(1, launches + 1)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -799,8 +787,10 @@ def run_attempt(
 ) -> CheckpointInfo:
     """One launch of the trainer, logged to its own file; the final checkpoint, or StageError saying why not."""
     attempt = len(list(logs_dir.glob("trainer-attempt-*.log"))) + 1
-    attempt_log = logs_dir / f"trainer-attempt-{attempt:02d}.log"
+    attempt_log, metrics_jsonl = attempt_files(logs_dir, attempt)
+    metrics_jsonl.unlink(missing_ok=True)  # left by a launch whose log was deleted: not this attempt's steps
     log.info("attempt %d (output also in %s): %s", attempt, attempt_log, " ".join(command))
+    env = {**env, METRICS_ENV: str(metrics_jsonl)}
     rc, lines = run_trainer(command, env=env, attempt_log=attempt_log, on_line=on_line)
     stopped_by = stop_signal(rc, lines) if rc != 0 else None
     if stopped_by not in (None, "SIGKILL"):  # SIGKILL: more likely the OOM killer than a stop request
@@ -928,11 +918,14 @@ def train_draft(
             epochs=settings.epochs,
             on_line=on_line or (lambda line: log.info("| %s", line)),
         )
-    attempt_logs = sorted(logs_dir.glob("trainer-attempt-*.log"))
-    metrics = parse_trainer_metrics([p.read_text(encoding="utf-8", errors="replace") for p in attempt_logs])
+    attempts = attempt_metrics(logs_dir)
+    metrics = metrics_table(attempts)
     train_rows = metrics[metrics["split"] == "train"]
     if train_rows.empty:
-        raise StageError(f"no training metrics found in the trainer output ({logs_dir}); did its log format change?")
+        raise StageError(
+            f"no training metrics in {logs_dir}/metrics-attempt-*.jsonl: speculators logged no train step on its "
+            f"'speculators.metrics' logger (did that logger or setup_metric_logger change? run check_api)"
+        )
     final_loss = _last(metrics, "train", "loss")
     if final_loss is None or not math.isfinite(final_loss):
         raise StageError(f"the final training loss is {final_loss}; training diverged (see {logs_dir})")
@@ -945,7 +938,7 @@ def train_draft(
         device=device.kind,
         processes=device.processes,
         command=command,
-        attempts=len(attempt_logs),
+        attempts=len(attempts),
         resumed_from=resumed_from,
         final_checkpoint=final,
         epochs=settings.epochs,

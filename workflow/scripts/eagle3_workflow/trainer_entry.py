@@ -1,0 +1,115 @@
+"""The entry of every trainer process the workflow starts (speculators 0.9.0).
+
+Usage: ``python -m eagle3_workflow.trainer_entry <speculators train args>``, or under torchrun
+``torch.distributed.run ... -m eagle3_workflow.trainer_entry <args>``. The arguments are ``speculators train``'s,
+unchanged; the entry runs speculators' own ``cli.main(TrainConfig.resolve(argv))`` (what ``python -m
+speculators.train`` runs) with two additions, chosen by the environment so that the trainer's flags stay exactly
+speculators' (bench/gpu/bench_gpu.py compares them flag by flag):
+
+- ``EAGLE3_TRAIN_METRICS_JSONL=<path>``: rank 0 appends each record of speculators' ``speculators.metrics``
+  logger that carries a step (``extra={"step": ...}``: train steps and validation epochs) to ``<path>`` as one
+  JSON line ``{"step": <step>, "metrics": <the record's dict>}``. The metrics are read from the trainer's own
+  dicts, not from its console text;
+- ``EAGLE3_TRAIN_DEVICE=cpu``: the CPU shim's patches and defaults (``cpu_train_shim``), for a machine with no
+  accelerator. On CUDA the entry adds only the metrics handler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+METRICS_ENV = "EAGLE3_TRAIN_METRICS_JSONL"
+DEVICE_ENV = "EAGLE3_TRAIN_DEVICE"
+METRICS_LOGGER = "speculators.metrics"
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        return float(value)  # a 0-d tensor or numpy scalar a future speculators might log without .item()
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def metric_line(message: Any, step: Any) -> str | None:
+    """One JSON line for a metric record, or None for what is not one (text, hyperparameters: no step)."""
+    if not isinstance(message, Mapping) or step is None:
+        return None
+    return json.dumps({"step": int(step), "metrics": message}, default=_jsonable)
+
+
+class JsonlMetricHandler(logging.Handler):
+    """Appends each metric record to a file, one JSON line each, closed after every line (a kill loses at most
+    the line being written)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(logging.INFO)
+        self.path = Path(path)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = metric_line(record.msg, getattr(record, "step", None))
+        if line is None:
+            return
+        try:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(line + "\n")
+        except OSError:
+            self.handleError(record)
+
+
+def process_rank(environ: Mapping[str, str]) -> int:
+    """This process's global rank as torchrun sets it (0 when not launched by torchrun)."""
+    return int(environ.get("RANK", "0") or 0)
+
+
+def install_metric_handler(path: Path | None, rank: int) -> bool:
+    """Add the JSONL handler to ``speculators.metrics`` in rank 0 (the ranks log the same all-reduced values).
+
+    speculators' ``setup_metric_logger`` configures that logger with ``dictConfig``, which removes the handlers
+    it finds there: the handler is added right after it, by wrapping the name ``cli.main`` calls. True when
+    installed.
+    """
+    if path is None or rank != 0:
+        return False
+    import inspect
+
+    import speculators.train.cli as cli
+
+    # checked now, not found out after hours of training when metrics.csv would be empty
+    if "setup_metric_logger(" not in inspect.getsource(cli.main):
+        raise RuntimeError(
+            "speculators.train.cli.main no longer calls setup_metric_logger, after which the workflow adds its "
+            "metrics handler: the installed speculators differs from 0.9.0; update eagle3_workflow/trainer_entry.py"
+        )
+    configure = cli.setup_metric_logger
+
+    def configure_then_add_jsonl(*args: Any, **kwargs: Any) -> None:
+        configure(*args, **kwargs)
+        logging.getLogger(METRICS_LOGGER).addHandler(JsonlMetricHandler(path))
+
+    cli.setup_metric_logger = configure_then_add_jsonl
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    metrics_path = os.environ.get(METRICS_ENV)
+    install_metric_handler(Path(metrics_path) if metrics_path else None, process_rank(os.environ))
+    if os.environ.get(DEVICE_ENV) == "cpu":
+        from eagle3_workflow.cpu_train_shim import apply_cpu_patches, with_cpu_defaults
+
+        apply_cpu_patches()
+        argv = with_cpu_defaults(argv)
+    from speculators.train.cli import main as train_main
+    from speculators.train.config import TrainConfig
+
+    train_main(TrainConfig.resolve(argv))
+
+
+if __name__ == "__main__":
+    main()
