@@ -105,7 +105,7 @@ def _training_section(inputs: CardInputs) -> list[str]:
         "",
         "| setting | value |",
         "|---|---|",
-        f"| trainer | speculators (`python -m speculators.train`), {training.get('device', 'n/a')}, "
+        f"| trainer | speculators {_fmt(inputs.provenance.get('packages', {}).get('speculators'))} (its `cli.main`), {training.get('device', 'n/a')}, "
         f"{_fmt(training.get('processes'))} process(es) |",
         f"| draft | EAGLE-3, {train_cfg.get('draft_layers', 'n/a')} decoder layer(s), "
         f"{train_cfg.get('ttt_steps', 'n/a')} TTT steps |",
