@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,6 +61,25 @@ def write_json_atomic(path: str | Path, payload: Any) -> None:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def published_directory(out_dir: str | Path) -> Iterator[Path]:
+    """Fill a private staging folder beside out_dir, then swap it in whole: a reader (or a failed run) sees the
+    old folder or the complete new one, never a half-written one. Files get the permissions the umask allows
+    (mkdtemp and safetensors make them private; a draft is for others to serve)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        yield staging
+        share_as_umask_allows(staging)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         raise
 
 

@@ -15,10 +15,10 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.contracts import published_directory
 from eagle3_workflow.errors import StageError
 
 CARD_NAME = "README.md"
@@ -265,19 +265,10 @@ def package_draft(paths: dict[str, Path], config: dict[str, Any], run: str, out_
         provenance=_read(paths["provenance"]), draft_files={p.name: sha256_of(p) for p in files},
         regenerated=_read(regenerated) if regenerated and Path(regenerated).exists() else None,
     )  # fmt: skip
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
-        staging.chmod(0o755)  # mkdtemp makes it private; the draft is for others to serve
+    with published_directory(out_dir) as staging:
         for path in files:
             _link_or_copy(path, staging / path.name)
         (staging / CARD_NAME).write_text(render_model_card(inputs))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import read_json, share_as_umask_allows, write_json_atomic
+from eagle3_workflow.contracts import published_directory, read_json, write_json_atomic
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
 from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
@@ -723,25 +723,13 @@ def _check_inputs(
 
 def _publish_draft(checkpoint: Path, out_dir: Path, metrics, summary: TrainingSummary) -> None:
     """Copy the final checkpoint (minus resume-only state) and the tables into out_dir, checked, all or nothing."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the draft is for others to serve
-    try:
+    with published_directory(out_dir) as staging:
         for item in checkpoint.iterdir():
             if item.is_file() and item.name not in RESUME_ONLY_FILES:
                 shutil.copy2(item, staging / item.name)
         metrics.to_csv(staging / "metrics.csv", index=False)
         write_json_atomic(staging / "training.json", summary)
         verify_draft(staging, draft_vocab_size=summary.draft_vocab_size, target_layer_ids=summary.target_layer_ids)
-        share_as_umask_allows(staging)  # speculators' safetensors and the mkstemp'd .npy maps are 0600
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def verify_draft(out_dir: Path, *, draft_vocab_size: int, target_layer_ids: Sequence[int]) -> None:
