@@ -107,9 +107,26 @@ def resolved_config_json():
     return json.dumps(config, sort_keys=True)
 
 
-def section_json(*keys):
-    """A config section as a param: only changes to it rerun the rule."""
-    return json.dumps({k: config[k] for k in keys}, sort_keys=True)
+def config_subset(*dpaths):
+    """The config values a stage reads ("section" or "section/key"), nested as in the config: the rule's only
+    route to config, so it reruns exactly when one of them changes. Keys sorted, so a param's value (its
+    repr is the rerun trigger) does not depend on the order of the dpaths or of the config file."""
+    subset = {}
+    for dpath in sorted(dpaths):
+        *parents, leaf = dpath.split("/")
+        node = subset
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = _sorted_copy(lookup(dpath=dpath, within=config))
+    return _sorted_copy(subset)
+
+
+def _sorted_copy(value):
+    if isinstance(value, dict):
+        return {k: _sorted_copy(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_copy(v) for v in value]
+    return value
 
 
 def gpu_resources(gpus):

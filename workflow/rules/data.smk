@@ -17,6 +17,14 @@ rule prepare_data:
         **gpu_resources(0),
     params:
         formats=data_source_formats(),
-        data=section_json("data"),
+        settings=config_subset(
+            "data/max_seq_len",
+            "data/overlength",
+            "data/on_bad_record",
+            "data/min_assistant_tokens",
+            "data/max_samples",
+            "data/seed",
+            "target/trust_remote_code",
+        ),
     script:
         "../scripts/prepare_data.py"

@@ -33,10 +33,24 @@ rule evaluate_draft:
         runtime=lambda wc, attempt: 120 * attempt,
     params:
         work_dir=out("eval", "work"),
-        settings=section_json("evaluate", "vllm"),
-        train_data_ratio=config["train"]["train_data_ratio"],
-        dtype=config["target"]["dtype"],
-        trust_remote_code=config["target"]["trust_remote_code"],
+        # evaluate.gpus is a resource, not read by the stage
+        settings=config_subset(
+            "evaluate/prompts",
+            "evaluate/prompt_file",
+            "evaluate/num_prompts",
+            "evaluate/num_speculative_tokens",
+            "evaluate/max_tokens",
+            "evaluate/seed",
+            "evaluate/tensor_parallel_size",
+            "evaluate/isolate_runs",
+            "evaluate/timing_repeats",
+            "evaluate/lossless_logprob_tolerance",
+            "evaluate/timeout_s",
+            "vllm",
+            "train/train_data_ratio",
+            "target/dtype",
+            "target/trust_remote_code",
+        ),
     script:
         "../scripts/evaluate_draft.py"
 

@@ -16,7 +16,9 @@ rule check_api:
     resources:
         **gpu_resources(0),
     params:
-        settings=section_json("target", "hidden_states", "check_api", "vllm"),
+        settings=config_subset(
+            "check_api", "hidden_states/layer_ids", "target/trust_remote_code", "vllm/device"
+        ),
     script:
         "../scripts/check_api.py"
 
@@ -38,7 +40,14 @@ rule canary:
         runtime=lambda wc, attempt: 60 * attempt,
     params:
         work_dir=out("checks", "canary_work"),
-        settings=section_json("target", "hidden_states", "canary", "vllm"),
-        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
+        settings=config_subset(
+            "canary",
+            "extraction/tensor_parallel_size",
+            "extraction/stall_timeout_s",
+            "extraction/stall_factor",
+            "target/dtype",
+            "target/trust_remote_code",
+            "vllm",
+        ),
     script:
         "../scripts/canary.py"

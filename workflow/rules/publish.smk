@@ -24,7 +24,6 @@ rule package_draft:
     conda:
         CONDA_ENV
     params:
-        run=config["run"],
-        config=section_json("target", "regenerate", "train", "evaluate", "vllm"),
+        settings=config_subset("run", "target", "regenerate", "train", "evaluate", "vllm"),
     script:
         "../scripts/package_draft.py"

@@ -21,7 +21,14 @@ if config["regenerate"]["enabled"]:
             **gpu_resources(config["extraction"]["gpus_per_replica"]),
             runtime=lambda wc, attempt: 60 * attempt,
         params:
-            settings=section_json("target", "target_check", "vllm"),
+            settings=config_subset(
+                "target_check/max_tokens",
+                "target_check/request_timeout_s",
+                "extraction/tensor_parallel_size",
+                "target/dtype",
+                "target/trust_remote_code",
+                "vllm",
+            ),
         script:
             "../scripts/check_target.py"
 
@@ -44,7 +51,12 @@ if config["regenerate"]["enabled"]:
             **gpu_resources(config["extraction"]["gpus_per_replica"]),
             runtime=lambda wc, attempt: config["regenerate"]["runtime_minutes"] * attempt,
         params:
-            settings=section_json("target", "regenerate", "vllm"),
-            tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
+            settings=config_subset(
+                "regenerate",
+                "extraction/tensor_parallel_size",
+                "target/dtype",
+                "target/trust_remote_code",
+                "vllm",
+            ),
         script:
             "../scripts/regenerate_responses.py"

@@ -14,7 +14,14 @@ if target_build_kind() == "tiny":
         conda:
             CONDA_ENV
         params:
-            build=section_json("target"),
+            settings=config_subset(
+                "target/build/arch",
+                "target/build/num_layers",
+                "target/build/hidden_size",
+                "target/build/head_dim",
+                "target/build/vocab_size",
+                "target/build/seed",
+            ),
         script:
             "../scripts/build_tiny_target.py"
 
@@ -35,6 +42,6 @@ if target_build_kind() == "smollm2":
             **gpu_resources(0),
             runtime=lambda wc, attempt: 30 * attempt,
         params:
-            dtype=config["target"]["dtype"],
+            settings=config_subset("target/dtype"),
         script:
             "../scripts/build_smollm2_target.py"

@@ -23,7 +23,6 @@ rule train_draft:
     params:
         files_dir=out("hidden_states", "files"),
         work_dir=out("train_work"),
-        settings=section_json("train"),
-        trust_remote_code=config["target"]["trust_remote_code"],
+        settings=config_subset("train", "target/trust_remote_code"),
     script:
         "../scripts/train_draft.py"

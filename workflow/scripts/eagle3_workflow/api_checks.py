@@ -442,7 +442,7 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.vllm_server import resolve_device
 
     def body(log: logging.Logger) -> None:
-        config = snakemake.config
+        config = snakemake.params.settings
         report = run_api_checks(
             target_dir=str(snakemake.input.target),
             prepared_dir=str(snakemake.input.prepared),

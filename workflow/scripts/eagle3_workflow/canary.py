@@ -519,7 +519,7 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        config = snakemake.config
+        config = snakemake.params.settings
         api = read_json(snakemake.input.api_compat)
         if not api.get("passed"):
             raise StageError("api_compat.json says passed=false; the canary will not start")

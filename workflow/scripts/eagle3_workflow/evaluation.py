@@ -1047,7 +1047,7 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        settings = json.loads(snakemake.params.settings)
+        settings = snakemake.params.settings
         # the prompt file as Snakemake resolved it (a relative path may name the copy shipped with the workflow)
         prompt_files = list(snakemake.input.get("prompt_file", []))
         evaluate = settings["evaluate"] | ({"prompt_file": prompt_files[0]} if prompt_files else {})
@@ -1061,9 +1061,9 @@ def main(snakemake: Any) -> None:
             work_dir=Path(snakemake.params.work_dir),
             settings=EvaluationSettings.from_config(evaluate),
             vllm_settings=settings["vllm"],
-            train_data_ratio=snakemake.params.train_data_ratio,
-            dtype=snakemake.params.dtype,
-            trust_remote_code=snakemake.params.trust_remote_code,
+            train_data_ratio=settings["train"]["train_data_ratio"],
+            dtype=settings["target"]["dtype"],
+            trust_remote_code=settings["target"]["trust_remote_code"],
             log_path=snakemake.log[0],
         )
         write_json_atomic(snakemake.output.report, report)

@@ -539,7 +539,7 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        config = snakemake.config
+        config = snakemake.params.settings
         extraction = config["extraction"]
         api = read_json(snakemake.input.api_compat)
         canary = read_json(snakemake.input.canary)

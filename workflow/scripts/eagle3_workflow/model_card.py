@@ -277,8 +277,8 @@ def main(snakemake: Any) -> None:
 
     def body(log) -> None:
         paths = {name: Path(value) for name, value in snakemake.input.items()}
-        out_dir = package_draft(paths, json.loads(snakemake.params.config), snakemake.params.run,
-                                Path(snakemake.output.published))  # fmt: skip
+        config = {k: v for k, v in snakemake.params.settings.items() if k != "run"}
+        out_dir = package_draft(paths, config, snakemake.params.settings["run"], Path(snakemake.output.published))
         log.info("published draft: %s (%s)", out_dir, ", ".join(sorted(p.name for p in out_dir.iterdir())))
 
     run_stage("package_draft", snakemake.log[0], body)

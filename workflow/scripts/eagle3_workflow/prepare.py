@@ -335,9 +335,10 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
-        cfg = snakemake.config["data"]
+        settings = snakemake.params.settings
+        cfg = settings["data"]
         tokenizer = load_chat_tokenizer(
-            snakemake.input.target, trust_remote_code=snakemake.config["target"]["trust_remote_code"]
+            snakemake.input.target, trust_remote_code=settings["target"]["trust_remote_code"]
         )
         sources = [(Path(p), fmt) for p, fmt in zip(snakemake.input.sources, snakemake.params.formats, strict=True)]
         result = prepare_conversations(

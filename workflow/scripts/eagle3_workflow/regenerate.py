@@ -724,7 +724,7 @@ def main(snakemake: Any) -> None:
             [Path(p) for p in snakemake.input.prompt_files],
             Path(snakemake.output.conversations),
             Path(snakemake.output.stats),
-            dict(snakemake.config),
+            dict(snakemake.params.settings),
             log,
         )
 

@@ -279,7 +279,7 @@ def main(snakemake: Any) -> None:
         out_dir = Path(snakemake.output.target)
         try:
             record = build_smollm2_target(
-                out_dir, gguf_path=Path(snakemake.input.gguf), dtype=snakemake.config["target"]["dtype"]
+                out_dir, gguf_path=Path(snakemake.input.gguf), dtype=snakemake.params.settings["target"]["dtype"]
             )
         except BaseException:
             # a half-written model directory must not look like a target to a later, manual run

@@ -159,7 +159,7 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.vllm_server import resolve_device
 
     def body(log: logging.Logger) -> None:
-        config = snakemake.config
+        config = snakemake.params.settings
         device = resolve_device(config["vllm"]["device"])
         report = check_target(config, str(snakemake.input.target), device, snakemake.log[0])
         if not report.passed:

@@ -151,7 +151,7 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
-        build = snakemake.config["target"]["build"]
+        build = snakemake.params.settings["target"]["build"]
         build_tiny_target(
             Path(snakemake.output.target),
             [Path(p) for p in snakemake.input.corpus],

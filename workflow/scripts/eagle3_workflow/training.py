@@ -958,7 +958,8 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        settings = TrainSettings.from_config(json.loads(snakemake.params.settings)["train"])
+        config = snakemake.params.settings
+        settings = TrainSettings.from_config(config["train"])
         train_draft(
             settings,
             target=Path(snakemake.input.target),
@@ -969,7 +970,7 @@ def main(snakemake: Any) -> None:
             files_dir=Path(snakemake.params.files_dir),
             work_dir=Path(snakemake.params.work_dir),
             out_dir=Path(snakemake.output.draft),
-            trust_remote_code=bool(snakemake.params.trust_remote_code),
+            trust_remote_code=bool(config["target"]["trust_remote_code"]),
             cpu_threads=snakemake.threads,
         )
 

@@ -161,7 +161,7 @@ def main(snakemake: Any) -> None:
 
     def body(log: logging.Logger) -> None:
         api = read_json(snakemake.input.api_compat)
-        max_bad = snakemake.config["validation"]["max_bad_samples"]
+        max_bad = snakemake.params.settings["validation"]["max_bad_samples"]
         report = validate_files(
             load_prepared_input_ids(snakemake.input.prepared),
             Path(snakemake.params.files_dir),
