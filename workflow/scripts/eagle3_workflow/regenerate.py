@@ -109,52 +109,53 @@ def read_prompt_file(path: Path) -> list[PromptConversation]:
     if not path.exists():
         raise StageError(f"prompt file {path} does not exist; fix regenerate.prompt_files in the config")
     if path.suffix == ".txt":
-        prompts = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                prompts.append(
-                    PromptConversation(
-                        answer_slots([{"role": "user", "content": line.strip()}]), f"{path.name}:{lineno}"
-                    )
-                )
-        return prompts
+        return [
+            PromptConversation(answer_slots([{"role": "user", "content": line.strip()}]), f"{path.name}:{lineno}")
+            for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+            if line.strip()
+        ]
     if path.suffix not in (".jsonl", ".json"):
         raise StageError(
             f"prompt file {path} has suffix {path.suffix!r}; use .txt (one prompt per line) or .jsonl/.json "
             "(records with 'conversations' or 'messages')"
         )
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        try:
-            items = list(enumerate(json.loads(text), start=1))
-        except json.JSONDecodeError as exc:
-            raise StageError(f"prompt file {path} is not valid JSON: {exc!r}") from exc
-    else:
-        items = []
-        bad_json = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    items.append((lineno, json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    bad_json.append((f"{path.name}:{lineno}", repr(exc)))
-        if bad_json:
-            raise _bad_prompts(path, bad_json)
     prompts, bad = [], []
-    for lineno, record in items:
+    for lineno, record in _json_records(path):
         try:
-            if isinstance(record, dict) and "conversations" in record:
-                turns = _conversation_from_turns(record["conversations"], "from", "value")
-            elif isinstance(record, dict) and "messages" in record:
-                turns = _conversation_from_turns(record["messages"], "role", "content")
-            else:
-                raise ValueError("record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
-            prompts.append(PromptConversation(answer_slots(turns), f"{path.name}:{lineno}"))
+            prompts.append(PromptConversation(answer_slots(_record_turns(record)), f"{path.name}:{lineno}"))
         except ValueError as exc:
             bad.append((f"{path.name}:{lineno}", str(exc)))
     if bad:
         raise _bad_prompts(path, bad)
     return prompts
+
+
+def _json_records(path: Path) -> list[tuple[int, Any]]:
+    """(line or position, record) of a JSON array file or a JSON-lines file; every unparsable line is named."""
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            return list(enumerate(json.loads(text), start=1))
+        except json.JSONDecodeError as exc:
+            raise StageError(f"prompt file {path} is not valid JSON: {exc!r}") from exc
+    items, bad_json = [], []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                items.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                bad_json.append((f"{path.name}:{lineno}", repr(exc)))
+    if bad_json:
+        raise _bad_prompts(path, bad_json)
+    return items
+
+
+def _record_turns(record: Any) -> list[dict[str, str]]:
+    if isinstance(record, dict) and "conversations" in record:
+        return _conversation_from_turns(record["conversations"], "from", "value")
+    if isinstance(record, dict) and "messages" in record:
+        return _conversation_from_turns(record["messages"], "role", "content")
+    raise ValueError("record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
 
 
 def _bad_prompts(path: Path, bad: list[tuple[str, str]]) -> StageError:
