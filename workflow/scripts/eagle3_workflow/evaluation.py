@@ -57,6 +57,7 @@ from eagle3_workflow.contracts import (
 )
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.runtime.stage import describe_exception
+from eagle3_workflow.vllm_server import offline_engine_kwargs
 
 log = logging.getLogger("eagle3.evaluation")
 
@@ -111,23 +112,11 @@ def engine_kwargs(
     tensor_parallel_size: int,
     in_process: bool,
 ) -> dict[str, Any]:
-    """vllm.LLM keyword arguments shared by every engine of the evaluation (speculation is added per run)."""
-    kwargs: dict[str, Any] = {
-        "model": target,
-        "dtype": dtype,
-        "trust_remote_code": trust_remote_code,
-        "seed": seed,
-        "max_model_len": vllm_settings["max_model_len"],
-        "max_num_seqs": vllm_settings["max_num_seqs"],
-        "enforce_eager": vllm_settings["enforce_eager"],
-        "tensor_parallel_size": tensor_parallel_size,
-        "disable_log_stats": False,  # vllm.LLM turns stats off by default, and with them get_metrics()
-        "enable_prefix_caching": False,  # every engine does the same work on the same prompts
-    }
-    if vllm_settings.get("kv_cache_memory_bytes"):
-        kwargs["kv_cache_memory_bytes"] = vllm_settings["kv_cache_memory_bytes"]
-    elif device == "cuda":
-        kwargs["gpu_memory_utilization"] = vllm_settings["gpu_memory_utilization"]
+    """The offline engine of every measurement (speculation is added per run)."""
+    kwargs = offline_engine_kwargs(vllm_settings, model=target, dtype=dtype, trust_remote_code=trust_remote_code,
+                                   seed=seed, tensor_parallel_size=tensor_parallel_size, device=device)  # fmt: skip
+    kwargs["disable_log_stats"] = False  # vllm.LLM turns stats off by default, and with them get_metrics()
+    kwargs["enable_prefix_caching"] = False  # every engine does the same work on the same prompts
     if in_process:
         kwargs["distributed_executor_backend"] = "uni"
     return kwargs

@@ -36,6 +36,7 @@ from eagle3_workflow.chat import ROLE_ALIASES, StopSet, assistant_stop_set, rend
 from eagle3_workflow.contracts import write_json_atomic
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.runtime.child import ChildProcess, ProgressWatch
+from eagle3_workflow.vllm_server import offline_engine_kwargs
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -529,23 +530,16 @@ def write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> None:
 
 
 def engine_kwargs(target: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """vllm.LLM arguments from the config's target, vllm and extraction sections (served as in extraction)."""
-    vllm_cfg = config["vllm"]
-    kwargs: dict[str, Any] = {
-        "model": str(target),
-        "dtype": config["target"]["dtype"],
-        "trust_remote_code": config["target"]["trust_remote_code"],
-        "max_model_len": vllm_cfg["max_model_len"],
-        "max_num_seqs": vllm_cfg["max_num_seqs"],
-        "enforce_eager": vllm_cfg["enforce_eager"],
-        "tensor_parallel_size": config["extraction"]["tensor_parallel_size"],
-        "seed": config["regenerate"]["seed"],
-    }
-    if vllm_cfg["kv_cache_memory_bytes"]:
-        kwargs["kv_cache_memory_bytes"] = vllm_cfg["kv_cache_memory_bytes"]
-    else:
-        kwargs["gpu_memory_utilization"] = vllm_cfg["gpu_memory_utilization"]
-    return kwargs
+    """The regeneration engine from the config's target, vllm and extraction sections (served as in extraction)."""
+    return offline_engine_kwargs(
+        config["vllm"],
+        model=str(target),
+        dtype=config["target"]["dtype"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        seed=config["regenerate"]["seed"],
+        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
+        device=config["vllm"].get("device", "auto"),
+    )
 
 
 def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:

