@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,31 +17,26 @@ from synthetic_run import build_scratch_draft, write_synthetic_run
 
 from eagle3_workflow.contracts import AcceptanceReport, read_json
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.evaluation import (
-    EvaluationSettings,
-    MeasurementRun,
-    MeasurementSpec,
-    PromptCandidate,
+from eagle3_workflow.evaluation.baseline import build_untrained_draft
+from eagle3_workflow.evaluation.launch import engine_kwargs, measurement_environment, run_measurement_process
+from eagle3_workflow.evaluation.lossless import compare_greedy, describe_mismatch, first_divergence, lossless_failure
+from eagle3_workflow.evaluation.metrics import (
     SpecDecodeCounters,
     acceptance_from_counters,
     acceptance_result,
-    build_untrained_draft,
-    compare_greedy,
     counters_delta,
     counters_from_metrics,
-    describe_mismatch,
-    eagle3_run,
-    engine_kwargs,
+)
+from eagle3_workflow.evaluation.prompts import (
+    PromptCandidate,
     file_candidates,
-    first_divergence,
     heldout_rows,
     load_prompts,
-    lossless_failure,
-    measurement_environment,
     prompt_messages,
-    run_measurement_process,
     select_prompts,
 )
+from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec, eagle3_run
+from eagle3_workflow.evaluation.settings import EvaluationSettings
 
 VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
 
@@ -261,10 +257,21 @@ def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
     assert "[eval-vllm]" in log_path.read_text()
 
 
-def test_the_child_module_has_a_main_guard():
-    source = (Path(__file__).resolve().parent.parent / "workflow/scripts/eagle3_workflow/evaluation.py").read_text()
-    assert re.search(r'^if __name__ == "__main__":\n    sys.exit\(_child_main\(\)\)', source, flags=re.MULTILINE)
-    assert "import vllm" not in source.split("def measure(")[0]  # the stage process never imports vLLM
+@pytest.mark.parametrize(
+    ("modules", "absent"),
+    [
+        (["prompts", "metrics", "lossless", "protocol", "settings"], ["vllm", "torch", "subprocess"]),
+        (["stage", "launch", "baseline", "measure"], ["vllm", "torch"]),  # vLLM re-imports the stage as __main__
+    ],
+)
+def test_evaluation_modules_import_no_engine_at_module_level(modules, absent):
+    """A fresh interpreter imports the modules; the heavy ones load only inside the functions that run them."""
+    imports = "; ".join(f"import eagle3_workflow.evaluation.{name}" for name in modules)
+    code = f"import sys; {imports}; print(sorted(m for m in {absent!r} if m in sys.modules))"
+    env = measurement_environment(device="cpu", cpu_threads=None, in_process=True)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 # ---------------------------------------------------------------- the untrained baseline

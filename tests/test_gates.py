@@ -395,8 +395,8 @@ def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
 
 
 def test_check_api_catches_a_renamed_acceptance_counter(tiny_targets, monkeypatch):
-    from eagle3_workflow import evaluation
+    from eagle3_workflow.evaluation import metrics
 
-    monkeypatch.setattr(evaluation, "SPEC_COUNTERS", {**evaluation.SPEC_COUNTERS, "vllm:spec_decode_renamed": "x"})
+    monkeypatch.setattr(metrics, "SPEC_COUNTERS", {**metrics.SPEC_COUNTERS, "vllm:spec_decode_renamed": "x"})
     report = api_report(tiny_targets("llama"))
     assert "vllm:spec_decode_renamed" in failed_rows(report)["spec-decode metrics"]

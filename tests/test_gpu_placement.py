@@ -333,7 +333,7 @@ def test_every_gpu_rule_declares_its_placement(tmp_path):
     """The real workflow's plan: every GPU-using rule carries gpu=N and the placement settings, CPU rules
     neither; and every GPU stage's entry point holds its devices."""
     import eagle3_workflow.canary as canary
-    import eagle3_workflow.evaluation as evaluation
+    import eagle3_workflow.evaluation.stage as evaluation
     import eagle3_workflow.extraction as extraction
     import eagle3_workflow.regenerate as regenerate
     import eagle3_workflow.training as training

@@ -345,15 +345,15 @@ def test_a_stopped_engine_fails_regenerate_as_stalled(tiny_targets, tmp_path):
 
 @pytest.mark.slow
 def test_a_sigkilled_evaluate_stage_leaves_no_engine_behind(tiny_targets, tmp_path):
-    from eagle3_workflow.evaluation import engine_kwargs
+    from eagle3_workflow.evaluation.launch import engine_kwargs
 
     engine = engine_kwargs(_vllm_settings(), target=str(tiny_targets("llama")), dtype="bfloat16",
                            trust_remote_code=False, seed=0, device="cpu", tensor_parallel_size=1, in_process=False)  # fmt: skip
     log_path = tmp_path / "eval.log"
     stage = Stage(f"""
         from pathlib import Path
-        from eagle3_workflow.evaluation import (MeasurementRun, MeasurementSpec, measurement_environment,
-                                                run_measurement_process)
+        from eagle3_workflow.evaluation.launch import measurement_environment, run_measurement_process
+        from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec
         spec = MeasurementSpec(engine={engine!r}, prompts=[[1, 2, 3]] * 64, max_tokens=256, timing_repeats=3,
                                runs=[MeasurementRun("no_speculation", None)])
         env = measurement_environment(device="cpu", cpu_threads=None, in_process=False)

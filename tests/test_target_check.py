@@ -229,7 +229,8 @@ def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, t
 
 
 def test_evaluation_sampling_carries_the_stop_set_to_the_measurement_process():
-    from eagle3_workflow.evaluation import MeasurementSpec, measured_sampling
+    from eagle3_workflow.evaluation.measure import measured_sampling
+    from eagle3_workflow.evaluation.protocol import MeasurementSpec
 
     spec = MeasurementSpec(engine={}, prompts=[[1]], max_tokens=4, timing_repeats=1, runs=[], stop_token_ids=[2, 7])
     again = MeasurementSpec.from_dict(json.loads(json.dumps(dataclasses.asdict(spec))))  # as the child reads it

@@ -251,7 +251,7 @@ def check_spec_decode_metrics() -> tuple[str, bool]:
     from vllm import LLM
     from vllm.v1.spec_decode import metrics
 
-    from eagle3_workflow.evaluation import PER_POSITION_METRIC, SPEC_COUNTERS
+    from eagle3_workflow.evaluation.metrics import PER_POSITION_METRIC, SPEC_COUNTERS
 
     source = inspect.getsource(metrics)
     missing = [name for name in [*SPEC_COUNTERS, PER_POSITION_METRIC] if f'"{name}"' not in source]

@@ -1,0 +1,29 @@
+"""Stage `evaluate_draft`: vLLM runs the target with the trained EAGLE-3 draft, and with an untrained draft of the
+same shape as the baseline; acceptance from vLLM's own spec-decode counters, tokens/s with and without
+speculation, and a lossless check (greedy output with speculation == greedy output without).
+
+Which module owns what (pure modules import no vllm, torch or subprocess at module level):
+- ``settings``  the `evaluate` config section (EvaluationSettings).
+- ``prompts``   the prompt sets (heldout, humaneval, file), rendered with the chat template to token ids (pure).
+- ``metrics``   acceptance from the spec-decode counters, one run's AcceptanceResult, the summary table (pure).
+- ``lossless``  the greedy comparison, its first divergences and the failure message with their table (pure).
+- ``baseline``  the untrained draft (torch, speculators).
+- ``protocol``  spec.json / result.json exchanged with the measurement process (pure).
+- ``launch``    the stage's side of a measurement process: engine kwargs, environment, ChildProcess.
+- ``measure``   the measurement process itself, the package's only ``-m`` entry; the only module importing vLLM.
+- ``stage``     evaluate_draft (the orchestration) and the Snakemake adapter ``main(snakemake)``.
+
+Measurement. Each engine first generates a few tokens (warm-up, excluded); the spec-decode counters are read
+before and after the measured pass and subtracted. Greedy decoding (temperature 0), the top-5 logprobs of every
+generated token are requested in every run (same overhead for all), prefix caching is off (every run does the same
+work). Mean acceptance length = 1 + accepted / drafts (tokens per verification step including the bonus token);
+per-position acceptance = accepted at draft position i / drafts.
+
+Lossless check. The first token where a speculative run differs from the reference, per prompt. A mismatch fails
+the stage unless the reference's logprob of the token it chose exceeds that of the speculative run's token by at
+most ``evaluate.lossless_logprob_tolerance`` (default 0: only exact ties pass). Batched bf16 on GPU can flip
+near-ties; the artefact records the gap of every mismatch so a person can judge.
+
+This file imports nothing: ``python -m eagle3_workflow.evaluation.measure`` imports the package first, and the
+measurement process should load only what it runs.
+"""

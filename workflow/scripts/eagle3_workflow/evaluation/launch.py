@@ -1,0 +1,104 @@
+"""The stage's side of a measurement process: the offline engine's keyword arguments, the child's environment,
+and one ``python -m eagle3_workflow.evaluation.measure --spec spec.json --result result.json`` run on
+runtime.child.ChildProcess. vLLM never runs in the stage process: ``vllm.LLM`` spawns processes that re-import
+``__main__``, and under Snakemake's script directive ``__main__`` is the stage script."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3_workflow.contracts import read_json, write_json_atomic
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.evaluation.protocol import LOG_PREFIX, MeasurementResult, MeasurementSpec
+from eagle3_workflow.vllm_server import offline_engine_kwargs
+
+log = logging.getLogger("eagle3.evaluation")
+
+TAIL_LINES = 60
+
+
+def engine_kwargs(
+    vllm_settings: dict[str, Any],
+    *,
+    target: str,
+    dtype: str,
+    trust_remote_code: bool,
+    seed: int,
+    device: str,
+    tensor_parallel_size: int,
+    in_process: bool,
+) -> dict[str, Any]:
+    """The offline engine of every measurement (speculation is added per run)."""
+    kwargs = offline_engine_kwargs(vllm_settings, model=target, dtype=dtype, trust_remote_code=trust_remote_code,
+                                   seed=seed, tensor_parallel_size=tensor_parallel_size, device=device)  # fmt: skip
+    kwargs["disable_log_stats"] = False  # vllm.LLM turns stats off by default, and with them get_metrics()
+    kwargs["enable_prefix_caching"] = False  # every engine does the same work on the same prompts
+    if in_process:
+        kwargs["distributed_executor_backend"] = "uni"
+    return kwargs
+
+
+def measurement_environment(*, device: str, cpu_threads: int | None, in_process: bool) -> dict[str, str]:
+    from eagle3_workflow.runtime import child_environment
+
+    env = child_environment(vllm_on_cpu=device == "cpu", cpu_threads=cpu_threads)
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def run_measurement_process(
+    spec: MeasurementSpec,
+    work_dir: Path,
+    name: str,
+    *,
+    env: dict[str, str],
+    log_path: str | Path | None,
+    timeout_s: float,
+    stall_timeout_s: float | None = None,
+) -> tuple[MeasurementResult, float]:
+    """Run one measurement process; its output goes into the log. Returns the result and the wall time.
+
+    The process is stopped if it runs past `timeout_s`, or if requests are in flight and none finishes for
+    `stall_timeout_s` (or longer, when the observed pace is slower: runtime.child.ProgressWatch)."""
+    from eagle3_workflow.runtime.child import ChildProcess, ProgressWatch
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
+    write_json_atomic(spec_path, spec)
+    result_path.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle3_workflow.evaluation.measure",
+        "--spec",
+        str(spec_path),
+        "--result",
+        str(result_path),
+    ]
+    labels = ", ".join(r.label for r in spec.runs)
+    log.info("measurement process %s (%s): %s", name, labels, " ".join(cmd))
+    started = time.perf_counter()
+    child = ChildProcess(
+        cmd,
+        name=f"the measurement process ({labels})",
+        env=env,
+        log_path=log_path,
+        prefix=LOG_PREFIX,
+        clean=lambda line: line.removeprefix(LOG_PREFIX),
+        timeout_s=timeout_s,
+        timeout_hint="(evaluate.timeout_s) and was stopped",
+        progress=ProgressWatch(floor_s=stall_timeout_s) if stall_timeout_s else None,
+        tail_lines=TAIL_LINES,
+    )
+    with child:
+        code = child.wait()
+    wall_s = time.perf_counter() - started
+    if code != 0 or not result_path.exists():
+        raise StageError(child.failure_text(f"the measurement process ({labels}) exited with code {code}"))
+    log.info("measurement process %s done in %.1f s", name, wall_s)
+    return MeasurementResult.from_dict(read_json(result_path)), wall_s

@@ -1,0 +1,72 @@
+"""What the stage and its measurement process exchange: spec.json (MeasurementSpec) and result.json
+(MeasurementResult). Kept apart from measure.py, which runs as ``__main__`` in the child: classes defined there
+would be ``__main__.MeasurementSpec`` in the child and another class in the stage."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+TOP_LOGPROBS = 5
+LOG_PREFIX = "[eval-vllm] "
+NO_SPECULATION = "no_speculation"
+
+
+@dataclasses.dataclass
+class MeasurementRun:
+    label: str
+    speculative_config: dict[str, Any] | None  # None: no speculation (the reference)
+
+
+def eagle3_run(label: str, draft: Path, num_speculative_tokens: int) -> MeasurementRun:
+    config = {"method": "eagle3", "model": str(Path(draft).resolve()), "num_speculative_tokens": num_speculative_tokens}
+    return MeasurementRun(label, config)
+
+
+@dataclasses.dataclass
+class MeasurementSpec:
+    engine: dict[str, Any]  # vllm.LLM keyword arguments shared by every run
+    prompts: list[list[int]]
+    max_tokens: int
+    timing_repeats: int
+    runs: list[MeasurementRun]
+    top_logprobs: int = TOP_LOGPROBS
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # eos + the template's end-of-turn
+    stop: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MeasurementSpec:
+        return cls(**{**data, "runs": [MeasurementRun(**r) for r in data["runs"]]})
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str
+    engine_start_s: float
+    generate_s: float  # the fastest measured pass
+    generate_s_passes: list[float]
+    generated_tokens: int
+    outputs: list[list[int]]
+    finish_reasons: list[str]
+    logprobs: list[list[dict[int, float]]]  # per prompt, per generated token: top-k token -> logprob
+    metrics_before: list[dict[str, Any]]
+    metrics_after: list[dict[str, Any]]
+    load_1m: float
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunResult:
+        data = dict(data)
+        data["logprobs"] = [[{int(k): v for k, v in step.items()} for step in seq] for seq in data["logprobs"]]
+        return cls(**data)
+
+
+@dataclasses.dataclass
+class MeasurementResult:
+    vllm_version: str
+    import_s: float
+    runs: list[RunResult]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MeasurementResult:
+        return cls(data["vllm_version"], data["import_s"], [RunResult.from_dict(r) for r in data["runs"]])
