@@ -358,6 +358,50 @@ def run_api_checks(
     """All rows; pure apart from imports. The report's `passed` is the AND of the rows."""
     target = read_target_info(target_dir)
     rows = [
+        *_environment_rows(vllm_min, vllm_max_exclusive),
+        *_target_rows(target, target_dir, prepared_dir, configured_layer_ids, trust_remote_code),
+        _row(
+            "speculators train fields",
+            "TrainConfig has every flag the rule passes",
+            lambda: check_trainer_fields(trainer_fields or DEFAULT_TRAINER_FIELDS),
+        ),
+    ]
+    if need_render_endpoint:
+        rows.append(_row("render endpoint", "--enable-scale-out available", check_render_endpoint))
+    if device == "cpu":
+        rows.append(_row("CPU connector internals", "parent internals the CPU subclass uses", check_cpu_connector))
+        rows.append(
+            _row("CPU trainer shim patch points", "every patched speculators symbol exists", check_trainer_shim)
+        )
+    try:
+        layer_ids = resolve_layer_ids(target.num_layers, configured_layer_ids)
+    except ValueError:
+        layer_ids = list(configured_layer_ids or [])
+    import vllm
+
+    return ApiCompatReport(
+        passed=all(r.passed for r in rows),
+        vllm_version=getattr(vllm, "__version__", "unknown"),
+        speculators_version=_installed_version("speculators"),
+        transformers_version=_installed_version("transformers"),
+        torch_version=_installed_version("torch"),
+        device=device,
+        layer_ids=layer_ids,
+        checks=rows,
+        target=target,
+    )
+
+
+def _installed_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _environment_rows(vllm_min: str, vllm_max_exclusive: str) -> list[CheckRow]:
+    """What the installed vLLM and speculators must offer, whatever the target."""
+    return [
         _row(
             "vllm version",
             f">= {vllm_min}, < {vllm_max_exclusive}",
@@ -372,6 +416,20 @@ def run_api_checks(
         _row("connector write hook signature", "_submit_async_write(self, pending)", check_overridden_method),
         _row("extract_from_kv_cache signature", "(kv_cache, slot_mapping, num_tokens)", check_extract_from_kv_cache),
         _row("completion protocol", "return_token_ids + kv_transfer_params", check_completion_protocol),
+        _row("speculators model + transfer", "Eagle3DraftModel, FileTransfer", check_speculators_model),
+        _row("spec-decode metrics", "acceptance counters evaluate_draft reads", check_spec_decode_metrics),
+    ]
+
+
+def _target_rows(
+    target: TargetInfo,
+    target_dir: str,
+    prepared_dir: str | None,
+    configured_layer_ids: list[int] | None,
+    trust_remote_code: bool,
+) -> list[CheckRow]:
+    """What this target needs: its architecture captured, its layer ids valid, its chat template reproducing."""
+    return [
         _row(
             "target architecture",
             f"{target.architecture} registered, supports EAGLE-3 capture",
@@ -382,50 +440,12 @@ def run_api_checks(
             f"within 1..{target.num_layers}, last = {target.num_layers}",
             lambda: check_layer_ids(target.num_layers, configured_layer_ids),
         ),
-        _row("speculators model + transfer", "Eagle3DraftModel, FileTransfer", check_speculators_model),
-        _row("spec-decode metrics", "acceptance counters evaluate_draft reads", check_spec_decode_metrics),
-        _row(
-            "speculators train fields",
-            "TrainConfig has every flag the rule passes",
-            lambda: check_trainer_fields(trainer_fields or DEFAULT_TRAINER_FIELDS),
-        ),
         _row(
             "chat template",
             "str from apply_chat_template; prepared ids reproduce",
             lambda: check_chat_template(target_dir, prepared_dir, trust_remote_code),
         ),
     ]
-    if need_render_endpoint:
-        rows.append(_row("render endpoint", "--enable-scale-out available", check_render_endpoint))
-    if device == "cpu":
-        rows.append(_row("CPU connector internals", "parent internals the CPU subclass uses", check_cpu_connector))
-        rows.append(
-            _row("CPU trainer shim patch points", "every patched speculators symbol exists", check_trainer_shim)
-        )
-    try:
-        layer_ids = resolve_layer_ids(target.num_layers, configured_layer_ids)
-    except ValueError:
-        layer_ids = list(configured_layer_ids or [])
-
-    def version(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    import vllm
-
-    return ApiCompatReport(
-        passed=all(r.passed for r in rows),
-        vllm_version=getattr(vllm, "__version__", "unknown"),
-        speculators_version=version("speculators"),
-        transformers_version=version("transformers"),
-        torch_version=version("torch"),
-        device=device,
-        layer_ids=layer_ids,
-        checks=rows,
-        target=target,
-    )
 
 
 def trainer_fields_used() -> list[str]:

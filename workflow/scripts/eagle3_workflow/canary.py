@@ -512,10 +512,59 @@ def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[
     return samples, messages
 
 
+def server_spec_factory(config: dict[str, Any], device: str) -> Any:
+    """The extraction server for a model, ids and storage folder: exactly as extraction builds it."""
+    from eagle3_workflow.vllm_server import hidden_states_server_spec
+
+    tp = config["extraction"]["tensor_parallel_size"] if device == "cuda" else 1
+
+    def spec_factory(model: str, layer_ids: list[int], storage_dir: str):
+        return hidden_states_server_spec(
+            config["vllm"],
+            model=model,
+            layer_ids=layer_ids,
+            storage_dir=storage_dir,
+            device=device,
+            tensor_parallel_size=tp,
+            trust_remote_code=config["target"]["trust_remote_code"],
+            dtype=config["target"]["dtype"],
+            enable_render_endpoint=True,
+        )
+
+    return spec_factory
+
+
+def client_settings(config: dict[str, Any]) -> ClientSettings:
+    return ClientSettings(
+        concurrency=4,
+        request_timeout_s=300,
+        max_retries=1,
+        progress_interval_s=5,
+        stall_timeout_s=config["extraction"]["stall_timeout_s"],
+        stall_factor=config["extraction"]["stall_factor"],
+    )
+
+
+def refuse_or_log(report: CanaryReport, log: logging.Logger) -> None:
+    """A failed canary stops the run with its table; a passed one logs it."""
+    table = check_table(report.checks)
+    if not report.passed:
+        raise StageError(
+            f"canary FAILED on a slice of {report.canary_layers} layers of the target (ids "
+            f"{report.canary_layer_ids}); extraction will not start:\n{table}\nreference: {report.reference}"
+        )
+    log.info(
+        "canary passed (%s, %d layers, server ready in %.1f s):\n%s",
+        report.reference,
+        report.canary_layers,
+        report.server_ready_s,
+        table,
+    )
+
+
 def main(snakemake: Any) -> None:
     from eagle3_workflow.gpu_placement import holding_gpus
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.vllm_server import hidden_states_server_spec
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
@@ -524,22 +573,6 @@ def main(snakemake: Any) -> None:
         if not api.get("passed"):
             raise StageError("api_compat.json says passed=false; the canary will not start")
         canary_cfg = config["canary"]
-        device = api["device"]
-        tp = config["extraction"]["tensor_parallel_size"] if device == "cuda" else 1
-
-        def spec_factory(model: str, layer_ids: list[int], storage_dir: str):
-            return hidden_states_server_spec(
-                config["vllm"],
-                model=model,
-                layer_ids=layer_ids,
-                storage_dir=storage_dir,
-                device=device,
-                tensor_parallel_size=tp,
-                trust_remote_code=config["target"]["trust_remote_code"],
-                dtype=config["target"]["dtype"],
-                enable_render_endpoint=True,
-            )
-
         samples, messages = pick_samples(
             Path(snakemake.input.prepared), canary_cfg["num_samples"], canary_cfg["max_tokens_per_sample"]
         )
@@ -548,35 +581,16 @@ def main(snakemake: Any) -> None:
             work_dir=Path(snakemake.params.work_dir),
             samples=samples,
             messages=messages,
-            spec_factory=spec_factory,
+            spec_factory=server_spec_factory(config, api["device"]),
             server_log=Path(snakemake.log[0]),
             canary_layers=canary_cfg["num_layers"],
             tolerance=canary_cfg["relative_tolerance"],
             render_samples=canary_cfg["render_samples"],
             trust_remote_code=config["target"]["trust_remote_code"],
-            device=device,
-            settings=ClientSettings(
-                concurrency=4,
-                request_timeout_s=300,
-                max_retries=1,
-                progress_interval_s=5,
-                stall_timeout_s=config["extraction"]["stall_timeout_s"],
-                stall_factor=config["extraction"]["stall_factor"],
-            ),
+            device=api["device"],
+            settings=client_settings(config),
         )
-        table = check_table(report.checks)
-        if not report.passed:
-            raise StageError(
-                f"canary FAILED on a slice of {report.canary_layers} layers of the target (ids {report.canary_layer_ids}); extraction will "
-                f"not start:\n{table}\nreference: {report.reference}"
-            )
-        log.info(
-            "canary passed (%s, %d layers, server ready in %.1f s):\n%s",
-            report.reference,
-            report.canary_layers,
-            report.server_ready_s,
-            table,
-        )
+        refuse_or_log(report, log)
         write_json_atomic(snakemake.output.report, report)
 
     run_stage("canary", snakemake.log[0], body)

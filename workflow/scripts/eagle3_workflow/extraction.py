@@ -306,36 +306,45 @@ async def _extract_async(
                 await _wait_for_file(produced, settings.request_timeout_s)
             finally:
                 tracker.in_flight -= 1
-            reason = check_file(Path(produced), sample.input_ids, layer_count, hidden_size, full=False)
-            if reason is not None:
-                raise StageError(f"row {sample.row}: the file the server wrote ({produced}) is invalid: {reason}")
-            final = hs_file(files_dir, sample.row)
-            # vLLM's connector writes 0600: the group's jobs (training as another user) must read it
-            os.chmod(produced, 0o666 & ~process_umask())
-            os.replace(produced, final)  # atomic: a reader sees no file or the whole file
+            final = _keep_sample_file(Path(produced), sample, files_dir, layer_count, hidden_size)
             bytes_written += final.stat().st_size
             completed_this_run += 1
             tracker.add(len(sample.input_ids), time.monotonic() - sent)
             if on_file is not None:
                 on_file(sample, final)
 
-    async def watchdog() -> None:
-        while True:
-            server.check()  # a dead server: ServerFailure with its log
-            check_stall(server, tracker, settings)
-            await asyncio.sleep(0.5)
-
-    async def reporter() -> None:
-        while True:
-            await asyncio.sleep(settings.progress_interval_s)
-            tracker.write()
-
     limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
     tracker.report_period_s = settings.progress_interval_s
     tracker.last_finished = time.monotonic()
     async with httpx.AsyncClient(limits=limits) as client:
-        await _run_guarded([asyncio.create_task(one(client, s)) for s in samples], watchdog(), reporter())
+        tasks = [asyncio.create_task(one(client, s)) for s in samples]
+        await _run_guarded(tasks, _watch_server(server, tracker, settings), _report_progress(tracker, settings))
     return bytes_written
+
+
+def _keep_sample_file(produced: Path, sample: Sample, files_dir: Path, layer_count: int, hidden_size: int) -> Path:
+    """Check the file the server wrote for a sample, then move it to its final name (atomic)."""
+    reason = check_file(produced, sample.input_ids, layer_count, hidden_size, full=False)
+    if reason is not None:
+        raise StageError(f"row {sample.row}: the file the server wrote ({produced}) is invalid: {reason}")
+    final = hs_file(files_dir, sample.row)
+    # vLLM's connector writes 0600: the group's jobs (training as another user) must read it
+    os.chmod(produced, 0o666 & ~process_umask())
+    os.replace(produced, final)  # atomic: a reader sees no file or the whole file
+    return final
+
+
+async def _watch_server(server: VLLMServer, tracker: ProgressTracker, settings: ClientSettings) -> None:
+    while True:
+        server.check()  # a dead server: ServerFailure with its log
+        check_stall(server, tracker, settings)
+        await asyncio.sleep(0.5)
+
+
+async def _report_progress(tracker: ProgressTracker, settings: ClientSettings) -> None:
+    while True:
+        await asyncio.sleep(settings.progress_interval_s)
+        tracker.write()
 
 
 async def _run_guarded(tasks: list[asyncio.Task], watchdog: Any, reporter: Any) -> None:
@@ -463,54 +472,17 @@ def extract_replica(
 ) -> ExtractionManifest:
     """The whole replica: preflight, resume, server, client, manifest."""
     started = time.monotonic()
-    all_ids = load_prepared_input_ids(prepared_dir)
-    rows = shard_rows(len(all_ids), replicas, replica)
-    samples = [Sample(r, all_ids[r]) for r in rows]
-    done, todo, redone = resume_scan(samples, files_dir, layer_count, hidden_size)
-    for row, reason in list(redone.items())[:20]:
-        log.warning("row %d: existing file is invalid (%s); it will be extracted again", row, reason)
-    log.info(
-        "replica %d/%d: %d samples in shard, %d already valid on disk, %d to extract",
-        replica,
-        replicas,
-        len(samples),
-        len(done),
-        len(todo),
-    )
-    needed, available = disk_preflight(todo, files_dir, layer_count, hidden_size, disk_margin, available_bytes_override)
-    log.info(
-        "disk preflight: need %s (x%.2f margin), %s free", human_bytes(needed), disk_margin, human_bytes(available)
+    rows, samples, done, todo = _plan_replica(
+        prepared_dir, replica, replicas, files_dir, layer_count, hidden_size, disk_margin, available_bytes_override
     )
     tracker = ProgressTracker(progress_path, replica, len(samples), len(done))
     tracker.write("starting the vLLM server" if todo else "nothing to extract")
-    bytes_written, ready_s = 0, 0.0
-    probes: list[dict[str, Any]] = []
-    client_started = time.monotonic()
+    bytes_written, ready_s, probes, client_started = 0, 0.0, [], time.monotonic()
     if todo:
-        if scratch_dir.exists():
-            shutil.rmtree(scratch_dir)  # leftovers of a killed run: never trusted
-        scratch_dir.mkdir(parents=True)
-        try:
-            with VLLMServer(server_spec_factory(str(scratch_dir.resolve())), server_log) as server:
-                ready_s = server.ready_s
-                tracker.started = client_started = time.monotonic()
-                tracker.state = "running"
-                tracker.write("server ready")
-                bytes_written = extract_samples(
-                    server,
-                    todo,
-                    files_dir,
-                    layer_count=layer_count,
-                    hidden_size=hidden_size,
-                    settings=settings,
-                    tracker=tracker,
-                )
-                probes = greedy_probes(server, samples[:probe_samples], settings.request_timeout_s)
-        except BaseException as exc:
-            tracker.state = "stalled" if isinstance(exc, ServerStalled) else "failed"
-            tracker.write(f"{tracker.state}: {exc!r}"[:500])
-            raise
-        shutil.rmtree(scratch_dir, ignore_errors=True)
+        bytes_written, ready_s, probes, client_started = _serve_and_extract(
+            server_spec_factory, server_log, scratch_dir, todo, samples[:probe_samples], files_dir,
+            layer_count, hidden_size, settings, tracker,
+        )  # fmt: skip
     client_s = time.monotonic() - client_started
     tracker.state = "done"
     tracker.write("done")
@@ -532,10 +504,108 @@ def extract_replica(
     )
 
 
+def _plan_replica(
+    prepared_dir: Path,
+    replica: int,
+    replicas: int,
+    files_dir: Path,
+    layer_count: int,
+    hidden_size: int,
+    disk_margin: float,
+    available_bytes_override: int | None,
+) -> tuple[list[int], list[Sample], list[Sample], list[Sample]]:
+    """The replica's shard, what is already valid on disk, what is left, and whether the disk holds it."""
+    all_ids = load_prepared_input_ids(prepared_dir)
+    rows = shard_rows(len(all_ids), replicas, replica)
+    samples = [Sample(r, all_ids[r]) for r in rows]
+    done, todo, redone = resume_scan(samples, files_dir, layer_count, hidden_size)
+    for row, reason in list(redone.items())[:20]:
+        log.warning("row %d: existing file is invalid (%s); it will be extracted again", row, reason)
+    log.info(
+        "replica %d/%d: %d samples in shard, %d already valid on disk, %d to extract",
+        replica,
+        replicas,
+        len(samples),
+        len(done),
+        len(todo),
+    )
+    needed, available = disk_preflight(todo, files_dir, layer_count, hidden_size, disk_margin, available_bytes_override)
+    log.info(
+        "disk preflight: need %s (x%.2f margin), %s free", human_bytes(needed), disk_margin, human_bytes(available)
+    )
+    return rows, samples, done, todo
+
+
+def _serve_and_extract(
+    server_spec_factory: Callable[[str], Any],
+    server_log: Path,
+    scratch_dir: Path,
+    todo: list[Sample],
+    probe: list[Sample],
+    files_dir: Path,
+    layer_count: int,
+    hidden_size: int,
+    settings: ClientSettings,
+    tracker: ProgressTracker,
+) -> tuple[int, float, list[dict[str, Any]], float]:
+    """Start the server, extract `todo`, probe greedy tokens; the progress file says how it ended."""
+    if scratch_dir.exists():
+        shutil.rmtree(scratch_dir)  # leftovers of a killed run: never trusted
+    scratch_dir.mkdir(parents=True)
+    try:
+        with VLLMServer(server_spec_factory(str(scratch_dir.resolve())), server_log) as server:
+            tracker.started = client_started = time.monotonic()
+            tracker.state = "running"
+            tracker.write("server ready")
+            bytes_written = extract_samples(
+                server, todo, files_dir, layer_count=layer_count, hidden_size=hidden_size, settings=settings,
+                tracker=tracker,
+            )  # fmt: skip
+            probes = greedy_probes(server, probe, settings.request_timeout_s)
+            ready_s = server.ready_s
+    except BaseException as exc:
+        tracker.state = "stalled" if isinstance(exc, ServerStalled) else "failed"
+        tracker.write(f"{tracker.state}: {exc!r}"[:500])
+        raise
+    shutil.rmtree(scratch_dir, ignore_errors=True)
+    return bytes_written, ready_s, probes, client_started
+
+
+def server_spec_factory(config: dict[str, Any], api: dict[str, Any], target: str) -> Callable[[str], Any]:
+    """The extraction server for a storage folder, as the canary starts it (same builder)."""
+    from eagle3_workflow.vllm_server import hidden_states_server_spec
+
+    def spec_factory(storage_dir: str):
+        return hidden_states_server_spec(
+            config["vllm"],
+            model=target,
+            layer_ids=api["layer_ids"],
+            storage_dir=storage_dir,
+            device=api["device"],
+            tensor_parallel_size=config["extraction"]["tensor_parallel_size"] if api["device"] == "cuda" else 1,
+            trust_remote_code=config["target"]["trust_remote_code"],
+            dtype=config["target"]["dtype"],
+            enable_render_endpoint=False,
+        )
+
+    return spec_factory
+
+
+def client_settings(extraction: dict[str, Any]) -> ClientSettings:
+    return ClientSettings(
+        concurrency=extraction["concurrency"],
+        request_timeout_s=extraction["request_timeout_s"],
+        max_retries=extraction["max_retries"],
+        progress_interval_s=extraction["progress_interval_s"],
+        fail_after_samples=extraction["fail_after_samples"],
+        stall_timeout_s=extraction["stall_timeout_s"],
+        stall_factor=extraction["stall_factor"],
+    )
+
+
 def main(snakemake: Any) -> None:
     from eagle3_workflow.gpu_placement import holding_gpus
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.vllm_server import hidden_states_server_spec
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
@@ -547,22 +617,6 @@ def main(snakemake: Any) -> None:
             raise StageError(
                 "the gates did not pass (api_compat.json / canary.json say passed=false); extraction will not start"
             )
-        layer_ids = api["layer_ids"]
-        target = api["target"]
-
-        def spec_factory(storage_dir: str):
-            return hidden_states_server_spec(
-                config["vllm"],
-                model=str(snakemake.input.target),
-                layer_ids=layer_ids,
-                storage_dir=storage_dir,
-                device=api["device"],
-                tensor_parallel_size=extraction["tensor_parallel_size"] if api["device"] == "cuda" else 1,
-                trust_remote_code=config["target"]["trust_remote_code"],
-                dtype=config["target"]["dtype"],
-                enable_render_endpoint=False,
-            )
-
         replica = int(snakemake.wildcards.replica)
         manifest = extract_replica(
             prepared_dir=Path(snakemake.input.prepared),
@@ -571,19 +625,11 @@ def main(snakemake: Any) -> None:
             files_dir=Path(snakemake.params.files_dir),
             scratch_dir=Path(snakemake.params.scratch_dir),
             progress_path=Path(snakemake.params.progress),
-            server_spec_factory=spec_factory,
+            server_spec_factory=server_spec_factory(config, api, str(snakemake.input.target)),
             server_log=Path(snakemake.log[0]),
-            layer_count=len(layer_ids),
-            hidden_size=target["hidden_size"],
-            settings=ClientSettings(
-                concurrency=extraction["concurrency"],
-                request_timeout_s=extraction["request_timeout_s"],
-                max_retries=extraction["max_retries"],
-                progress_interval_s=extraction["progress_interval_s"],
-                fail_after_samples=extraction["fail_after_samples"],
-                stall_timeout_s=extraction["stall_timeout_s"],
-                stall_factor=extraction["stall_factor"],
-            ),
+            layer_count=len(api["layer_ids"]),
+            hidden_size=api["target"]["hidden_size"],
+            settings=client_settings(extraction),
             disk_margin=extraction["disk_margin"],
             available_bytes_override=extraction["available_bytes_override"],
             probe_samples=extraction["greedy_probe_samples"],
