@@ -21,22 +21,23 @@ import pytest
 from eagle3_workflow.contracts import process_umask
 from eagle3_workflow.cpu_train_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.training import (
+from eagle3_workflow.runtime.child import first_traceback
+from eagle3_workflow.training.command import (
     TRAINER_FIELDS_USED,
     TrainDevice,
     TrainPaths,
     TrainSettings,
     build_train_command,
-    drop_incomplete_checkpoints,
-    first_traceback,
-    latest_checkpoint,
-    metrics_table,
-    read_metric_lines,
-    reconcile_work_dir,
     resolve_device,
+)
+from eagle3_workflow.training.launcher import trainer_env
+from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
+from eagle3_workflow.training.stage import train_draft
+from eagle3_workflow.training.workdir import (
+    drop_incomplete_checkpoints,
+    latest_checkpoint,
+    reconcile_work_dir,
     stage_training_data,
-    train_draft,
-    trainer_env,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -397,7 +398,7 @@ def test_work_dir_is_kept_for_the_same_inputs_and_cleared_for_others(tmp_path):
 
 
 def test_fingerprint_follows_the_data_the_target_weights_and_the_settings_that_matter(tmp_path):
-    from eagle3_workflow.training import training_fingerprint
+    from eagle3_workflow.training.workdir import training_fingerprint
 
     for name, content in {"target/config.json": "{}", "target/model.safetensors": "w" * 10,
                           "prepared/state.json": "{}", "token_freq.pt": "f", "validation.json": "{}",
@@ -514,7 +515,8 @@ KILL_RUN = r"""
 import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.training import TrainSettings, train_draft
+from eagle3_workflow.training.command import TrainSettings
+from eagle3_workflow.training.stage import train_draft
 spec = json.loads(sys.argv[1])
 paths = {k: Path(v) for k, v in spec["paths"].items()}
 run_stage("train_draft", None, lambda log: train_draft(TrainSettings.from_config(spec["train"]), **paths, cpu_threads=2),
@@ -616,7 +618,7 @@ def test_a_trainer_failure_quotes_its_traceback(train_inputs, tmp_path):
 
 def test_a_trainer_stopped_by_a_signal_is_told_apart_from_a_crash():
     """A DataLoader worker's traceback made a SIGTERM read as 'speculators train exited with code 1'."""
-    from eagle3_workflow.training import stop_signal
+    from eagle3_workflow.training.launcher import stop_signal
 
     assert stop_signal(-15, []) == "SIGTERM"
     assert stop_signal(143, []) == "SIGTERM"

@@ -279,7 +279,7 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
 
 def trainer_step_rate(metrics_jsonl: Path) -> dict:
     """Sum of tokens / sum of step time over the steps the trainer profiled (its metric records)."""
-    from eagle3_workflow.training import metrics_table, read_metric_lines
+    from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 
     frame = metrics_table([read_metric_lines(metrics_jsonl)])
     train = frame[frame["split"] == "train"]
@@ -326,7 +326,7 @@ def bare_train_command(
     """`speculators train` with every hyperparameter written out, through the workflow's trainer entry (it adds
     a metrics handler, and on CPU, with EAGLE3_TRAIN_DEVICE=cpu, the shim that only patches device placement).
     Nothing may be left to a speculators default the workflow sets otherwise."""
-    from eagle3_workflow.training import TRAINER_ENTRY
+    from eagle3_workflow.training.command import TRAINER_ENTRY
 
     return [sys.executable, "-m", TRAINER_ENTRY] + [
         "--speculator-type", "eagle3",
@@ -355,7 +355,7 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, target_l
     """The bare command must train exactly what the workflow trains: compare it with train_draft's own command
     (built by the same function the stage uses) flag by flag; a difference (an omitted flag falls back to a
     speculators default, e.g. the Muon optimizer) stops the bench before any GPU time is spent."""
-    from eagle3_workflow.training import TrainPaths, build_train_command
+    from eagle3_workflow.training.command import TrainPaths, build_train_command
 
     paths = TrainPaths.in_work_dir(wf_work, target, settings.draft_vocab_size)
     workflow_cmd = build_train_command(
@@ -378,7 +378,8 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
     from eagle3_workflow.contracts import read_json
     from eagle3_workflow.extraction import load_prepared_input_ids
     from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
-    from eagle3_workflow.training import TrainDevice, TrainSettings, train_draft
+    from eagle3_workflow.training.command import TrainDevice, TrainSettings
+    from eagle3_workflow.training.stage import train_draft
     from eagle3_workflow.validation import validate_files
 
     config = json.loads((args.target / "config.json").read_text())

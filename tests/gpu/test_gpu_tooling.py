@@ -137,7 +137,7 @@ def test_render_endpoint_flag_follows_the_installed_vllm_layout(tmp_path):
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_bench_bare_trainer_command_trains_what_the_workflow_trains(tmp_path, device):
-    from eagle3_workflow.training import TrainDevice, TrainSettings
+    from eagle3_workflow.training.command import TrainDevice, TrainSettings
 
     bench = bench_module()
     common = {

@@ -449,9 +449,9 @@ def _target_rows(
 
 
 def trainer_fields_used() -> list[str]:
-    """The training module's own list, when it declares one (it is the source of truth for flags)."""
+    """The training command module's own list, when it declares one (it is the source of truth for flags)."""
     try:
-        training = importlib.import_module("eagle3_workflow.training")
+        training = importlib.import_module("eagle3_workflow.training.command")
     except ImportError:
         return DEFAULT_TRAINER_FIELDS
     return list(getattr(training, "TRAINER_FIELDS_USED", DEFAULT_TRAINER_FIELDS))

@@ -1,0 +1,29 @@
+"""Stage `train_draft`: an EAGLE-3 draft trained by speculators' own trainer, resumable after a kill.
+
+Which module owns what:
+
+- ``command``: the ``train`` settings, the training paths and the trainer's command line (pure);
+- ``workdir``: the resumable ``train_work/``: fingerprint, data links, vocab mapping, checkpoint scan, launch files;
+- ``launcher``: one launch of the trainer through ``runtime.ChildProcess`` (torchrun on several GPUs), and what its
+  exit means;
+- ``metrics``: the launches' metric records -> metrics.csv and the final losses (pure);
+- ``publish``: draft/ (final checkpoint, metrics.csv, training.json), verified, all or nothing;
+- ``stage``: ``train_draft`` (the steps in order) and ``main(snakemake)``, the rule's adapter.
+
+Layout of ``train_work/`` (kept across failures; Snakemake deletes only the declared ``draft/``):
+
+- ``data/``: the data directory ``speculators train`` reads: symlinks to the prepared dataset's files,
+  ``token_freq.pt`` and ``hidden_states -> <files_dir>``, plus the vocabulary mapping
+  ``d2t-<size>.npy`` / ``t2d-<size>.npy`` (built once from the token frequencies, then only ever read);
+- ``checkpoints/<epoch>/``: speculators' checkpoints, from which a rerun resumes;
+- ``logs/trainer-attempt-<n>.log``: the trainer's full output, one file per launch;
+- ``logs/metrics-attempt-<n>.jsonl``: the metric records of that launch, one JSON line each, written by the
+  trainer's rank 0 (metrics.csv is built from these, so the steps of a killed attempt are not lost);
+- ``fingerprint.json``: what the checkpoints were trained from. When an input changes, the checkpoints and the
+  mapping belong to another run: the directory is cleared and training starts afresh (logged).
+
+The trainer runs as a subprocess: ``python -m eagle3_workflow.trainer_entry`` (CPU or one GPU) or
+``torch.distributed.run ... -m eagle3_workflow.trainer_entry`` (several GPUs). The entry runs speculators' own
+``speculators train`` with a handler on its metric logger (``speculators.metrics``) that writes each metric
+dict as a JSON line, and on CPU with the CPU shim's patches; the records are the same on every device.
+"""

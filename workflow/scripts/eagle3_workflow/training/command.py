@@ -1,0 +1,187 @@
+"""The trainer's command line from the ``train`` settings: which speculators flags this stage sets, and how the
+trainer entry is launched (one process, or torchrun for several GPUs). Pure: no torch, no subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eagle3_workflow.errors import StageError
+
+log = logging.getLogger("eagle3.training")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """The config's ``train`` section (defaults as in the schema)."""
+
+    gpus: int = 8
+    draft_layers: int = 1
+    ttt_steps: int = 3
+    draft_vocab_size: int = 32000
+    lr: float = 1e-4
+    optimizer: str = "adamw"
+    epochs: int = 10
+    total_seq_len: int = 8192
+    train_data_ratio: float = 0.95
+    num_workers: int = 4
+    seed: int = 0
+    checkpoint_freq: float = 1.0
+    runtime_minutes: int = 1440
+    extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, train: dict[str, Any]) -> TrainSettings:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in train.items() if k in names}
+        if "extra_args" in values:
+            values["extra_args"] = tuple(str(a) for a in values["extra_args"])
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPaths:
+    """Where the trainer reads and writes (all under ``train_work/`` except the target)."""
+
+    target: Path
+    data_dir: Path
+    save_dir: Path
+    metric_log_dir: Path
+    d2t: Path
+    t2d: Path
+
+    @classmethod
+    def in_work_dir(cls, work_dir: Path, target: Path, draft_vocab_size: int) -> TrainPaths:
+        data_dir = work_dir / "data"
+        return cls(
+            target=target,
+            data_dir=data_dir,
+            save_dir=work_dir / "checkpoints",
+            metric_log_dir=work_dir / "metric_logs",
+            d2t=data_dir / f"d2t-{draft_vocab_size}.npy",
+            t2d=data_dir / f"t2d-{draft_vocab_size}.npy",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainDevice:
+    kind: str  # "cuda" | "cpu"
+    processes: int = 1
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def trainer_arguments(
+    settings: TrainSettings,
+    paths: TrainPaths,
+    device: TrainDevice,
+    *,
+    target_layer_ids: Sequence[int],
+    on_missing: str = "raise",
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """speculators TrainConfig field -> value, in command-line order."""
+    args: dict[str, Any] = {
+        "speculator_type": "eagle3",
+        "verifier_name_or_path": str(paths.target),
+        "trust_remote_code": trust_remote_code,
+        "data_path": str(paths.data_dir),
+        "save_path": str(paths.save_dir),
+        "log_dir": str(paths.metric_log_dir),
+        "num_layers": settings.draft_layers,
+        "target_layer_ids": list(target_layer_ids),
+        "draft_vocab_size": settings.draft_vocab_size,
+        "d2t_path": str(paths.d2t),
+        "t2d_path": str(paths.t2d),
+        "ttt_steps": settings.ttt_steps,
+        "lr": settings.lr,
+        "optimizer": settings.optimizer,
+        "epochs": settings.epochs,
+        "total_seq_len": settings.total_seq_len,
+        "train_data_ratio": settings.train_data_ratio,
+        "num_workers": settings.num_workers,
+        "seed": settings.seed,
+        "checkpoint_freq": settings.checkpoint_freq,
+        # the validate stage proved every file is there: a missing one is a bug, not a reason to call a server
+        "on_missing": on_missing,
+    }
+    if device.kind == "cpu":
+        # flex attention has no CPU backward; the fused loss needs Triton
+        args["draft_attn_impl"] = "sdpa"
+        args["loss_implementation"] = "eager"
+    return args
+
+
+# speculators TrainConfig fields (dest names) this stage sets, on any device; check_api verifies each exists
+TRAINER_FIELDS_USED = list(
+    trainer_arguments(
+        TrainSettings(), TrainPaths.in_work_dir(Path("w"), Path("t"), 2), TrainDevice("cpu"), target_layer_ids=[]
+    )
+)
+
+
+# speculators train with our metrics handler (and on CPU the shim); its arguments are speculators' own
+TRAINER_ENTRY = "eagle3_workflow.trainer_entry"
+
+
+def build_train_command(
+    settings: TrainSettings,
+    paths: TrainPaths,
+    device: TrainDevice,
+    *,
+    target_layer_ids: Sequence[int],
+    on_missing: str = "raise",
+    trust_remote_code: bool = False,
+    python: str = sys.executable,
+) -> list[str]:
+    """The full trainer command line. ``train.extra_args`` come last, so they override what is set here."""
+    if device.kind == "cuda" and device.processes > 1:
+        launcher = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={device.processes}",
+            "-m",
+            TRAINER_ENTRY,
+        ]
+    else:
+        launcher = [python, "-m", TRAINER_ENTRY]
+    command = list(launcher)
+    for dest, value in trainer_arguments(
+        settings,
+        paths,
+        device,
+        target_layer_ids=target_layer_ids,
+        on_missing=on_missing,
+        trust_remote_code=trust_remote_code,
+    ).items():
+        if isinstance(value, bool):
+            if value:
+                command.append(_flag(dest))
+        elif isinstance(value, list):
+            command += [_flag(dest), *(str(v) for v in value)]
+        else:
+            command += [_flag(dest), str(value)]
+    return command + list(settings.extra_args)
+
+
+def resolve_device(gpus: int, cuda_devices: int) -> TrainDevice:
+    """CUDA with ``gpus`` processes when asked for and present; otherwise the CPU shim."""
+    if gpus > 0 and cuda_devices == 0:
+        log.warning("train.gpus=%d but no CUDA device is visible: training on CPU through the shim", gpus)
+        return TrainDevice("cpu", 1)
+    if gpus == 0:
+        return TrainDevice("cpu", 1)
+    if gpus > cuda_devices:
+        raise StageError(
+            f"train.gpus={gpus} but only {cuda_devices} CUDA device(s) are visible; lower train.gpus or request "
+            "more GPUs (profiles/slurm reads train.gpus)"
+        )
+    return TrainDevice("cuda", gpus)

@@ -1,0 +1,301 @@
+"""Stage `train_draft`: check the inputs, prepare the resumable work directory, run the trainer until the last
+epoch's checkpoint exists, and publish the draft. ``main(snakemake)`` is the rule's adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from eagle3_workflow.contracts import read_json
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.training.command import TrainDevice, TrainPaths, TrainSettings, build_train_command, resolve_device
+from eagle3_workflow.training.launcher import run_attempt, trainer_env
+from eagle3_workflow.training.metrics import attempt_metrics, final_metrics, metrics_table
+from eagle3_workflow.training.publish import TrainingSummary, publish_draft
+from eagle3_workflow.training.workdir import (
+    CheckpointInfo,
+    drop_incomplete_checkpoints,
+    ensure_vocab_mapping,
+    latest_checkpoint,
+    reconcile_work_dir,
+    sha256_file,
+    stage_training_data,
+    target_vocab_size,
+    training_fingerprint,
+)
+
+log = logging.getLogger("eagle3.training")
+
+
+def _check_inputs(
+    settings: TrainSettings,
+    *,
+    prepared: Path,
+    files_dir: Path,
+    api_compat: dict[str, Any],
+    validation: dict[str, Any],
+) -> tuple[list[int], str, int]:
+    """Target layer ids, the on-missing policy and the number of rows, or StageError naming what to fix."""
+    import datasets
+
+    layer_ids = [int(i) for i in api_compat.get("layer_ids") or []]
+    if len(layer_ids) < 2:
+        raise StageError(f"api_compat.json lists layer_ids {layer_ids}: need the draft's ids plus the verifier's last")
+    target_layer_ids = layer_ids[:-1]
+    if len(set(target_layer_ids)) != len(target_layer_ids):
+        raise StageError(
+            f"target layer ids {target_layer_ids} (api_compat layer_ids minus the last) contain duplicates; "
+            "set hidden_states.layer_ids to distinct ids"
+        )
+    if validation.get("passed") is False:
+        raise StageError("hidden_states/validation.json says the hidden states did not pass validation")
+    layer_count = validation.get("layer_count")
+    if layer_count is not None and int(layer_count) != len(layer_ids):
+        raise StageError(
+            f"the hidden-state files hold {layer_count} layers but api_compat.json lists {len(layer_ids)} layer ids "
+            f"{layer_ids}; rerun extract_hidden_states with the current configuration"
+        )
+    rows = len(datasets.load_from_disk(str(prepared)))
+    train_rows = int(rows * settings.train_data_ratio)
+    if train_rows < 1 or train_rows >= rows:
+        raise StageError(
+            f"train.train_data_ratio={settings.train_data_ratio} splits {rows} prepared rows into {train_rows} for "
+            f"training and {rows - train_rows} for validation; both need at least one row"
+        )
+    tolerated = list(validation.get("missing") or []) + list((validation.get("bad") or {}).keys())
+    missing = [row for row in range(rows) if not (files_dir / f"hs_{row}.safetensors").exists()]
+    if missing and not tolerated:
+        raise StageError(
+            f"{len(missing)} of {rows} hidden-state files are missing in {files_dir} (first rows: {missing[:10]}) "
+            "although validation passed; rerun extract_hidden_states and validate_hidden_states"
+        )
+    # samples the validation tolerated (validation.max_bad_samples) are skipped with a warning, not fatal
+    return target_layer_ids, "warn" if tolerated else "raise", rows
+
+
+def _visible_device(gpus: int) -> TrainDevice:
+    import torch
+
+    return resolve_device(gpus, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sources:
+    """The stage's inputs and its work directory, as paths."""
+
+    target: Path
+    prepared: Path
+    token_freq: Path
+    validation: Path
+    files_dir: Path
+    work_dir: Path
+
+
+def _prepare_work_dir(
+    settings: TrainSettings, sources: _Sources, *, rows: int, layer_ids: list[int], trust_remote_code: bool
+) -> tuple[TrainPaths, dict[str, str], CheckpointInfo | None]:
+    """Keep or clear train_work, link the data into it, build (or check) the vocab mapping: the trainer's paths,
+    the mapping's sha256s and the checkpoint to resume from (None: from scratch)."""
+    fingerprint = training_fingerprint(
+        settings,
+        target=sources.target,
+        prepared=sources.prepared,
+        token_freq=sources.token_freq,
+        validation=sources.validation,
+        files_dir=sources.files_dir,
+        rows=rows,
+        target_layer_ids=layer_ids,
+    )
+    kept = reconcile_work_dir(sources.work_dir, fingerprint)
+    paths = TrainPaths.in_work_dir(sources.work_dir, sources.target, settings.draft_vocab_size)
+    stage_training_data(
+        paths.data_dir, prepared=sources.prepared, token_freq=sources.token_freq, files_dir=sources.files_dir
+    )
+    built = ensure_vocab_mapping(
+        paths,
+        token_freq=sources.token_freq,
+        draft_vocab_size=settings.draft_vocab_size,
+        vocab_size=target_vocab_size(sources.target, trust_remote_code),
+    )
+    mapping_sha = {"d2t": sha256_file(paths.d2t), "t2d": sha256_file(paths.t2d)}
+    log.info(
+        "vocab mapping %s (d2t %s, t2d %s)",
+        "built" if built else "reused",
+        mapping_sha["d2t"][:12],
+        mapping_sha["t2d"][:12],
+    )
+    return paths, mapping_sha, _resume_point(paths.save_dir, kept)
+
+
+def _resume_point(save_dir: Path, kept: bool) -> CheckpointInfo | None:
+    """The last complete checkpoint of a kept work directory (half-written ones removed), or None: from scratch."""
+    drop_incomplete_checkpoints(save_dir)
+    resumed_from = latest_checkpoint(save_dir) if kept else None
+    if resumed_from is not None:
+        log.info(
+            "resuming from checkpoint %s (epoch %d, global step %d)",
+            resumed_from.path,
+            resumed_from.epoch,
+            resumed_from.global_step,
+        )
+    else:
+        log.info("no checkpoint in %s: training from scratch", save_dir)
+    return resumed_from
+
+
+def _train_to_the_end(
+    command: list[str],
+    settings: TrainSettings,
+    device: TrainDevice,
+    resumed_from: CheckpointInfo | None,
+    *,
+    work_dir: Path,
+    save_dir: Path,
+    cpu_threads: int | None,
+    on_line: Callable[[str], None] | None,
+) -> CheckpointInfo:
+    """The checkpoint of the last epoch: the one already there, or the one a launch of the trainer writes."""
+    logs_dir = work_dir / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    log.info("training on %s with %d process(es)", device.kind, device.processes)
+    if resumed_from is not None and resumed_from.ends_training(settings.epochs):
+        # a forced rerun with the same inputs: the trainer would load the checkpoint and do nothing
+        log.info(
+            "all %d epochs are already trained in %s: publishing it without starting the trainer (delete %s to "
+            "train again from scratch)",
+            settings.epochs,
+            resumed_from.path,
+            work_dir,
+        )
+        return resumed_from
+    return run_attempt(
+        command,
+        env=trainer_env(device, cpu_threads),
+        logs_dir=logs_dir,
+        save_dir=save_dir,
+        epochs=settings.epochs,
+        on_line=on_line or (lambda line: log.info("| %s", line)),
+    )
+
+
+def _summarise(
+    settings: TrainSettings,
+    device: TrainDevice,
+    command: list[str],
+    logs_dir: Path,
+    resumed_from: CheckpointInfo | None,
+    final: CheckpointInfo,
+    started: float,
+    target_layer_ids: Sequence[int],
+    mapping_sha: dict[str, str],
+) -> tuple[Any, TrainingSummary]:
+    """(metrics table, draft/training.json) from every launch's metric records."""
+    attempts = attempt_metrics(logs_dir)
+    metrics = metrics_table(attempts)
+    final_loss, final_val_loss, full_acc = final_metrics(metrics, logs_dir)
+    summary = TrainingSummary(
+        device=device.kind,
+        processes=device.processes,
+        command=command,
+        attempts=len(attempts),
+        resumed_from=resumed_from,
+        final_checkpoint=final,
+        epochs=settings.epochs,
+        steps=final.global_step,
+        wall_s=round(time.monotonic() - started, 2),
+        target_layer_ids=list(target_layer_ids),
+        draft_vocab_size=settings.draft_vocab_size,
+        vocab_mapping_sha256=mapping_sha,
+        final_train_loss=final_loss,
+        final_val_loss=final_val_loss,
+        final_val_full_acc=full_acc,
+    )
+    return metrics, summary
+
+
+def train_draft(
+    settings: TrainSettings,
+    *,
+    target: Path,
+    prepared: Path,
+    token_freq: Path,
+    api_compat: Path,
+    validation: Path,
+    files_dir: Path,
+    work_dir: Path,
+    out_dir: Path,
+    trust_remote_code: bool = False,
+    cpu_threads: int | None = None,
+    device: TrainDevice | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> TrainingSummary:
+    """Train (or resume training) the draft in ``work_dir`` and publish it to ``out_dir``."""
+    started = time.monotonic()
+    sources = _Sources(*(Path(p) for p in (target, prepared, token_freq, validation, files_dir, work_dir)))
+    device = device if device is not None else _visible_device(settings.gpus)
+    layer_ids, on_missing, rows = _check_inputs(
+        settings,
+        prepared=sources.prepared,
+        files_dir=sources.files_dir,
+        api_compat=read_json(api_compat),
+        validation=read_json(validation),
+    )
+    paths, mapping_sha, resumed_from = _prepare_work_dir(
+        settings, sources, rows=rows, layer_ids=layer_ids, trust_remote_code=trust_remote_code
+    )
+    command = build_train_command(
+        settings, paths, device, target_layer_ids=layer_ids, on_missing=on_missing, trust_remote_code=trust_remote_code
+    )
+    final = _train_to_the_end(
+        command,
+        settings,
+        device,
+        resumed_from,
+        work_dir=sources.work_dir,
+        save_dir=paths.save_dir,
+        cpu_threads=cpu_threads,
+        on_line=on_line,
+    )
+    metrics, summary = _summarise(
+        settings, device, command, sources.work_dir / "logs", resumed_from, final, started, layer_ids, mapping_sha
+    )
+    publish_draft(Path(final.path), Path(out_dir), metrics, summary)
+    log.info(
+        "draft trained: %d steps in %d epoch(s), final train loss %.4f, val loss %s, full acc per position %s -> %s",
+        final.global_step,
+        settings.epochs,
+        summary.final_train_loss,
+        summary.final_val_loss,
+        [round(a, 3) for a in summary.final_val_full_acc],
+        out_dir,
+    )
+    return summary
+
+
+def main(snakemake: Any) -> None:
+    from eagle3_workflow.gpu_placement import holding_gpus
+    from eagle3_workflow.runtime.stage import run_stage
+
+    @holding_gpus(snakemake)
+    def body(log: logging.Logger) -> None:
+        config = snakemake.params.settings
+        settings = TrainSettings.from_config(config["train"])
+        train_draft(
+            settings,
+            target=Path(snakemake.input.target),
+            prepared=Path(snakemake.input.prepared),
+            token_freq=Path(snakemake.input.token_freq),
+            api_compat=Path(snakemake.input.api_compat),
+            validation=Path(snakemake.input.validation),
+            files_dir=Path(snakemake.params.files_dir),
+            work_dir=Path(snakemake.params.work_dir),
+            out_dir=Path(snakemake.output.draft),
+            trust_remote_code=bool(config["target"]["trust_remote_code"]),
+            cpu_threads=snakemake.threads,
+        )
+
+    run_stage("train_draft", snakemake.log[0], body, resumes="the rerun resumes from the last checkpoint")

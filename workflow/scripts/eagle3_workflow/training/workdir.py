@@ -1,0 +1,244 @@
+"""The resumable ``train_work/`` directory: its fingerprint (kept or cleared), the data directory speculators
+reads, the vocabulary mapping (built once, then only read), the checkpoint scan, and each launch's files.
+numpy, torch, safetensors and speculators are imported only inside the functions that need them."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eagle3_workflow.contracts import read_json, write_json_atomic
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.training.command import TrainPaths, TrainSettings
+
+log = logging.getLogger("eagle3.training")
+
+# Train settings that may change between a kill and the rerun without invalidating the checkpoints
+RESUME_NEUTRAL_SETTINGS = {"gpus", "num_workers", "runtime_minutes", "checkpoint_freq"}
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    epoch: int
+    local_step: int
+    global_step: int
+    path: str
+
+    def ends_training(self, epochs: int) -> bool:
+        """Saved at the end of the last epoch: the trainer has nothing left to do."""
+        return self.epoch == epochs - 1 and self.local_step == 0
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def training_fingerprint(
+    settings: TrainSettings,
+    *,
+    target: Path,
+    prepared: Path,
+    token_freq: Path,
+    validation: Path,
+    files_dir: Path,
+    rows: int,
+    target_layer_ids: Sequence[int],
+) -> dict[str, Any]:
+    """What the checkpoints depend on, cheap to compute at any scale.
+
+    Content hashes of the small inputs (so an upstream rerun that reproduces the same data keeps the checkpoints),
+    of a few hidden-state files (they change when the target's weights do, which are too large to hash), and the
+    names and sizes of the target's weight files.
+    """
+
+    relevant = {k: v for k, v in dataclasses.asdict(settings).items() if k not in RESUME_NEUTRAL_SETTINGS}
+    relevant["extra_args"] = list(settings.extra_args)
+    config_path = target / "config.json"
+    weights = sorted(p for p in target.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    samples = [files_dir / f"hs_{row}.safetensors" for row in sorted({0, 1, rows // 2, rows - 1}) if row >= 0]
+    return {
+        "settings": relevant,
+        "target_layer_ids": list(target_layer_ids),
+        "target_config_sha256": sha256_file(config_path) if config_path.exists() else None,
+        "target_weight_files": {p.name: p.stat().st_size for p in weights},
+        "prepared_sha256": {p.name: sha256_file(p) for p in sorted(prepared.iterdir()) if p.is_file()},
+        "token_freq_sha256": sha256_file(token_freq),
+        "validation_sha256": sha256_file(validation),
+        "hidden_state_samples_sha256": {p.name: sha256_file(p) for p in samples if p.exists()},
+        # speculators 0.9.0 has no __version__: the installed distribution's metadata says it
+        "speculators_version": importlib.metadata.version("speculators"),
+    }
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def reconcile_work_dir(work_dir: Path, fingerprint: dict[str, Any]) -> bool:
+    """Keep ``work_dir`` when it was made from the same inputs, else clear it. True when it was kept."""
+    marker = work_dir / "fingerprint.json"
+    if marker.exists():
+        try:
+            previous = read_json(marker)
+        except (OSError, json.JSONDecodeError) as exc:
+            previous = {"unreadable": repr(exc)}
+        if previous == fingerprint:
+            return True
+        log.warning(
+            "train_work %s was made from other inputs (differs in: %s): clearing it, training starts from scratch",
+            work_dir,
+            ", ".join(_differences(previous, fingerprint)),
+        )
+        shutil.rmtree(work_dir)
+    elif work_dir.exists() and any(work_dir.iterdir()):
+        log.warning("train_work %s has no fingerprint.json: clearing it, training starts from scratch", work_dir)
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(marker, fingerprint)
+    return False
+
+
+def _relative_symlink(link: Path, target: Path) -> None:
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(os.path.relpath(target.resolve(), link.parent.resolve()))
+
+
+def stage_training_data(data_dir: Path, *, prepared: Path, token_freq: Path, files_dir: Path) -> None:
+    """The data directory speculators reads: the prepared dataset's files, token_freq.pt and hidden_states/.
+
+    Symlinks only (relative, so the results tree can move); rebuilt each time, so a changed shard list never
+    leaves a stale link. Regular files here (the vocab mapping) are kept.
+    """
+    if not files_dir.is_dir():
+        raise StageError(f"hidden-state files directory {files_dir} does not exist; run extract_hidden_states first")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for entry in data_dir.iterdir():
+        if entry.is_symlink():
+            entry.unlink()
+    for item in sorted(prepared.iterdir()):
+        _relative_symlink(data_dir / item.name, item)
+    _relative_symlink(data_dir / "token_freq.pt", token_freq)
+    _relative_symlink(data_dir / "hidden_states", files_dir)
+
+
+def target_vocab_size(target: Path, trust_remote_code: bool = False) -> int:
+    from speculators.train.vocab_mapping import get_target_vocab_size
+
+    return int(get_target_vocab_size(None, str(target), trust_remote_code=trust_remote_code))
+
+
+def ensure_vocab_mapping(paths: TrainPaths, *, token_freq: Path, draft_vocab_size: int, vocab_size: int) -> bool:
+    """Build d2t/t2d once with speculators' own function; afterwards only check them. True when built now."""
+    import numpy as np
+    import torch
+
+    if paths.d2t.exists() and paths.t2d.exists():
+        d2t, t2d = np.load(paths.d2t), np.load(paths.t2d)
+        if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,) or int(t2d.sum()) != draft_vocab_size:
+            raise StageError(
+                f"the vocab mapping in {paths.data_dir} has d2t {d2t.shape}, t2d {t2d.shape} with {int(t2d.sum())} "
+                f"selected, but draft_vocab_size={draft_vocab_size} and the target vocabulary has {vocab_size} "
+                f"tokens; delete {paths.data_dir.parent} to start this training afresh"
+            )
+        return False
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    if draft_vocab_size > vocab_size:
+        raise StageError(
+            f"train.draft_vocab_size={draft_vocab_size} exceeds the target vocabulary ({vocab_size} tokens); set it "
+            f"to at most {vocab_size}"
+        )
+    frequencies = torch.load(token_freq, weights_only=True)
+    if not isinstance(frequencies, dict) or not frequencies:
+        raise StageError(f"{token_freq} holds no token frequencies ({type(frequencies).__name__}); rerun prepare_data")
+    d2t, t2d = build_vocab_mappings_from_distribution(frequencies, draft_vocab_size, vocab_size)
+    covered = sum(1 for t in frequencies if t < vocab_size and bool(t2d[t]))
+    log.info(
+        "vocab mapping: %d draft tokens cover %d of %d distinct assistant tokens (%.1f%% of assistant token "
+        "occurrences)",
+        draft_vocab_size,
+        covered,
+        len(frequencies),
+        100.0 * sum(c for t, c in frequencies.items() if t < vocab_size and bool(t2d[t])) / sum(frequencies.values()),
+    )
+    for path, array in ((paths.d2t, d2t.numpy()), (paths.t2d, t2d.numpy())):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".npy")
+        os.close(fd)
+        np.save(tmp, array)
+        os.replace(tmp, path)
+    return True
+
+
+def _checkpoint_problem(directory: Path) -> str | None:
+    """None if a numbered checkpoint directory is complete, else what is wrong (a kill can land mid-save)."""
+    from safetensors import SafetensorError, safe_open
+
+    state = directory / "training_state.json"  # written last by speculators' save
+    for name in ("config.json", "model.safetensors", "optimizer_state_dict.pt"):
+        if not (directory / name).exists():
+            return f"no {name}"
+    if not state.exists():
+        return "no training_state.json (the save did not finish)"
+    try:
+        json.loads(state.read_text())
+        with safe_open(directory / "model.safetensors", framework="pt") as handle:
+            handle.keys()
+        with zipfile.ZipFile(directory / "optimizer_state_dict.pt") as archive:
+            archive.namelist()
+    except (OSError, ValueError, zipfile.BadZipFile, SafetensorError) as exc:
+        return f"unreadable: {exc!r}"
+    return None
+
+
+def _numbered_checkpoints(save_dir: Path) -> list[Path]:
+    if not save_dir.is_dir():
+        return []
+    found = [d for d in save_dir.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
+    return sorted(found, key=lambda d: int(d.name))
+
+
+def drop_incomplete_checkpoints(save_dir: Path) -> list[str]:
+    """Remove numbered checkpoints a kill left half-written, newest first, so speculators resumes from the last
+    complete one (it picks the highest number without checking). Returns what was removed and why."""
+    removed = []
+    for directory in reversed(_numbered_checkpoints(save_dir)):
+        problem = _checkpoint_problem(directory)
+        if problem is None:
+            break
+        log.warning("removing incomplete checkpoint %s: %s", directory, problem)
+        shutil.rmtree(directory)
+        removed.append(f"{directory.name}: {problem}")
+    return removed
+
+
+def latest_checkpoint(save_dir: Path) -> CheckpointInfo | None:
+    for directory in reversed(_numbered_checkpoints(save_dir)):
+        if _checkpoint_problem(directory) is None:
+            state = json.loads((directory / "training_state.json").read_text())
+            return CheckpointInfo(
+                epoch=int(state.get("epoch", directory.name)),
+                local_step=int(state.get("local_step", 0)),
+                global_step=int(state.get("global_step", 0)),
+                path=str(directory),
+            )
+    return None
+
+
+def attempt_files(logs_dir: Path, attempt: int) -> tuple[Path, Path]:
+    """(trainer output log, metrics JSONL) of one launch."""
+    return logs_dir / f"trainer-attempt-{attempt:02d}.log", logs_dir / f"metrics-attempt-{attempt:02d}.jsonl"
