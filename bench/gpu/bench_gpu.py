@@ -3,7 +3,7 @@ against bare `speculators train`, on the same data.
 
 usage: python bench/gpu/bench_gpu.py --target DIR --work DIR [--samples 128] [--seq-len 2048] [--concurrency 64]
                                      [--eager] [--train-epochs 2] [--train-pairs 3] [--skip-steps 5]
-                                     [--skip-train] [--out FILE.json]
+                                     [--skip-train | --train-only] [--out FILE.json]
 
 Data: --samples synthetic prompts of --seq-len random token ids of the target's tokenizer (all positions trained),
 written in prepare_data's layout (a HF dataset saved to disk + token_freq.pt), so every stage function reads it as
@@ -631,6 +631,33 @@ def gpu_name() -> str:
         return "none"
 
 
+def earlier_extraction_files(args: argparse.Namespace) -> Path:
+    """--train-only: the hidden-state files an earlier call of the same lease extracted into --work (the data is
+    regenerated from the same seed, so the files match it; training_inputs validates them)."""
+    files_dir = args.work / f"workflow-files-{args.repeats - 1}"
+    if not files_dir.is_dir():
+        raise SystemExit(
+            f"--train-only needs the hidden-state files of an earlier bench call in {args.work} ({files_dir} is "
+            "missing): run the bench once without --train-only in this lease, with the same --samples/--seq-len/--seed"
+        )
+    return files_dir
+
+
+def extraction_lines(e: dict, args: argparse.Namespace) -> list[str]:
+    lines = [
+        f"EXTRACTION {e['samples']} x {args.seq_len} tokens, layers {e['layers']}, concurrency {args.concurrency}",
+        f"  plain prefill      cold {e['plain_cold']['tok_per_s']:>10.1f} tok/s   warm "
+        f"{max(p['tok_per_s'] for p in e['plain_warm']):>10.1f} tok/s",
+        f"  connector (raw)    warm {max(p['tok_per_s'] for p in e['connector_warm']):>10.1f} tok/s",
+        f"  workflow client    warm {max(p['tok_per_s'] for p in e['workflow_warm']):>10.1f} tok/s   "
+        f"{e['workflow_bytes_per_s'] / 1e9:.2f} GB/s written",
+        f"  RATIOS {json.dumps(e['ratios'])}",
+    ]
+    if "stage" in e:
+        lines.insert(-1, f"  stage (cold)            {e['stage']['tok_per_s']:>10.1f} tok/s")
+    return lines
+
+
 def training_lines(training: dict) -> list[str]:
     c = training["comparison"]
     lines = [f"TRAINING {training['trained_tokens']} tokens a run, steady steps/s (first {c['skip_steps']} dropped)"]
@@ -659,6 +686,9 @@ def main() -> None:
     parser.add_argument("--total-seq-len", type=int, default=8192)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument(
+        "--train-only", action="store_true", help="reuse the hidden-state files an earlier call wrote into --work"
+    )
     parser.add_argument("--train-pairs", type=int, default=3, help="measured pairs after the warm-up run")
     parser.add_argument("--skip-steps", type=int, default=5, help="logged steps dropped at the start of each run")
     parser.add_argument("--stage", action="store_true", help="also time extract_replica with its own (cold) server")
@@ -678,28 +708,20 @@ def main() -> None:
         "target": str(args.target),
         "command": " ".join([sys.executable, *sys.argv]),
     }
-    result["extraction"] = bench_extraction(args, prompts, data_dir, args.work)
-    if args.out:
-        write_json_atomic(args.out, result)
-    if not args.skip_train:
+    if args.train_only:
+        files_dir = earlier_extraction_files(args)
+    else:
+        result["extraction"] = bench_extraction(args, prompts, data_dir, args.work)
         files_dir = Path(result["extraction"]["files_dir"])
+        if args.out:
+            write_json_atomic(args.out, result)
+    if not args.skip_train:
         result["training"] = bench_training(args, data_dir, files_dir, args.work, len(prompts))
     result["bench_wall_s"] = round(time.monotonic() - started, 1)
     if args.out:
         write_json_atomic(args.out, result)
     print(json.dumps(result, indent=2, default=str))
-    e = result["extraction"]
-    lines = [
-        f"EXTRACTION {e['samples']} x {args.seq_len} tokens, layers {e['layers']}, concurrency {args.concurrency}",
-        f"  plain prefill      cold {e['plain_cold']['tok_per_s']:>10.1f} tok/s   warm "
-        f"{max(p['tok_per_s'] for p in e['plain_warm']):>10.1f} tok/s",
-        f"  connector (raw)    warm {max(p['tok_per_s'] for p in e['connector_warm']):>10.1f} tok/s",
-        f"  workflow client    warm {max(p['tok_per_s'] for p in e['workflow_warm']):>10.1f} tok/s   "
-        f"{e['workflow_bytes_per_s'] / 1e9:.2f} GB/s written",
-        f"  RATIOS {json.dumps(e['ratios'])}",
-    ]
-    if "stage" in e:
-        lines.insert(-1, f"  stage (cold)            {e['stage']['tok_per_s']:>10.1f} tok/s")
+    lines = extraction_lines(result["extraction"], args) if "extraction" in result else []
     if "training" in result:
         lines += training_lines(result["training"])
     print("\n".join(lines), flush=True)

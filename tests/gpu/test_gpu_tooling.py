@@ -381,3 +381,14 @@ def test_phase_profile_says_which_phase_differs(tmp_path):
         "fetch_ms": 6.5, "fwd_ms": 0.0, "bwd_ms": 0.0, "opt_ms": 0.0, "step_ms": 6.5
     }  # fmt: skip
     assert profile["bare"]["step_ms"] == 122.0
+
+
+def test_train_only_reuses_an_earlier_calls_files_or_says_how_to_make_them(tmp_path):
+    import argparse
+
+    bench = bench_module()
+    args = argparse.Namespace(work=tmp_path, repeats=1)
+    with pytest.raises(SystemExit, match="without --train-only"):
+        bench.earlier_extraction_files(args)
+    (tmp_path / "workflow-files-0").mkdir()
+    assert bench.earlier_extraction_files(args) == tmp_path / "workflow-files-0"
