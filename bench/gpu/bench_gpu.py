@@ -288,6 +288,7 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
 SIDES = ("bare", "workflow")
 PHASES = ("fetch_ms", "queue_ms", "h2d_ms", "fwd_ms", "bwd_ms", "clip_ms", "opt_ms", "step_ms")
 TRAIN_GOAL = 0.98  # workflow steps/s over bare steps/s (issue 15)
+MIN_PAIRS = 3  # fewer pairs give no spread worth a verdict
 
 
 def run_plan(pairs: int, warmup_side: str = "bare") -> list[dict]:
@@ -332,6 +333,8 @@ def spread(values: list[float]) -> dict:
 def train_verdict(pair_ratios: list[float], goal: float = TRAIN_GOAL) -> str:
     """'meets the goal' when every pair is at or above it, 'below the goal' when every pair is under it, else
     'within noise': the pairs straddle 1.0 or the goal, so the spread is larger than the gap being asked about."""
+    if len(pair_ratios) < MIN_PAIRS:
+        return f"no verdict: {len(pair_ratios)} pair(s), at least {MIN_PAIRS} needed for a spread"
     low, high = min(pair_ratios), max(pair_ratios)
     if low < 1.0 < high or low < goal <= high:
         return "within noise"

@@ -354,6 +354,7 @@ def test_pure_noise_is_within_noise_and_an_equal_workflow_meets_the_goal():
     assert bench.train_verdict([0.985, 0.99, 0.995]) == "meets the goal"
     assert bench.train_verdict([0.97, 0.99, 0.975]) == "within noise"  # straddles the goal
     assert bench.train_verdict([0.93, 0.95, 0.96]) == "below the goal"
+    assert bench.train_verdict([0.99]).startswith("no verdict")  # one sample, as on 2026-11-30: no spread
     with pytest.raises(ValueError, match="incomplete pairs"):
         bench.compare_training(runs[:-1], skip=0)
 
