@@ -2,7 +2,8 @@
 against bare `speculators train`, on the same data.
 
 usage: python bench/gpu/bench_gpu.py --target DIR --work DIR [--samples 128] [--seq-len 2048] [--concurrency 64]
-                                     [--eager] [--train-epochs 2] [--skip-train] [--out FILE.json]
+                                     [--eager] [--train-epochs 2] [--train-pairs 3] [--skip-steps 5]
+                                     [--skip-train | --train-only] [--out FILE.json]
 
 Data: --samples synthetic prompts of --seq-len random token ids of the target's tokenizer (all positions trained),
 written in prepare_data's layout (a HF dataset saved to disk + token_freq.pt), so every stage function reads it as
@@ -28,10 +29,15 @@ Training (same prepared data, same hidden-state files, same flags; flex attentio
   bare          speculators' `speculators train` (cli.main(TrainConfig.resolve(argv))) through the workflow's trainer
                 entry, which only adds a JSONL handler on its metric logger (and on CPU the shim's device patches);
                 flags written out below
-  workflow      eagle3_workflow.training.train_draft (fingerprint, staging, vocab mapping, trainer subprocess with
+  workflow      eagle3_workflow.training.stage.train_draft (fingerprint, staging, vocab mapping, trainer subprocess with
                 its output streamed line by line, checkpoint checks, publishing draft/)
-tokens/s = trained tokens (rows of the train split x epochs) / seconds: end to end (process or stage wall) and the
-trainer's own step rate (sum of tokens / sum of step time over the steps it profiled, from its metric records).
+Fairness: the first run of a process tree pays the cold kernel compilation (~92 s on the H200 for the 8B shape),
+so one unmeasured warm-up run comes first, then --train-pairs pairs in alternating order (bare->workflow,
+workflow->bare, ...). Each run is measured on its steady steps only (the trainer's logged step_ms after the first
+--skip-steps): per side the median, min-max and IQR of steps/s, the ratio of medians (workflow / bare), each pair's
+ratio, and the verdict against the 0.98 goal ("within noise" when the pair ratios straddle 1.0 or the goal). The
+per-phase medians of speculators' profile (fetch/queue/h2d/fwd/bwd/clip/opt/step ms) are side by side, and every
+run's per-step records are in the JSON.
 """
 
 from __future__ import annotations
@@ -277,29 +283,118 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
 # training
 
 
-def trainer_step_rate(metrics_jsonl: Path) -> dict:
-    """Sum of tokens / sum of step time over the steps the trainer profiled (its metric records)."""
+# The comparison is pure (plan, steady-state selection, statistics, verdict) so it is tested on CPU with
+# synthetic step times; the adapters below only run processes and read their metric records.
+SIDES = ("bare", "workflow")
+PHASES = ("fetch_ms", "queue_ms", "h2d_ms", "fwd_ms", "bwd_ms", "clip_ms", "opt_ms", "step_ms")
+TRAIN_GOAL = 0.98  # workflow steps/s over bare steps/s (issue 15)
+MIN_PAIRS = 3  # fewer pairs give no spread worth a verdict
+
+
+def run_plan(pairs: int, warmup_side: str = "bare") -> list[dict]:
+    """One unmeasured warm-up run (it pays the cold kernel compilation and fills the page cache), then `pairs`
+    pairs in alternating order (bare→workflow, workflow→bare, …) so neither side always runs second."""
+    if pairs < 1:
+        raise ValueError(f"--train-pairs must be >= 1, got {pairs}")
+    plan = [{"tag": "warmup", "side": warmup_side, "pair": None, "measured": False}]
+    for pair in range(1, pairs + 1):
+        order = SIDES if pair % 2 else SIDES[::-1]
+        plan += [{"tag": f"pair{pair}-{side}", "side": side, "pair": pair, "measured": True} for side in order]
+    return plan
+
+
+def steady_steps(step_ms: list[float], skip: int) -> list[float]:
+    """The step times after the first `skip` logged steps (compilation, allocator and DataLoader warm-up); an
+    error when fewer than 3 are left, since a rate from one or two steps says nothing."""
+    kept = list(step_ms[skip:])
+    if len(kept) < 3:
+        raise ValueError(
+            f"only {len(kept)} steady steps after skipping {skip} of {len(step_ms)}: "
+            "lower --skip-steps or train more steps (--samples, --train-epochs)"
+        )
+    return kept
+
+
+def steps_per_s(step_ms: list[float]) -> float:
+    """Steps per second over a run's steady steps: count / total time (a slow step costs what it costs)."""
+    return len(step_ms) / (sum(step_ms) / 1000.0)
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and interquartile range (inclusive quartiles: defined from 2 values on)."""
+    ordered = sorted(values)
+    out = {"n": len(ordered), "median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1]}
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+        out |= {"q1": q1, "q3": q3, "iqr": q3 - q1}
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def train_verdict(pair_ratios: list[float], goal: float = TRAIN_GOAL) -> str:
+    """'meets the goal' when every pair is at or above it, 'below the goal' when every pair is under it, else
+    'within noise': the pairs straddle 1.0 or the goal, so the spread is larger than the gap being asked about."""
+    if len(pair_ratios) < MIN_PAIRS:
+        return f"no verdict: {len(pair_ratios)} pair(s), at least {MIN_PAIRS} needed for a spread"
+    low, high = min(pair_ratios), max(pair_ratios)
+    if low < 1.0 < high or low < goal <= high:
+        return "within noise"
+    return "meets the goal" if low >= goal else "below the goal"
+
+
+def compare_training(runs: list[dict], skip: int, goal: float = TRAIN_GOAL) -> dict:
+    """From measured runs ({side, pair, step_ms}), the steady steps/s per side (median and spread), the ratio of
+    medians (workflow / bare), each pair's ratio and the verdict against the goal."""
+    rates: dict[str, list[float]] = {side: [] for side in SIDES}
+    by_pair: dict[int, dict[str, float]] = {}
+    for run in runs:
+        rate = steps_per_s(steady_steps(run["step_ms"], skip))
+        rates[run["side"]].append(rate)
+        by_pair.setdefault(run["pair"], {})[run["side"]] = rate
+    missing = [pair for pair, sides in by_pair.items() if set(sides) != set(SIDES)]
+    if missing or not by_pair:
+        raise ValueError(f"every pair needs one bare and one workflow run; incomplete pairs: {missing}")
+    per_side = {side: spread(rates[side]) for side in SIDES}
+    pair_ratios = [round(by_pair[p]["workflow"] / by_pair[p]["bare"], 4) for p in sorted(by_pair)]
+    return {
+        "skip_steps": skip,
+        "steps_per_s": per_side,
+        "ratio_of_medians": round(per_side["workflow"]["median"] / per_side["bare"]["median"], 4),
+        "pair_ratios": pair_ratios,
+        "goal": goal,
+        "verdict": train_verdict(pair_ratios, goal),
+    }
+
+
+def phase_profile(runs: list[dict], skip: int) -> dict:
+    """Per side, the median of each profiled phase (speculators' profile/*_ms) over the steady steps of all its
+    measured runs, and workflow - bare per phase: which phase carries a gap (fetch/queue: data loading and
+    workers; h2d: staging; fwd/bwd/opt: the model)."""
+    pooled: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
+    for run in runs:
+        for record in run["steps"][skip:]:
+            for phase in PHASES:
+                if record.get(phase) is not None:
+                    pooled[run["side"]].setdefault(phase, []).append(float(record[phase]))
+    medians = {side: {p: round(statistics.median(v), 3) for p, v in pooled[side].items()} for side in SIDES}
+    shared = [p for p in PHASES if p in medians["bare"] and p in medians["workflow"]]
+    return medians | {
+        "workflow_minus_bare_ms": {p: round(medians["workflow"][p] - medians["bare"][p], 3) for p in shared}
+    }
+
+
+def trainer_steps(metrics_jsonl: Path) -> list[dict]:
+    """The train steps a trainer logged, in order: global_step, loss, tokens_per_s and the profile phases."""
+    import pandas as pd
+
     from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 
     frame = metrics_table([read_metric_lines(metrics_jsonl)])
     train = frame[frame["split"] == "train"]
-    if "step_ms" not in train or train["step_ms"].dropna().empty:
-        return {"steps_profiled": 0}
-    steps = train.dropna(subset=["step_ms", "tokens_per_s"])
-    tokens = (steps["tokens_per_s"] * steps["step_ms"] / 1000.0).sum()
-    seconds = steps["step_ms"].sum() / 1000.0
-    # the first step of a run pays kernel compilation: the rate without it is the steady one
-    rest = steps.iloc[1:]
-    steady = (
-        (rest["tokens_per_s"] * rest["step_ms"] / 1000.0).sum() / (rest["step_ms"].sum() / 1000.0) if len(rest) else 0
-    )
-    return {
-        "steps_profiled": int(len(steps)),
-        "tok_per_s_all_steps": round(float(tokens / seconds), 1),
-        "tok_per_s_after_first_step": round(float(steady), 1),
-        "median_step_ms": round(float(statistics.median(steps["step_ms"])), 1),
-        "final_loss": float(train["loss"].dropna().iloc[-1]) if "loss" in train else None,
-    }
+    if "step_ms" not in train:
+        return []
+    columns = [c for c in ("global_step", "loss", "tokens_per_s", *PHASES) if c in train]
+    rows = train.dropna(subset=["step_ms"])[columns].to_dict("records")
+    return [{k: (int(v) if k == "global_step" else float(v)) for k, v in r.items() if pd.notna(v)} for r in rows]
 
 
 # flags whose values are paths (or the vocab-mapping files the workflow builds once and bare speculators builds
@@ -374,28 +469,102 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, target_l
         raise SystemExit(f"the bare command would not train what the workflow trains: {differing} (bare, workflow)")
 
 
-def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int) -> dict:
-    from eagle3_workflow.contracts import read_json
+def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path) -> dict:
+    """The gate files train_draft reads (api_compat, validation) and the layer ids, written once for all runs."""
     from eagle3_workflow.extraction import load_prepared_input_ids
-    from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
-    from eagle3_workflow.training.command import TrainDevice, TrainSettings
-    from eagle3_workflow.training.stage import train_draft
     from eagle3_workflow.validation import validate_files
 
     config = json.loads((args.target / "config.json").read_text())
     layer_ids = resolve_layer_ids(int(config["num_hidden_layers"]), None)
-    prepared = data_dir / "prepared"
     api_compat = work / "api_compat.json"
     write_json_atomic(api_compat, {"passed": True, "layer_ids": layer_ids, "device": args.device})
-    input_ids = load_prepared_input_ids(prepared)
+    input_ids = load_prepared_input_ids(data_dir / "prepared")
     report = validate_files(input_ids, files_dir, layer_count=len(layer_ids), hidden_size=int(config["hidden_size"]))
     if not report.passed:
         raise SystemExit(f"hidden-state files did not validate: {report.missing[:5]} {list(report.bad.items())[:5]}")
     validation = work / "validation.json"
     write_json_atomic(validation, report)
+    return {"layer_ids": layer_ids, "api_compat": api_compat, "validation": validation}
+
+
+def bare_data_dir(data_dir: Path, files_dir: Path, work: Path) -> Path:
+    """A data dir laid out as speculators' docs say (dataset files, token_freq.pt, hidden_states/), by symlinks."""
+    bare_data = work / "bare-data"
+    shutil.rmtree(bare_data, ignore_errors=True)
+    bare_data.mkdir(parents=True)
+    for item in (data_dir / "prepared").iterdir():
+        os.symlink(item.resolve(), bare_data / item.name)
+    os.symlink((data_dir / "token_freq.pt").resolve(), bare_data / "token_freq.pt")
+    os.symlink(files_dir.resolve(), bare_data / "hidden_states")
+    return bare_data
+
+
+def run_bare(ctx: dict, tag: str) -> dict:
+    """One bare `speculators train` process (its own vocab mapping, its own metrics JSONL)."""
+    from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
+
+    work = ctx["work"]
+    save, metrics = work / f"bare-checkpoints-{tag}", work / f"bare-metrics-{tag}.jsonl"
+    shutil.rmtree(save, ignore_errors=True)
+    metrics.unlink(missing_ok=True)
+    command = bare_train_command(**ctx["bare_args"], save=save, log_dir=work / f"bare-metric-logs-{tag}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env[METRICS_ENV] = str(metrics)
+    if ctx["device"] == "cpu":
+        env[DEVICE_ENV] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "workflow" / "scripts"), env.get("PYTHONPATH")) if p)
+    log(f"training [{tag}]: bare speculators train: " + " ".join(command))
+    start = time.monotonic()
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    wall_s = time.monotonic() - start
+    output = proc.stdout.decode("utf-8", errors="replace")
+    (work / f"bare-train-{tag}.log").write_text(output)
+    shutil.rmtree(save, ignore_errors=True)  # ~3.7 GB a checkpoint for the 8B shape: the disk is 64 GiB
+    if proc.returncode != 0:
+        raise SystemExit(f"bare speculators train [{tag}] failed ({proc.returncode}):\n{output[-4000:]}")
+    return {"command": command, "wall_s": round(wall_s, 1), "steps": trainer_steps(metrics)}
+
+
+def run_workflow(ctx: dict, tag: str) -> dict:
+    """One whole train_draft (fingerprint, staging, vocab mapping, trainer subprocess, checks, publishing)."""
+    from eagle3_workflow.contracts import read_json
+    from eagle3_workflow.training.command import TrainDevice
+    from eagle3_workflow.training.stage import train_draft
+
+    work = ctx["work"]
+    wf_work, out_dir = work / "workflow-train-work", work / "workflow-draft"
+    shutil.rmtree(wf_work, ignore_errors=True)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    log(f"training [{tag}]: the workflow's train_draft")
+    start = time.monotonic()
+    summary = train_draft(
+        ctx["settings"],
+        target=ctx["target"],
+        prepared=ctx["data_dir"] / "prepared",
+        token_freq=ctx["data_dir"] / "token_freq.pt",
+        api_compat=ctx["api_compat"],
+        validation=ctx["validation"],
+        files_dir=ctx["files_dir"],
+        work_dir=wf_work,
+        out_dir=out_dir,
+        device=TrainDevice(ctx["device"], 1),
+        on_line=lambda line: None,
+    )
+    wall_s = time.monotonic() - start
+    metrics_jsonl = sorted((wf_work / "logs").glob("metrics-attempt-*.jsonl"))[-1]
+    steps = trainer_steps(metrics_jsonl)
+    shutil.rmtree(wf_work / "checkpoints", ignore_errors=True)
+    final_loss = read_json(out_dir / "training.json").get("final_train_loss")
+    return {"command": summary.command, "wall_s": round(wall_s, 1), "steps": steps, "final_train_loss": final_loss}
+
+
+def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int) -> dict:
+    """A warm-up run, then --train-pairs pairs in alternating order; steady steps/s compared (compare_training)."""
+    from eagle3_workflow.training.command import TrainDevice, TrainSettings
+
+    inputs = training_inputs(args, data_dir, files_dir, work)
     ratio = 0.95
     train_rows = int(rows * ratio)
-    tokens = train_rows * args.seq_len * args.train_epochs
     common = {
         "draft_vocab_size": args.draft_vocab,
         "lr": 3e-4,
@@ -406,95 +575,39 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
         "seed": 0,
     }
     extra = ["--loss-implementation", "eager"] if args.device == "cuda" else []
-    result: dict = {"train_rows": train_rows, "trained_tokens": tokens, "settings": common, "extra_args": extra}
-
-    # bare: speculators' own CLI on a data dir laid out as its docs say (dataset files, token_freq.pt,
-    # hidden_states/), building its own vocab mapping
-    bare_data = work / "bare-data"
-    shutil.rmtree(bare_data, ignore_errors=True)
-    bare_data.mkdir(parents=True)
-    for item in prepared.iterdir():
-        os.symlink(item.resolve(), bare_data / item.name)
-    os.symlink((data_dir / "token_freq.pt").resolve(), bare_data / "token_freq.pt")
-    os.symlink(files_dir.resolve(), bare_data / "hidden_states")
-    bare_save = work / "bare-checkpoints"
-    shutil.rmtree(bare_save, ignore_errors=True)
-    bare_cmd = bare_train_command(
-        args.device,
-        target=args.target,
-        data=bare_data,
-        save=bare_save,
-        log_dir=work / "bare-metric-logs",
-        target_layer_ids=layer_ids[:-1],
-        common=common,
-        extra=extra,
-    )
+    layers = inputs["layer_ids"][:-1]
+    bare_args = {
+        "device": args.device,
+        "target": args.target,
+        "data": bare_data_dir(data_dir, files_dir, work),
+        "target_layer_ids": layers,
+        "common": common,
+        "extra": extra,
+    }
     settings = TrainSettings(gpus=1 if args.device == "cuda" else 0, extra_args=tuple(extra), **common)
-    wf_work = work / "workflow-train-work"
-    same_flags_or_exit(bare_cmd, settings, args.target, wf_work, layer_ids[:-1], TrainDevice(args.device, 1))
-    result["bare_flags_checked"] = "equal to the workflow's trainer flags except " + ", ".join(sorted(PATH_FLAGS))
-    bare_metrics = work / "bare-metrics.jsonl"
-    bare_metrics.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env[METRICS_ENV] = str(bare_metrics)
-    if args.device == "cpu":
-        env[DEVICE_ENV] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "workflow" / "scripts"), env.get("PYTHONPATH")) if p)
-    log("training: bare speculators train: " + " ".join(bare_cmd))
-    start = time.monotonic()
-    proc = subprocess.run(bare_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
-    bare_s = time.monotonic() - start
-    bare_log = proc.stdout.decode("utf-8", errors="replace")
-    (work / "bare-train.log").write_text(bare_log)
-    if proc.returncode != 0:
-        raise SystemExit(f"bare speculators train failed ({proc.returncode}):\n{bare_log[-4000:]}")
-    result["bare"] = {
-        "command": bare_cmd,
-        "wall_s": round(bare_s, 1),
-        "tok_per_s_end_to_end": round(tokens / bare_s, 1),
+    probe = bare_train_command(**bare_args, save=work / "s", log_dir=work / "l")
+    same_flags_or_exit(probe, settings, args.target, work / "workflow-train-work", layers, TrainDevice(args.device, 1))
+    ctx = {"work": work, "device": args.device, "target": args.target, "data_dir": data_dir, "files_dir": files_dir}
+    ctx |= {"bare_args": bare_args, "settings": settings} | inputs
+    runners = {"bare": run_bare, "workflow": run_workflow}
+    runs = []
+    for item in run_plan(args.train_pairs):
+        run = item | runners[item["side"]](ctx, item["tag"])
+        run["step_ms"] = [s["step_ms"] for s in run["steps"]]
+        log(f"[{item['tag']}] wall {run['wall_s']} s, {len(run['step_ms'])} steps logged")
+        runs.append(run)
+    measured = [r for r in runs if r["measured"]]
+    return {
+        "train_rows": train_rows,
+        "trained_tokens": train_rows * args.seq_len * args.train_epochs,
+        "settings": common,
+        "extra_args": extra,
+        "bare_flags_checked": "equal to the workflow's trainer flags except " + ", ".join(sorted(PATH_FLAGS)),
+        "comparison": compare_training(measured, args.skip_steps),
+        "phase_medians_ms": phase_profile(measured, args.skip_steps),
+        "wall_s": {side: [r["wall_s"] for r in measured if r["side"] == side] for side in SIDES},
+        "runs": runs,
     }
-    result["bare"] |= trainer_step_rate(bare_metrics)
-    shutil.rmtree(bare_save, ignore_errors=True)  # ~3.7 GB a checkpoint for this shape: the disk is 64 GiB
-    log(f"bare: {result['bare']}")
-
-    log("training: the workflow's train_draft")
-    shutil.rmtree(wf_work, ignore_errors=True)
-    start = time.monotonic()
-    summary = train_draft(
-        settings,
-        target=args.target,
-        prepared=prepared,
-        token_freq=data_dir / "token_freq.pt",
-        api_compat=api_compat,
-        validation=validation,
-        files_dir=files_dir,
-        work_dir=wf_work,
-        out_dir=work / "workflow-draft",
-        device=TrainDevice(args.device, 1),
-        on_line=lambda line: None,
-    )
-    wf_s = time.monotonic() - start
-    metrics_jsonl = sorted((wf_work / "logs").glob("metrics-attempt-*.jsonl"))[-1]
-    result["workflow"] = {
-        "command": summary.command,
-        "wall_s": round(wf_s, 1),
-        "tok_per_s_end_to_end": round(tokens / wf_s, 1),
-        "steps": summary.steps,
-    } | trainer_step_rate(metrics_jsonl)
-    log(f"workflow: {result['workflow']}")
-    shutil.rmtree(wf_work / "checkpoints", ignore_errors=True)
-    metrics = read_json(work / "workflow-draft" / "training.json")
-    result["workflow"]["final_train_loss"] = metrics.get("final_train_loss")
-    b, w = result["bare"], result["workflow"]
-    result["ratios"] = {
-        "end_to_end": round(w["tok_per_s_end_to_end"] / b["tok_per_s_end_to_end"], 3),
-        "trainer_steps": (
-            round(w["tok_per_s_all_steps"] / b["tok_per_s_all_steps"], 3)
-            if w.get("tok_per_s_all_steps") and b.get("tok_per_s_all_steps")
-            else None
-        ),
-    }
-    return result
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -522,6 +635,46 @@ def gpu_name() -> str:
         return "none"
 
 
+def earlier_extraction_files(args: argparse.Namespace) -> Path:
+    """--train-only: the hidden-state files an earlier call of the same lease extracted into --work (the data is
+    regenerated from the same seed, so the files match it; training_inputs validates them)."""
+    files_dir = args.work / f"workflow-files-{args.repeats - 1}"
+    if not files_dir.is_dir():
+        raise SystemExit(
+            f"--train-only needs the hidden-state files of an earlier bench call in {args.work} ({files_dir} is "
+            "missing): run the bench once without --train-only in this lease, with the same --samples/--seq-len/--seed"
+        )
+    return files_dir
+
+
+def extraction_lines(e: dict, args: argparse.Namespace) -> list[str]:
+    lines = [
+        f"EXTRACTION {e['samples']} x {args.seq_len} tokens, layers {e['layers']}, concurrency {args.concurrency}",
+        f"  plain prefill      cold {e['plain_cold']['tok_per_s']:>10.1f} tok/s   warm "
+        f"{max(p['tok_per_s'] for p in e['plain_warm']):>10.1f} tok/s",
+        f"  connector (raw)    warm {max(p['tok_per_s'] for p in e['connector_warm']):>10.1f} tok/s",
+        f"  workflow client    warm {max(p['tok_per_s'] for p in e['workflow_warm']):>10.1f} tok/s   "
+        f"{e['workflow_bytes_per_s'] / 1e9:.2f} GB/s written",
+        f"  RATIOS {json.dumps(e['ratios'])}",
+    ]
+    if "stage" in e:
+        lines.insert(-1, f"  stage (cold)            {e['stage']['tok_per_s']:>10.1f} tok/s")
+    return lines
+
+
+def training_lines(training: dict) -> list[str]:
+    c = training["comparison"]
+    lines = [f"TRAINING {training['trained_tokens']} tokens a run, steady steps/s (first {c['skip_steps']} dropped)"]
+    for side in SIDES:
+        s = c["steps_per_s"][side]
+        lines.append(f"  {side:<9} median {s['median']:.3f}  min-max {s['min']:.3f}-{s['max']:.3f}  IQR {s.get('iqr')}")
+    lines.append(
+        f"  RATIO workflow/bare {c['ratio_of_medians']}  pairs {c['pair_ratios']}  goal {c['goal']}: {c['verdict']}"
+    )
+    lines.append(f"  PHASES workflow-bare ms {json.dumps(training['phase_medians_ms']['workflow_minus_bare_ms'])}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
@@ -537,6 +690,11 @@ def main() -> None:
     parser.add_argument("--total-seq-len", type=int, default=8192)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument(
+        "--train-only", action="store_true", help="reuse the hidden-state files an earlier call wrote into --work"
+    )
+    parser.add_argument("--train-pairs", type=int, default=3, help="measured pairs after the warm-up run")
+    parser.add_argument("--skip-steps", type=int, default=5, help="logged steps dropped at the start of each run")
     parser.add_argument("--stage", action="store_true", help="also time extract_replica with its own (cold) server")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
@@ -554,38 +712,22 @@ def main() -> None:
         "target": str(args.target),
         "command": " ".join([sys.executable, *sys.argv]),
     }
-    result["extraction"] = bench_extraction(args, prompts, data_dir, args.work)
-    if args.out:
-        write_json_atomic(args.out, result)
-    if not args.skip_train:
+    if args.train_only:
+        files_dir = earlier_extraction_files(args)
+    else:
+        result["extraction"] = bench_extraction(args, prompts, data_dir, args.work)
         files_dir = Path(result["extraction"]["files_dir"])
+        if args.out:
+            write_json_atomic(args.out, result)
+    if not args.skip_train:
         result["training"] = bench_training(args, data_dir, files_dir, args.work, len(prompts))
     result["bench_wall_s"] = round(time.monotonic() - started, 1)
     if args.out:
         write_json_atomic(args.out, result)
     print(json.dumps(result, indent=2, default=str))
-    e = result["extraction"]
-    lines = [
-        f"EXTRACTION {e['samples']} x {args.seq_len} tokens, layers {e['layers']}, concurrency {args.concurrency}",
-        f"  plain prefill      cold {e['plain_cold']['tok_per_s']:>10.1f} tok/s   warm "
-        f"{max(p['tok_per_s'] for p in e['plain_warm']):>10.1f} tok/s",
-        f"  connector (raw)    warm {max(p['tok_per_s'] for p in e['connector_warm']):>10.1f} tok/s",
-        f"  workflow client    warm {max(p['tok_per_s'] for p in e['workflow_warm']):>10.1f} tok/s   "
-        f"{e['workflow_bytes_per_s'] / 1e9:.2f} GB/s written",
-        f"  RATIOS {json.dumps(e['ratios'])}",
-    ]
-    if "stage" in e:
-        lines.insert(-1, f"  stage (cold)            {e['stage']['tok_per_s']:>10.1f} tok/s")
+    lines = extraction_lines(result["extraction"], args) if "extraction" in result else []
     if "training" in result:
-        t = result["training"]
-        lines += [
-            f"TRAINING {t['trained_tokens']} tokens",
-            f"  bare      wall {t['bare']['wall_s']} s  e2e {t['bare']['tok_per_s_end_to_end']} tok/s  steps "
-            f"{t['bare'].get('tok_per_s_all_steps')} tok/s",
-            f"  workflow  wall {t['workflow']['wall_s']} s  e2e {t['workflow']['tok_per_s_end_to_end']} tok/s  steps "
-            f"{t['workflow'].get('tok_per_s_all_steps')} tok/s",
-            f"  RATIOS {json.dumps(t['ratios'])}",
-        ]
+        lines += training_lines(result["training"])
     print("\n".join(lines), flush=True)
 
 
