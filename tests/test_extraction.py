@@ -314,10 +314,12 @@ from eagle3_workflow.vllm_server import hidden_states_server_spec
 settings = json.loads({settings!r})
 spec = lambda d: hidden_states_server_spec(settings, model={str(clean_run / "results" / "x" / "target")!r},
     layer_ids={api["layer_ids"]!r}, storage_dir=d, device="cpu", tensor_parallel_size=1, trust_remote_code=False)
-extract_replica(prepared_dir=Path({str(prepared)!r}), replica=0, replicas=1, files_dir=Path({str(tmp_path / "files")!r}),
-    scratch_dir=Path({str(tmp_path / "scratch")!r}), progress_path=None, server_spec_factory=spec,
-    server_log=Path({str(tmp_path / "server.log")!r}), layer_count={len(api["layer_ids"])}, hidden_size=64,
-    settings=ClientSettings(concurrency=1), disk_margin=1.1, available_bytes_override=None)
+from eagle3_workflow.runtime.stage import run_stage
+run_stage("extract_hidden_states", None, lambda log: extract_replica(prepared_dir=Path({str(prepared)!r}), replica=0,
+    replicas=1, files_dir=Path({str(tmp_path / "files")!r}), scratch_dir=Path({str(tmp_path / "scratch")!r}),
+    progress_path=None, server_spec_factory=spec, server_log=Path({str(tmp_path / "server.log")!r}),
+    layer_count={len(api["layer_ids"])}, hidden_size=64, settings=ClientSettings(concurrency=1), disk_margin=1.1,
+    available_bytes_override=None))
 """
     env = {**os.environ, "PYTHONPATH": str(REPO / "workflow" / "scripts")}
     proc = subprocess.Popen(
@@ -331,10 +333,13 @@ extract_replica(prepared_dir=Path({str(prepared)!r}), replica=0, replicas=1, fil
     assert vllm_processes(marker)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    assert "received SIGTERM" in output
-    time.sleep(1)
-    assert not vllm_processes(marker), "orphan vLLM processes after SIGTERM"
+    assert proc.returncode == 143, output[-3000:]
+    assert "stage extract_hidden_states stopped by SIGTERM; the rerun resumes" in output
+    assert "Traceback" not in output and "FAILED" not in output
+    gone_by = time.time() + 10
+    while vllm_processes(marker) and time.time() < gone_by:
+        time.sleep(0.2)
+    assert not vllm_processes(marker), "orphan vLLM processes 10 s after SIGTERM"
 
 
 # ---------------------------------------------------------------- stalls, a dead server's log, the greedy cross-check
