@@ -144,7 +144,7 @@ def test_vllm_serves_the_converted_target(smollm2_target, tmp_path):
     """A tiny greedy generate in vLLM (CPU), through the regeneration subprocess the workflow uses."""
     from conftest import tiny_config
 
-    from eagle3_workflow.regenerate import run_subprocess
+    from eagle3_workflow.regenerate.stage import run_subprocess
 
     out, _ = smollm2_target
     prompts = tmp_path / "prompts.txt"
