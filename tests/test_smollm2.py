@@ -151,7 +151,8 @@ def test_vllm_serves_the_converted_target(smollm2_target, tmp_path):
     prompts.write_text("What is the capital of France?\n")
     config = {
         "target": {"dtype": "bfloat16", "trust_remote_code": False},
-        "vllm": {**tiny_config()["vllm"], "gpu_memory_utilization": 0.85, "extra_args": []},
+        # stall_timeout_s: the schema's default (tiny_config gives only what the tiny run overrides)
+        "vllm": {**tiny_config()["vllm"], "gpu_memory_utilization": 0.85, "extra_args": [], "stall_timeout_s": 600},
         "extraction": {"tensor_parallel_size": 1},
         "regenerate": {
             "magpie_prompts": 0,
