@@ -335,7 +335,7 @@ def test_every_gpu_rule_declares_its_placement(tmp_path):
     import eagle3_workflow.canary as canary
     import eagle3_workflow.evaluation.stage as evaluation
     import eagle3_workflow.extraction as extraction
-    import eagle3_workflow.regenerate as regenerate
+    import eagle3_workflow.regenerate.stage as regenerate
     import eagle3_workflow.training.stage as training
 
     config = tiny_config(

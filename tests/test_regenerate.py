@@ -18,23 +18,19 @@ from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.prepare import prepare_conversations
-from eagle3_workflow.regenerate import (
+from eagle3_workflow.regenerate.generate import engine_kwargs, regenerate, write_jsonl_atomic
+from eagle3_workflow.regenerate.magpie import end_of_turn_stop, generate_magpie_prompts, user_turn_template
+from eagle3_workflow.regenerate.prompts import (
     Completion,
     PromptConversation,
     Sampling,
     answer_conversations,
     answer_slots,
     deduplicate,
-    end_of_turn_stop,
-    engine_kwargs,
-    generate_magpie_prompts,
     read_prompt_file,
-    regenerate,
     request_seeds,
-    run_subprocess,
-    user_turn_template,
-    write_jsonl_atomic,
 )
+from eagle3_workflow.regenerate.stage import run_subprocess
 
 CHATML_WITH_DEFAULT_SYSTEM = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -474,7 +470,7 @@ def test_workflow_regenerates_then_prepares(tmp_path):
 
 def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
     """Snakemake's MKL_NUM_THREADS=<threads> made torch run 2 threads on vLLM's one bound core (30x slower)."""
-    from eagle3_workflow.regenerate import subprocess_env
+    from eagle3_workflow.regenerate.stage import subprocess_env
 
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")

@@ -12,16 +12,9 @@ from conftest import run_workflow, tiny_config
 from synthetic_run import TRAINING_METRICS, acceptance_report, write_synthetic_run
 
 from eagle3_workflow.contracts import AcceptanceReport
-from eagle3_workflow.report import (
-    ReportInputs,
-    ReportOutputs,
-    acceptance_page,
-    html_table,
-    nested_report_command,
-    plot_training,
-    read_training_metrics,
-    summarize_run,
-)
+from eagle3_workflow.report.figures import plot_training, read_training_metrics
+from eagle3_workflow.report.pages import acceptance_page, html_table
+from eagle3_workflow.report.stage import ReportInputs, ReportOutputs, nested_report_command, summarize_run
 
 
 def report_paths(out: Path) -> tuple[ReportInputs, ReportOutputs]:

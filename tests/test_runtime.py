@@ -290,7 +290,7 @@ def test_a_sigkilled_stage_leaves_no_vllm_server_behind(tiny_targets, tmp_path):
 REGENERATE_STAGE = """
 import json
 from pathlib import Path
-from eagle3_workflow.regenerate import run_subprocess
+from eagle3_workflow.regenerate.stage import run_subprocess
 from eagle3_workflow.runtime.stage import run_stage
 config = json.loads({config!r})
 run_stage("regenerate_responses", None,

@@ -144,14 +144,15 @@ def test_vllm_serves_the_converted_target(smollm2_target, tmp_path):
     """A tiny greedy generate in vLLM (CPU), through the regeneration subprocess the workflow uses."""
     from conftest import tiny_config
 
-    from eagle3_workflow.regenerate import run_subprocess
+    from eagle3_workflow.regenerate.stage import run_subprocess
 
     out, _ = smollm2_target
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\n")
     config = {
         "target": {"dtype": "bfloat16", "trust_remote_code": False},
-        "vllm": {**tiny_config()["vllm"], "gpu_memory_utilization": 0.85, "extra_args": []},
+        # stall_timeout_s: the schema's default (tiny_config gives only what the tiny run overrides)
+        "vllm": {**tiny_config()["vllm"], "gpu_memory_utilization": 0.85, "extra_args": [], "stall_timeout_s": 600},
         "extraction": {"tensor_parallel_size": 1},
         "regenerate": {
             "magpie_prompts": 0,

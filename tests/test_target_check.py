@@ -208,7 +208,8 @@ def test_check_target_asks_the_served_target_through_its_template(tmp_path):
 
 
 def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, tmp_path):
-    from eagle3_workflow.regenerate import Completion, regenerate
+    from eagle3_workflow.regenerate.generate import regenerate
+    from eagle3_workflow.regenerate.prompts import Completion
 
     tokenizer = copy.deepcopy(turn_tokenizer)
     tokenizer.chat_template = GEMMA  # ends a turn with <end_of_turn>, which is not the eos

@@ -3,7 +3,7 @@
 # The report is a real Snakemake report: `summarize_run` writes figures and tables flagged with report() (captions
 # in workflow/report/), and `report` runs `snakemake --report` on this same workflow to bundle them, with the
 # rule graph, runtimes and provenance, into one self-contained report.html. It is two rules because Snakemake's
-# report refuses outputs of a job that is still running (it marks them incomplete); see eagle3_workflow.report.
+# report refuses outputs of a job that is still running (it marks them incomplete); see eagle3_workflow.report.stage.
 
 
 report: "../report/workflow.rst"

@@ -1,5 +1,5 @@
-"""Snakemake entry for rule `regenerate_responses`: the work is in eagle3_workflow.regenerate."""
+"""Snakemake entry for rule `regenerate_responses`: the work is in eagle3_workflow.regenerate.stage."""
 
-from eagle3_workflow.regenerate import main
+from eagle3_workflow.regenerate.stage import main
 
 main(snakemake)  # noqa: F821 - injected by Snakemake's script directive

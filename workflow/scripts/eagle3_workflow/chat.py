@@ -103,8 +103,13 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> Tok
     return TokenizedConversation(input_ids=input_ids, loss_mask=mask, text=text)
 
 
-def normalize_messages(turns: list[dict[str, Any]], *, role_key: str, content_key: str) -> list[dict[str, str]]:
-    """Map ShareGPT/OpenAI turns to [{role, content}] with canonical roles; raise ValueError on bad turns."""
+def normalize_messages(
+    turns: list[dict[str, Any]], *, role_key: str, content_key: str, require_assistant: bool = True
+) -> list[dict[str, str]]:
+    """Map ShareGPT/OpenAI turns to [{role, content}] with canonical roles; raise ValueError on bad turns.
+
+    Training records need an assistant turn to learn from; prompts to answer (require_assistant=False) need none.
+    """
     if not isinstance(turns, list) or not turns:
         raise ValueError("conversation is empty or not a list")
     out = []
@@ -120,7 +125,7 @@ def normalize_messages(turns: list[dict[str, Any]], *, role_key: str, content_ke
         if not isinstance(content, str):
             raise ValueError(f"turn {j} content is {type(content).__name__}, expected a string")
         out.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
+    if require_assistant and not any(m["role"] == "assistant" for m in out):
         raise ValueError("conversation has no assistant turn")
     return out
 

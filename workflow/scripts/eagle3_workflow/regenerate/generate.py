@@ -1,0 +1,341 @@
+"""The regeneration engine child: `python -m eagle3_workflow.regenerate.generate` (the stage's only `-m` entry).
+
+Snakemake's ``script:`` directive makes the entry script ``__main__``, and vLLM's spawned workers re-import
+``__main__``; so the stage (stage.py) starts this module as a runtime.ChildProcess, whose ``__main__`` is guarded.
+It starts offline vLLM on the target, runs `regenerate` (read, Magpie, deduplicate, answer), and writes the
+ShareGPT JSONL and the stats atomically. vLLM is imported only inside the functions that start it.
+
+Prompts are rendered with the tokenizer's chat template and tokenized with ``add_special_tokens=False``, exactly
+as ``prepare_data`` tokenizes the written conversations, and handed to vLLM as token ids: the target sees the same
+tokens it will later be trained to predict after (no doubled BOS from vLLM's own tokenization).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from eagle3_workflow.chat import StopSet, assistant_stop_set
+from eagle3_workflow.contracts import write_json_atomic
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.regenerate.magpie import MagpieResult, generate_magpie_prompts, user_turn_template
+from eagle3_workflow.regenerate.prompts import (
+    AnswerResult,
+    Completion,
+    GenerateFn,
+    PromptConversation,
+    Sampling,
+    answer_conversations,
+    deduplicate,
+    read_prompt_file,
+    to_sharegpt,
+)
+from eagle3_workflow.vllm_server import offline_engine_kwargs
+
+log = logging.getLogger("eagle3.regenerate")
+
+
+@dataclasses.dataclass
+class RegenerationStats:
+    """Written beside regenerated.jsonl: where every prompt went."""
+
+    target: str
+    prompts_read: dict[str, int]  # per prompt file
+    magpie_requested: int
+    magpie_generated: int  # kept after the filters
+    magpie_dropped: dict[str, int]  # empty | unfinished | too_short
+    magpie_prefix: str | None
+    duplicates_dropped: int
+    capped_by_max_prompts: int
+    too_long_dropped: int
+    answers_generated: int
+    empty_answers_dropped: int
+    truncated_answers: int  # kept, but cut at regenerate.max_tokens
+    conversations_written: int
+    prompt_tokens: int
+    generated_tokens: int
+    engine_ready_s: float
+    generate_s: float
+    generated_tokens_per_s: float
+    settings: dict[str, Any]
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # where answers end (eos + end-of-turn)
+    stop_strings: list[str] = dataclasses.field(default_factory=list)
+
+
+def regenerate(
+    tokenizer: Any,
+    generate: GenerateFn,
+    prompt_files: Sequence[Path],
+    settings: dict[str, Any],
+) -> tuple[list[dict[str, Any]], RegenerationStats]:
+    """Read, generate (Magpie), deduplicate and answer; returns the ShareGPT records and the stats.
+
+    `settings` is the config's regenerate section plus `max_model_len`. Pure apart from `generate`.
+    """
+    prompts_read, prompts = _read_prompt_files(prompt_files)
+    started = time.perf_counter()
+    magpie, magpie_prefix = _magpie_prompts(tokenizer, generate, settings)
+    prompts.extend(magpie.prompts)
+    unique, duplicates = deduplicate(prompts)
+    capped = 0
+    if settings.get("max_prompts") is not None and len(unique) > settings["max_prompts"]:
+        capped = len(unique) - settings["max_prompts"]
+        unique = unique[: settings["max_prompts"]]
+    if not unique:
+        raise StageError(
+            f"no prompt to answer: {sum(prompts_read.values())} read from regenerate.prompt_files, "
+            f"{len(magpie.prompts)} of {settings['magpie_prompts']} Magpie prompts kept (dropped {magpie.dropped}). "
+            "Give prompt files, or raise regenerate.magpie_prompts / magpie_max_tokens"
+        )
+    log.info(
+        "answering %d unique prompts (%d duplicates dropped, %d over max_prompts)", len(unique), duplicates, capped
+    )
+    answered, stop = _answer(tokenizer, unique, generate, settings)
+    generate_s = time.perf_counter() - started
+    if not answered.conversations:
+        raise StageError(
+            f"the target answered none of {len(unique)} prompts usably ({answered.empty_answers_dropped} empty, "
+            f"{answered.too_long_dropped} longer than vllm.max_model_len - regenerate.max_tokens). Check the "
+            "target (its eos/chat template) in the log, and vllm.max_model_len"
+        )
+    stats = _stats(settings, prompts_read, magpie, magpie_prefix, answered, stop, generate_s)
+    stats.duplicates_dropped, stats.capped_by_max_prompts = duplicates, capped
+    records = [to_sharegpt(c, i) for i, c in enumerate(answered.conversations)]
+    return records, stats
+
+
+def _read_prompt_files(prompt_files: Sequence[Path]) -> tuple[dict[str, int], list[PromptConversation]]:
+    """Every prompt file's prompts in order, and how many each gave (for the stats)."""
+    prompts_read: dict[str, int] = {}
+    prompts: list[PromptConversation] = []
+    for path in prompt_files:
+        from_file = read_prompt_file(Path(path))
+        prompts_read[str(path)] = len(from_file)
+        prompts.extend(from_file)
+    return prompts_read, prompts
+
+
+def _magpie_prompts(tokenizer: Any, generate: GenerateFn, settings: dict[str, Any]) -> tuple[MagpieResult, str | None]:
+    """The Magpie prompts the settings ask for (none when magpie_prompts is 0), and the prefix they came from."""
+    if settings["magpie_prompts"] <= 0:
+        return MagpieResult([], {}, 0), None
+    magpie_prefix = user_turn_template(tokenizer).prefix
+    magpie = generate_magpie_prompts(
+        tokenizer,
+        generate,
+        count=settings["magpie_prompts"],
+        max_tokens=settings["magpie_max_tokens"],
+        min_chars=settings["magpie_min_chars"],
+        temperature=settings["magpie_temperature"],
+        seed=settings["seed"],
+    )
+    log.info(
+        "magpie: %d of %d generated user turns kept (dropped %s)",
+        len(magpie.prompts),
+        settings["magpie_prompts"],
+        magpie.dropped,
+    )
+    for prompt in magpie.prompts[:5]:
+        log.info("magpie example (%s): %r", prompt.origin, prompt.messages[0]["content"][:200])
+    return magpie, magpie_prefix
+
+
+def _answer(
+    tokenizer: Any, unique: list[PromptConversation], generate: GenerateFn, settings: dict[str, Any]
+) -> tuple[AnswerResult, StopSet]:
+    """Answer every prompt, stopping each answer where the chat template ends an assistant turn."""
+    stop = assistant_stop_set(tokenizer)
+    log.info(
+        "answers stop at token ids %s, strings %s (template end-of-turn %r)",
+        stop.token_ids,
+        stop.strings,
+        stop.end_of_turn,
+    )
+    answered = answer_conversations(
+        tokenizer,
+        unique,
+        generate,
+        max_tokens=settings["max_tokens"],
+        max_model_len=settings["max_model_len"],
+        temperature=settings["temperature"],
+        seed=settings["seed"],
+        stop=stop,
+    )
+    return answered, stop
+
+
+def _stats(
+    settings: dict[str, Any],
+    prompts_read: dict[str, int],
+    magpie: MagpieResult,
+    magpie_prefix: str | None,
+    answered: AnswerResult,
+    stop: StopSet,
+    generate_s: float,
+) -> RegenerationStats:
+    """The stats of a regeneration; the caller fills in what happened between reading and answering."""
+    generated_tokens = answered.generated_tokens + magpie.generated_tokens
+    return RegenerationStats(
+        target="",
+        prompts_read=prompts_read,
+        magpie_requested=settings["magpie_prompts"],
+        magpie_generated=len(magpie.prompts),
+        magpie_dropped=magpie.dropped,
+        magpie_prefix=magpie_prefix,
+        duplicates_dropped=0,
+        capped_by_max_prompts=0,
+        too_long_dropped=answered.too_long_dropped,
+        answers_generated=answered.answers_generated,
+        empty_answers_dropped=answered.empty_answers_dropped,
+        truncated_answers=answered.truncated_answers,
+        conversations_written=len(answered.conversations),
+        prompt_tokens=answered.prompt_tokens,
+        generated_tokens=generated_tokens,
+        engine_ready_s=0.0,
+        generate_s=round(generate_s, 2),
+        generated_tokens_per_s=round(generated_tokens / generate_s, 1) if generate_s > 0 else 0.0,
+        settings=dict(settings),
+        stop_token_ids=stop.token_ids,
+        stop_strings=stop.strings,
+    )
+
+
+def write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def engine_kwargs(target: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The regeneration engine from the config's target, vllm and extraction sections (served as in extraction)."""
+    return offline_engine_kwargs(
+        config["vllm"],
+        model=str(target),
+        dtype=config["target"]["dtype"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        seed=config["regenerate"]["seed"],
+        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
+        device=config["vllm"].get("device", "auto"),
+    )
+
+
+def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
+    """Generate in chunks of `chunk_size` requests so that a long run logs its progress (and rate, ETA).
+
+    Chunks several times vLLM's max_num_seqs keep the batch full for all but each chunk's tail.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle3_workflow.runtime.child import engine_progress_bar
+
+    progress_bar = engine_progress_bar()  # a marker per finished request: the parent's stall watch
+
+    def generate(prompt_ids: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
+        params = [
+            SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=s.max_tokens,
+                seed=s.seed,
+                stop_token_ids=s.stop_token_ids or None,
+                stop=s.stop or None,
+            )
+            for s in sampling
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+        completions: list[Completion] = []
+        started, tokens = time.perf_counter(), 0
+        for begin in range(0, len(prompts), chunk_size):
+            end = begin + chunk_size
+            for output in llm.generate(prompts[begin:end], params[begin:end], use_tqdm=progress_bar):
+                completion = output.outputs[0]
+                completions.append(Completion(completion.text, len(completion.token_ids), completion.finish_reason))
+                tokens += len(completion.token_ids)
+            elapsed = time.perf_counter() - started
+            done = len(completions)
+            log.info(
+                "generated %d/%d requests, %d tokens, %.0f tok/s, about %.0f s left",
+                done,
+                len(prompts),
+                tokens,
+                tokens / elapsed,
+                elapsed / done * (len(prompts) - done),
+            )
+        return completions
+
+    return generate
+
+
+def run_regeneration(
+    target: Path, prompt_files: Sequence[Path], output: Path, stats_path: Path, config: dict[str, Any]
+) -> RegenerationStats:
+    """The subprocess's work: start vLLM on the target, regenerate, write both outputs atomically."""
+    from eagle3_workflow.chat import load_chat_tokenizer
+
+    tokenizer = load_chat_tokenizer(target, trust_remote_code=config["target"]["trust_remote_code"])
+    if config["vllm"]["extra_args"]:
+        log.warning(
+            "vllm.extra_args %s are server flags; the offline engine here ignores them", config["vllm"]["extra_args"]
+        )
+    from eagle3_workflow.runtime.child import BUSY_MARKER, print_marker
+
+    kwargs = engine_kwargs(target, config)
+    log.info("starting vLLM: %s", kwargs)
+    started = time.perf_counter()
+    from vllm import LLM
+
+    llm = LLM(**kwargs)
+    ready_s = time.perf_counter() - started
+    log.info("vLLM ready in %.1f s", ready_s)
+    print_marker(BUSY_MARKER)  # from here on a request must finish every vllm.stall_timeout_s (or the pace's)
+    settings = {**config["regenerate"], "max_model_len": config["vllm"]["max_model_len"]}
+    chunk_size = max(64, 8 * config["vllm"]["max_num_seqs"])
+    records, stats = regenerate(tokenizer, vllm_generate_fn(llm, chunk_size), prompt_files, settings)
+    stats.target = str(target)
+    stats.engine_ready_s = round(ready_s, 2)
+    write_jsonl_atomic(output, records)
+    write_json_atomic(stats_path, stats)
+    log.info(
+        "wrote %d conversations to %s; %d tokens generated in %.1f s (%.0f tok/s)",
+        stats.conversations_written,
+        output,
+        stats.generated_tokens,
+        stats.generate_s,
+        stats.generated_tokens_per_s,
+    )
+    return stats
+
+
+def _cli(argv: Sequence[str] | None = None) -> None:
+    from eagle3_workflow.runtime.stage import run_stage
+
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3_workflow.regenerate.generate", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--target", required=True, type=Path)
+    parser.add_argument("--prompt-file", action="append", default=[], type=Path)
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--stats", required=True, type=Path)
+    parser.add_argument("--config-json", required=True, help="the resolved config (JSON)")
+    args = parser.parse_args(argv)
+    config = json.loads(args.config_json)
+    run_stage(
+        "regenerate_responses (vLLM subprocess)",
+        None,
+        lambda _log: run_regeneration(args.target, args.prompt_file, args.output, args.stats, config),
+    )
+
+
+if __name__ == "__main__":  # vLLM's spawned workers re-import __main__: the guard keeps them from re-running it
+    _cli()

@@ -1,0 +1,275 @@
+"""The report's tables: small self-contained HTML pages built from the artefacts (pure: strings in, strings out)."""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from eagle3_workflow.contracts import AcceptanceReport
+
+PAGE_STYLE = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; font-size: 14px; margin: 1em; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em 0; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.fail { color: #b00020; font-weight: bold; }
+.pass { color: #1b5e20; }
+pre { background: #f7f7f7; padding: 0.5em; overflow-x: auto; font-size: 12px; }
+"""
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return f'<td class="{"pass" if value else "fail"}">{"PASS" if value else "FAIL"}</td>'
+    if isinstance(value, float):
+        return f'<td class="num">{value:,.4g}</td>'
+    if isinstance(value, int):
+        return f'<td class="num">{value:,}</td>'
+    return f"<td>{html.escape(str(value))}</td>"
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(_cell(c) for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def key_value_table(pairs: Sequence[tuple[str, Any]]) -> str:
+    return html_table(["", ""], pairs)
+
+
+def html_page(title: str, sections: Sequence[tuple[str, str]]) -> str:
+    body = "".join(f"<h3>{html.escape(heading)}</h3>{content}" for heading, content in sections)
+    return (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{PAGE_STYLE}</style></head><body><h2>{html.escape(title)}</h2>{body}</body></html>\n"
+    )
+
+
+def data_page(manifest: dict[str, Any]) -> str:
+    scalars = [
+        (key, value) for key, value in manifest.items() if not isinstance(value, dict | list) and value is not None
+    ]
+    sections = [("Counts", key_value_table(scalars))]
+    if manifest.get("dropped"):
+        sections.append(
+            ("Dropped records by reason", html_table(["reason", "records"], list(manifest["dropped"].items())))
+        )
+    if manifest.get("length_percentiles"):
+        sections.append(("Sequence length (tokens)", key_value_table(list(manifest["length_percentiles"].items()))))
+    if manifest.get("sources"):
+        sections.append(("Sources", html_table(["path"], [[s] for s in manifest["sources"]])))
+    return html_page("Prepared data (data/manifest.json)", sections)
+
+
+def _checks(report: dict[str, Any]) -> str:
+    rows = [
+        (c.get("name", ""), c.get("expected", ""), c.get("found", ""), bool(c.get("passed")), c.get("detail", ""))
+        for c in report.get("checks") or []
+    ]
+    return html_table(["check", "expected", "found", "pass", "detail"], rows) if rows else "<p>no checks recorded</p>"
+
+
+def gates_page(api_compat: dict[str, Any], canary: dict[str, Any], validation: dict[str, Any]) -> str:
+    versions = [(k, api_compat[k]) for k in api_compat if k.endswith("_version") or k in ("device", "layer_ids")]
+    canary_errors = [
+        (
+            layer,
+            canary.get("per_layer_max_rel_error", {}).get(layer),
+            (canary.get("per_layer_mean_rel_error") or {}).get(layer),
+        )
+        for layer in canary.get("per_layer_max_rel_error") or {}
+    ]
+    validation_rows = [
+        (k, v if not isinstance(v, list | dict) else (len(v) if k != "files_dir" else ", ".join(map(str, v))))
+        for k, v in validation.items()
+    ]
+    return html_page(
+        "Gates",
+        [
+            (
+                f"check_api: {'PASS' if api_compat.get('passed') else 'FAIL'}",
+                key_value_table(versions) + _checks(api_compat),
+            ),
+            (
+                f"canary: {'PASS' if canary.get('passed') else 'FAIL'} ({canary.get('canary_layers', '?')} layers vs "
+                f"{canary.get('reference', 'reference')}, tolerance {canary.get('tolerance', '?')})",
+                html_table(["layer id", "max relative error", "mean relative error"], canary_errors) + _checks(canary),
+            ),
+            ("validate_hidden_states", key_value_table(validation_rows)),
+        ],
+    )
+
+
+def extraction_page(manifests: Sequence[dict[str, Any]]) -> str:
+    columns = [
+        "replica",
+        "samples_total",
+        "samples_extracted",
+        "samples_reused",
+        "tokens",
+        "bytes_written",
+        "wall_s",
+        "server_ready_s",
+        "tokens_per_s",
+    ]
+    rows = [[m.get(c, "") for c in columns] for m in manifests]
+    total_tokens = sum(int(m.get("tokens", 0) or 0) for m in manifests)
+    total_wall = max((float(m.get("wall_s", 0) or 0) for m in manifests), default=0.0)
+    totals = key_value_table(
+        [
+            ("replicas", len(manifests)),
+            ("tokens", total_tokens),
+            ("slowest replica wall s", total_wall),
+            ("aggregate tokens / s", total_tokens / total_wall if total_wall else 0.0),
+        ]
+    )
+    return html_page("Hidden-state extraction", [("Per replica", html_table(columns, rows)), ("Total", totals)])
+
+
+def acceptance_page(report: AcceptanceReport) -> str:
+    sections = [
+        ("Results", _acceptance_results(report)),
+        ("Setup", _acceptance_setup(report)),
+        ("Measurement processes", _measurement_processes(report)),
+    ]
+    mismatches = _greedy_divergences(report)
+    if mismatches:
+        sections.append(
+            (
+                "Greedy divergences",
+                html_table(["draft", "prompt", "origin", "token", "expected", "found", "gap", "tolerated"], mismatches),
+            )
+        )
+    if report.notes:
+        sections.append(("Notes", "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>"))
+    return html_page("Draft evaluation (eval/acceptance.json)", sections)
+
+
+def _acceptance_results(report: AcceptanceReport) -> str:
+    """One row per run: no speculation (the baseline), then the trained and the untrained draft."""
+    k = report.num_speculative_tokens
+    headers = ["run", "mean acceptance length", "draft acceptance rate"] + [f"pos {i + 1}" for i in range(k)]
+    headers += ["drafts", "accepted", "tokens", "seconds", "tokens / s", "speedup", "engine start s", "lossless"]
+    rows = [
+        ["no speculation", "", ""]
+        + [""] * k
+        + [
+            "",
+            "",
+            report.no_speculation_generated_tokens,
+            report.no_speculation_generate_s,
+            report.no_speculation_tokens_per_s,
+            1.0,
+            report.no_speculation_engine_start_s,
+            "",
+        ]
+    ]
+    for r in (report.trained, report.untrained):
+        rows.append(
+            [r.label, r.mean_acceptance_length, r.draft_acceptance_rate]
+            + [float(x) for x in (list(r.per_position_acceptance) + [0.0] * k)[:k]]
+            + [
+                r.num_drafts,
+                r.accepted_tokens,
+                r.generated_tokens,
+                r.generate_s,
+                r.tokens_per_s,
+                r.speedup,
+                r.engine_start_s,
+                r.lossless,
+            ]
+        )
+    return html_table(headers, rows)
+
+
+def _acceptance_setup(report: AcceptanceReport) -> str:
+    return key_value_table(
+        [
+            ("prompts", f"{report.num_prompts} of {report.num_prompts_requested} requested ({report.prompt_source})"),
+            ("prompt detail", report.prompt_detail),
+            ("num_speculative_tokens", report.num_speculative_tokens),
+            ("max_tokens", report.max_tokens),
+            ("device", report.device),
+            ("vLLM", report.vllm_version),
+            ("lossless", report.lossless),
+            ("lossless mismatches (incl. tolerated)", report.lossless_mismatches),
+            ("untrained baseline", report.untrained_baseline),
+        ]
+    )
+
+
+def _measurement_processes(report: AcceptanceReport) -> str:
+    return html_table(
+        ["engines", "process wall s", "vLLM import s", "engine start s", "host load (1 min)"],
+        [
+            [", ".join(p.runs), p.wall_s, p.vllm_import_s, json.dumps(p.engine_start_s), p.load_1m]
+            for p in report.processes
+        ],
+    )
+
+
+def _greedy_divergences(report: AcceptanceReport) -> list[tuple[Any, ...]]:
+    return [
+        (
+            r.label,
+            m.prompt_index,
+            m.origin,
+            m.position,
+            m.expected_text,
+            m.found_text,
+            "-" if m.logprob_gap is None else m.logprob_gap,
+            m.tolerated,
+        )
+        for r in (report.trained, report.untrained)
+        for m in r.mismatches
+    ]
+
+
+def provenance_page(provenance: dict[str, Any]) -> str:
+    created = provenance.get("created_unix")
+    facts = [
+        ("run", provenance.get("run", "")),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created)) if created else ""),
+        ("git commit", provenance.get("git_commit", "")),
+        ("uncommitted changes", "yes" if provenance.get("git_dirty") else "no"),
+        ("host", provenance.get("host", "")),
+        ("platform", provenance.get("platform", "")),
+        ("python", provenance.get("python", "")),
+        ("accelerators", ", ".join(provenance.get("accelerators") or []) or "none"),
+    ]
+    packages = html_table(["package", "version"], sorted((provenance.get("packages") or {}).items()))
+    config = f"<pre>{html.escape(json.dumps(provenance.get('config', {}), indent=2, sort_keys=True))}</pre>"
+    return html_page(
+        "Provenance", [("Run", key_value_table(facts)), ("Packages", packages), ("Resolved config", config)]
+    )
+
+
+def summary_page(
+    provenance: dict[str, Any],
+    manifest: dict[str, Any],
+    extraction: Sequence[dict[str, Any]],
+    training: dict[str, Any],
+    metrics: Any | None,
+    acceptance: AcceptanceReport,
+) -> str:
+    final_loss = training.get("final_train_loss")
+    if final_loss is None and metrics is not None and "loss" in metrics.columns and metrics["loss"].notna().any():
+        final_loss = float(metrics["loss"].dropna().iloc[-1])
+    rows = [
+        ("run", provenance.get("run", "")),
+        ("git commit", provenance.get("git_commit", "") + (" (dirty)" if provenance.get("git_dirty") else "")),
+        ("records kept / read", f"{manifest.get('records_kept', '?')} / {manifest.get('records_read', '?')}"),
+        ("tokens extracted", sum(int(m.get("tokens", 0) or 0) for m in extraction)),
+        ("final training loss", final_loss if final_loss is not None else "n/a"),
+        ("final validation loss", training.get("final_val_loss", "n/a") if training else "n/a"),
+        ("acceptance length, trained draft", acceptance.trained.mean_acceptance_length),
+        ("acceptance length, untrained draft", acceptance.untrained.mean_acceptance_length),
+        ("speedup, trained draft", f"x{acceptance.trained.speedup:.2f} on {acceptance.device}"),
+        ("lossless (greedy output unchanged)", acceptance.lossless),
+    ]
+    return html_page("Summary", [("Run at a glance", key_value_table(rows))])

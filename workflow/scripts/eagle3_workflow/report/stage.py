@@ -1,0 +1,182 @@
+"""Rules `summarize_run` and `report`: the run's figures and tables, bundled as a real Snakemake report.
+
+How report.html is made (and why). The goal is Snakemake's own report (figures with captions, the rule graph,
+runtimes, the code of every rule), and also `report.html` as an output of rule `report`, so `snakemake` alone
+makes it and `rule all` can ask for it. Two rules do that:
+
+- `summarize_run` reads the artefacts and writes figures (SVG) and tables (small HTML pages) under
+  ``results/<run>/report/``, each flagged with ``report(..., caption=..., category=...)`` (captions in
+  ``workflow/report/``). ``snakemake --report`` run by hand on the same config therefore also works.
+- `report` runs ``python -m snakemake -s <Snakefile> --configfile <resolved config> --nolock --report
+  results/<run>/report.html`` on this same workflow, in its working directory.
+
+Why two rules: Snakemake marks the outputs of a running job incomplete, and ``--report`` refuses incomplete
+files (``create_report`` has no ``--ignore-incomplete``); when `report` runs, `summarize_run` has finished.
+``--nolock`` because the outer Snakemake holds the working directory's lock (a report only reads). The nested
+call gets the outer run's resolved config (every default filled, every ``--config`` override applied), so it
+builds the same DAG. Tested end to end in tests/test_report.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3_workflow.contracts import AcceptanceReport, read_json, write_json_atomic
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.report.figures import (
+    plot_acceptance,
+    plot_data,
+    plot_extraction,
+    plot_training,
+    read_training_metrics,
+)
+from eagle3_workflow.report.pages import (
+    acceptance_page,
+    data_page,
+    extraction_page,
+    gates_page,
+    provenance_page,
+    summary_page,
+)
+
+log = logging.getLogger("eagle3.report")
+
+
+@dataclasses.dataclass
+class ReportInputs:
+    provenance: Path
+    manifest: Path
+    api_compat: Path
+    canary: Path
+    extraction: list[Path]
+    validation: Path
+    draft: Path
+    acceptance: Path
+
+
+@dataclasses.dataclass
+class ReportOutputs:
+    summary: Path
+    data: Path
+    data_table: Path
+    gates: Path
+    extraction: Path
+    extraction_table: Path
+    training: Path
+    acceptance: Path
+    acceptance_table: Path
+    provenance: Path
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def summarize_run(inputs: ReportInputs, outputs: ReportOutputs) -> None:
+    """Write every figure and table of the report from the artefacts."""
+    provenance = read_json(inputs.provenance)
+    manifest = read_json(inputs.manifest)
+    extraction = [read_json(p) for p in inputs.extraction]
+    acceptance = AcceptanceReport.from_dict(read_json(inputs.acceptance))
+    metrics_path = inputs.draft / "metrics.csv"
+    metrics = read_training_metrics(metrics_path)
+    training_json = inputs.draft / "training.json"
+    training = read_json(training_json) if training_json.exists() else {}
+
+    plot_data(manifest, outputs.data)
+    _write(outputs.data_table, data_page(manifest))
+    _write(
+        outputs.gates, gates_page(read_json(inputs.api_compat), read_json(inputs.canary), read_json(inputs.validation))
+    )
+    plot_extraction(extraction, outputs.extraction)
+    _write(outputs.extraction_table, extraction_page(extraction))
+    plot_training(metrics, outputs.training, source=str(metrics_path))
+    plot_acceptance(acceptance, outputs.acceptance)
+    _write(outputs.acceptance_table, acceptance_page(acceptance))
+    _write(outputs.provenance, provenance_page(provenance))
+    _write(outputs.summary, summary_page(provenance, manifest, extraction, training, metrics, acceptance))
+
+
+def nested_report_command(
+    snakefile: str, config_path: Path, html_path: Path, python: str = sys.executable
+) -> list[str]:
+    return [
+        python,
+        "-m",
+        "snakemake",
+        "-s",
+        snakefile,
+        "--configfile",
+        str(config_path),
+        "--nolock",
+        "--report",
+        str(html_path),
+    ]
+
+
+def build_report(snakefile: str, config: dict[str, Any], html_path: Path, work_dir: Path, log_path: str | None) -> None:
+    """Run Snakemake's report on this workflow, with the outer run's resolved config."""
+    config_path = work_dir / "resolved_config.json"
+    write_json_atomic(config_path, config)
+    cmd = nested_report_command(snakefile, config_path, html_path)
+    log.info("building the Snakemake report: %s", " ".join(cmd))
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    output = (proc.stdout + proc.stderr).strip()
+    if log_path:
+        with open(log_path, "a", encoding="utf-8") as sink:
+            sink.write(output + "\n")
+    if proc.returncode != 0 or not html_path.exists():
+        tail = "\n".join(output.splitlines()[-40:])
+        raise StageError(
+            f"`snakemake --report` exited with code {proc.returncode} (command: {' '.join(cmd)}); its last lines:\n"
+            f"{tail}"
+        )
+    log.info("report %s (%.1f MB) in %.1f s", html_path, html_path.stat().st_size / 1e6, time.perf_counter() - started)
+
+
+def summarize_main(snakemake: Any) -> None:
+    from eagle3_workflow.runtime.stage import run_stage
+
+    def body(log: logging.Logger) -> None:
+        i, o = snakemake.input, snakemake.output
+        summarize_run(
+            ReportInputs(
+                provenance=Path(i.provenance),
+                manifest=Path(i.manifest),
+                api_compat=Path(i.api_compat),
+                canary=Path(i.canary),
+                extraction=[Path(p) for p in i.extraction],
+                validation=Path(i.validation),
+                draft=Path(i.draft),
+                acceptance=Path(i.acceptance),
+            ),
+            ReportOutputs(**{f.name: Path(getattr(o, f.name)) for f in dataclasses.fields(ReportOutputs)}),
+        )
+
+    run_stage("summarize_run", snakemake.log[0], body)
+
+
+def main(snakemake: Any) -> None:
+    from eagle3_workflow.runtime.stage import run_stage
+
+    def body(log: logging.Logger) -> None:
+        build_report(
+            snakemake.params.snakefile,
+            json.loads(snakemake.params.config),
+            Path(snakemake.output.html),
+            Path(snakemake.params.work_dir),
+            snakemake.log[0],
+        )
+
+    run_stage("report", snakemake.log[0], body)
