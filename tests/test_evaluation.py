@@ -18,7 +18,11 @@ from synthetic_run import build_scratch_draft, write_synthetic_run
 from eagle3_workflow.contracts import AcceptanceReport, read_json
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
-from eagle3_workflow.evaluation.launch import engine_kwargs, measurement_environment, run_measurement_process
+from eagle3_workflow.evaluation.launch import (
+    measurement_engine_kwargs,
+    measurement_environment,
+    run_measurement_process,
+)
 from eagle3_workflow.evaluation.lossless import compare_greedy, describe_mismatch, first_divergence, lossless_failure
 from eagle3_workflow.evaluation.metrics import (
     SpecDecodeCounters,
@@ -217,12 +221,12 @@ def test_lossless_failure_shows_the_first_real_mismatch_readably():
 
 
 def test_engine_kwargs_follow_the_vllm_config_and_device():
-    cpu = engine_kwargs(VLLM_SETTINGS, target="/t", dtype="bfloat16", trust_remote_code=False, seed=0, device="cpu",
+    cpu = measurement_engine_kwargs(VLLM_SETTINGS, target="/t", dtype="bfloat16", trust_remote_code=False, seed=0, device="cpu",
                         tensor_parallel_size=1, in_process=True)  # fmt: skip
     assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS["kv_cache_memory_bytes"] and cpu["enforce_eager"]
     assert cpu["distributed_executor_backend"] == "uni" and cpu["disable_log_stats"] is False
     assert "gpu_memory_utilization" not in cpu
-    gpu = engine_kwargs(VLLM_SETTINGS | {"kv_cache_memory_bytes": None}, target="/t", dtype="bfloat16",
+    gpu = measurement_engine_kwargs(VLLM_SETTINGS | {"kv_cache_memory_bytes": None}, target="/t", dtype="bfloat16",
                         trust_remote_code=True, seed=0, device="cuda", tensor_parallel_size=8, in_process=False)  # fmt: skip
     assert gpu["gpu_memory_utilization"] == 0.85 and gpu["tensor_parallel_size"] == 8 and gpu["trust_remote_code"]
     assert "distributed_executor_backend" not in gpu and "kv_cache_memory_bytes" not in gpu
@@ -340,7 +344,7 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
     settings = EvaluationSettings(prompts="heldout", num_prompts=4, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
                               max_model_len=512)  # fmt: skip
-    engine = engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16", trust_remote_code=False,
+    engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16", trust_remote_code=False,
                            seed=0, device="cpu", tensor_parallel_size=1, in_process=True)  # fmt: skip
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=32,

@@ -18,7 +18,7 @@ from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.prepare import prepare_conversations
-from eagle3_workflow.regenerate.generate import engine_kwargs, regenerate, write_jsonl_atomic
+from eagle3_workflow.regenerate.generate import regenerate, regeneration_engine_kwargs, write_jsonl_atomic
 from eagle3_workflow.regenerate.magpie import end_of_turn_stop, generate_magpie_prompts, user_turn_template
 from eagle3_workflow.regenerate.prompts import (
     Completion,
@@ -350,11 +350,11 @@ def test_engine_kwargs_follow_the_vllm_section():
         "extraction": {"tensor_parallel_size": 1},
         "regenerate": {"seed": 7},
     }
-    kwargs = engine_kwargs(Path("/m"), config)
+    kwargs = regeneration_engine_kwargs(Path("/m"), config)
     assert kwargs["kv_cache_memory_bytes"] == 1 << 28 and "gpu_memory_utilization" not in kwargs
     assert (kwargs["dtype"], kwargs["seed"], kwargs["trust_remote_code"]) == ("bfloat16", 7, False)
     config["vllm"]["kv_cache_memory_bytes"] = None
-    assert engine_kwargs(Path("/m"), config)["gpu_memory_utilization"] == 0.85
+    assert regeneration_engine_kwargs(Path("/m"), config)["gpu_memory_utilization"] == 0.85
 
 
 # ------------------------------------------------------------------------------ shipped prompt files

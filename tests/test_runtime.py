@@ -345,9 +345,9 @@ def test_a_stopped_engine_fails_regenerate_as_stalled(tiny_targets, tmp_path):
 
 @pytest.mark.slow
 def test_a_sigkilled_evaluate_stage_leaves_no_engine_behind(tiny_targets, tmp_path):
-    from eagle3_workflow.evaluation.launch import engine_kwargs
+    from eagle3_workflow.evaluation.launch import measurement_engine_kwargs
 
-    engine = engine_kwargs(_vllm_settings(), target=str(tiny_targets("llama")), dtype="bfloat16",
+    engine = measurement_engine_kwargs(_vllm_settings(), target=str(tiny_targets("llama")), dtype="bfloat16",
                            trust_remote_code=False, seed=0, device="cpu", tensor_parallel_size=1, in_process=False)  # fmt: skip
     log_path = tmp_path / "eval.log"
     stage = Stage(f"""

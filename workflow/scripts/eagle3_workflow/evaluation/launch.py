@@ -21,7 +21,7 @@ log = logging.getLogger("eagle3.evaluation")
 TAIL_LINES = 60
 
 
-def engine_kwargs(
+def measurement_engine_kwargs(
     vllm_settings: dict[str, Any],
     *,
     target: str,

@@ -28,7 +28,11 @@ from eagle3_workflow.contracts import (
 )
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
-from eagle3_workflow.evaluation.launch import engine_kwargs, measurement_environment, run_measurement_process
+from eagle3_workflow.evaluation.launch import (
+    measurement_engine_kwargs,
+    measurement_environment,
+    run_measurement_process,
+)
 from eagle3_workflow.evaluation.lossless import compare_greedy, lossless_failure
 from eagle3_workflow.evaluation.metrics import acceptance_result, summary_table
 from eagle3_workflow.evaluation.prompts import PromptSet, load_prompts
@@ -91,7 +95,7 @@ def evaluate_draft(
         eagle3_run("trained", draft, k),
         eagle3_run("untrained", untrained.path, k),
     ]
-    engine = engine_kwargs(vllm_settings, target=str(target), dtype=dtype, trust_remote_code=trust_remote_code,
+    engine = measurement_engine_kwargs(vllm_settings, target=str(target), dtype=dtype, trust_remote_code=trust_remote_code,
                            seed=settings.seed, device=device, tensor_parallel_size=settings.tensor_parallel_size,
                            in_process=settings.tensor_parallel_size == 1)  # fmt: skip
     measured = measure_runs(runs, engine, prompt_set=prompt_set, stop=stop, settings=settings,

@@ -216,7 +216,7 @@ def write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def engine_kwargs(target: Path, config: dict[str, Any]) -> dict[str, Any]:
+def regeneration_engine_kwargs(target: Path, config: dict[str, Any]) -> dict[str, Any]:
     """The regeneration engine from the config's target, vllm and extraction sections (served as in extraction)."""
     return offline_engine_kwargs(
         config["vllm"],
@@ -290,7 +290,7 @@ def run_regeneration(
         )
     from eagle3_workflow.runtime.child import BUSY_MARKER, print_marker
 
-    kwargs = engine_kwargs(target, config)
+    kwargs = regeneration_engine_kwargs(target, config)
     log.info("starting vLLM: %s", kwargs)
     started = time.perf_counter()
     from vllm import LLM
