@@ -513,23 +513,12 @@ def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[
 
 
 def server_spec_factory(config: dict[str, Any], device: str) -> Any:
-    """The extraction server for a model, ids and storage folder: exactly as extraction builds it."""
-    from eagle3_workflow.vllm_server import hidden_states_server_spec
-
-    tp = config["extraction"]["tensor_parallel_size"] if device == "cuda" else 1
+    """The extraction server for the slice: the same builder extraction uses, with the render endpoint on."""
+    from eagle3_workflow.vllm_server import run_server_spec
 
     def spec_factory(model: str, layer_ids: list[int], storage_dir: str):
-        return hidden_states_server_spec(
-            config["vllm"],
-            model=model,
-            layer_ids=layer_ids,
-            storage_dir=storage_dir,
-            device=device,
-            tensor_parallel_size=tp,
-            trust_remote_code=config["target"]["trust_remote_code"],
-            dtype=config["target"]["dtype"],
-            enable_render_endpoint=True,
-        )
+        return run_server_spec(config, device=device, model=model, layer_ids=layer_ids, storage_dir=storage_dir,
+                               enable_render_endpoint=True)  # fmt: skip
 
     return spec_factory
 

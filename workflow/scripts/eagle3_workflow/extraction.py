@@ -573,20 +573,11 @@ def _serve_and_extract(
 
 def server_spec_factory(config: dict[str, Any], api: dict[str, Any], target: str) -> Callable[[str], Any]:
     """The extraction server for a storage folder, as the canary starts it (same builder)."""
-    from eagle3_workflow.vllm_server import hidden_states_server_spec
+    from eagle3_workflow.vllm_server import run_server_spec
 
     def spec_factory(storage_dir: str):
-        return hidden_states_server_spec(
-            config["vllm"],
-            model=target,
-            layer_ids=api["layer_ids"],
-            storage_dir=storage_dir,
-            device=api["device"],
-            tensor_parallel_size=config["extraction"]["tensor_parallel_size"] if api["device"] == "cuda" else 1,
-            trust_remote_code=config["target"]["trust_remote_code"],
-            dtype=config["target"]["dtype"],
-            enable_render_endpoint=False,
-        )
+        return run_server_spec(config, device=api["device"], model=target, layer_ids=api["layer_ids"],
+                               storage_dir=storage_dir, enable_render_endpoint=False)  # fmt: skip
 
     return spec_factory
 

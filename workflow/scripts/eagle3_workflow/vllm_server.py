@@ -135,6 +135,30 @@ def hidden_states_server_spec(
     )
 
 
+def run_server_spec(
+    config: dict[str, Any],
+    *,
+    device: str,
+    model: str,
+    layer_ids: list[int],
+    storage_dir: str,
+    enable_render_endpoint: bool,
+) -> ServerSpec:
+    """The extraction server of a run (its `vllm`, `target` and `extraction` settings): the canary calls this with
+    its slice and ids, extraction with the target and production's ids, so both start the same server."""
+    return hidden_states_server_spec(
+        config["vllm"],
+        model=model,
+        layer_ids=layer_ids,
+        storage_dir=storage_dir,
+        device=device,
+        tensor_parallel_size=config["extraction"]["tensor_parallel_size"] if device == "cuda" else 1,
+        trust_remote_code=config["target"]["trust_remote_code"],
+        dtype=config["target"]["dtype"],
+        enable_render_endpoint=enable_render_endpoint,
+    )
+
+
 def offline_engine_kwargs(
     vllm_settings: dict[str, Any],
     *,
