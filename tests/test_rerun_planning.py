@@ -293,6 +293,7 @@ def test_reads_table_matches_the_params_each_rule_declares(staged):
     assert drift == {}
 
 
+@pytest.mark.slow  # ~40-80 s of dry runs over every key: `make test` runs it, the edit loop (`make test-fast`) does not
 def test_each_key_replans_exactly_the_rules_that_read_it(staged):
     flow, workflow, downstream = staged
     config = copy.deepcopy(workflow.config)
