@@ -33,7 +33,15 @@ pytestmark = pytest.mark.slow
 PREPARE_AND_GATES = {"build_tiny_target", "prepare_data", "check_api", "canary"}
 EXTRACTION = {"extract_hidden_states", "validate_hidden_states"}
 # a config change reruns record_provenance by design (it records the whole resolved config)
-AFTER_TRAINING = {"train_draft", "evaluate_draft", "summarize_run", "report", "record_provenance", "all"}
+AFTER_TRAINING = {
+    "train_draft",
+    "evaluate_draft",
+    "package_draft",
+    "summarize_run",
+    "report",
+    "record_provenance",
+    "all",
+}
 
 
 def snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: float = 1800):
