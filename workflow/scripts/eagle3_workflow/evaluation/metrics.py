@@ -109,8 +109,7 @@ def acceptance_result(
         )
     counters = counters_delta(counters_from_metrics(run.metrics_before), after)
     stats = acceptance_from_counters(counters, num_speculative_tokens)
-    tokens_per_s = run.generated_tokens / run.generate_s if run.generate_s > 0 else 0.0
-    reference_tps = reference.generated_tokens / reference.generate_s if reference.generate_s > 0 else 0.0
+    tokens_per_s, reference_tps = run.tokens_per_s, reference.tokens_per_s
     return AcceptanceResult(
         label=run.label,
         draft_path=str(draft_path),

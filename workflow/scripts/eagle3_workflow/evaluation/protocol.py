@@ -54,6 +54,11 @@ class RunResult:
     metrics_after: list[dict[str, Any]]
     load_1m: float
 
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens over the fastest pass (0 when nothing was timed)."""
+        return self.generated_tokens / self.generate_s if self.generate_s > 0 else 0.0
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
         data = dict(data)

@@ -225,7 +225,7 @@ def build_report(
         max_tokens=settings.max_tokens,
         trained=results["trained"],
         untrained=results["untrained"],
-        no_speculation_tokens_per_s=reference.generated_tokens / reference.generate_s if reference.generate_s else 0,
+        no_speculation_tokens_per_s=reference.tokens_per_s,
         lossless=all(r.lossless for r in results.values()),
         lossless_mismatches=sum(len(ms) for ms in mismatches.values()),
         num_prompts_requested=prompt_set.requested,
