@@ -11,6 +11,7 @@ docs/sharing.md tells users of a local checkout to do.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -90,7 +91,9 @@ def test_deployed_module_dry_runs_with_user_config(deployed):
 @pytest.mark.slow
 def test_deployed_module_runs_first_stages(deployed):
     """Real jobs from the module: its scripts, schema and shared package run from the source checkout while
-    outputs land in the user's directory."""
+    outputs land in the user's directory. The user's copy of config/data is removed, so the data files the
+    config names come from the module, through Snakemake's source cache (shipped() in common.smk)."""
+    shutil.rmtree(deployed / "config" / "data")
     run(
         [
             SNAKEMAKE,
@@ -107,3 +110,7 @@ def test_deployed_module_runs_first_stages(deployed):
     assert (run_dir / "data" / "manifest.json").exists()
     assert (run_dir / "provenance.json").exists()
     assert (run_dir / "target" / "config.json").exists()
+    manifest = json.loads((run_dir / "data" / "manifest.json").read_text())
+    source = manifest["sources"][0]
+    assert source.endswith("config/data/tiny_conversations.jsonl"), manifest["sources"]
+    assert not source.startswith(str(deployed)), "read from the user's directory, whose config/data was removed"

@@ -3,6 +3,7 @@ import json
 import os
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -71,12 +72,16 @@ def target_dir():
 
 
 def shipped(path):
-    """A relative path from a config: the working directory's file, else the one shipped with the workflow
-    (so presets that name config/data/... run from any working directory)."""
+    """A relative path from a config: the working directory's file, else the one shipped with the workflow,
+    through Snakemake's source cache (workflow.source_path), so presets that name config/data/... also run
+    from a deployed module (snakedeploy, local or from a git host). Neither: the path as written, so the
+    missing-input error names what the config said."""
     if os.path.isabs(path) or os.path.exists(path):
         return path
-    candidate = WORKFLOW_ROOT / path
-    return str(candidate) if candidate.exists() else path
+    try:
+        return workflow.source_path(f"../../{path}")
+    except (FileNotFoundError, WorkflowError):
+        return path
 
 
 def target_build_kind():
