@@ -6,6 +6,8 @@ SNAKEMAKE := $(VENV)/bin/snakemake
 PRESET ?= config/presets/tiny.yaml
 CORES ?= 2
 PYTEST_ARGS ?=
+# test processes (pytest-xdist); a test file stays on one worker, so its module fixtures are built once
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast lint format dryrun install-profile clean-demo gpu-local
 
@@ -40,7 +42,7 @@ format: setup
 	$(VENV)/bin/snakefmt Snakefile workflow/rules
 
 test: setup lint
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
