@@ -136,23 +136,24 @@ def _sorted_copy(value):
 
 def gpu_resources(gpus):
     """SLURM resources for a rule using `gpus` GPUs, 0 = a CPU job (plugin >= 2.7.1 reads `gpu`/`gpu_model`).
-    The run's config names partitions and the GPU model; where it says null, the site's SNAKEMAKE_SLURM_*
-    variables do (set in the shell, or by profiles/slurm from its local-overrides.yaml). Local runs use
-    only `gpu` (limited by --resources gpu=N) and `gpu_placement` (which devices a job locks)."""
+    The run's config may name partitions and the GPU model. Where it says null: a CPU job gets the profile's
+    default-resources (the site's CPU partition); a GPU job the site's GPU partition and model, which the
+    profile exported as SNAKEMAKE_SLURM_* (docs/slurm.md says why a profile cannot place them itself). Local
+    runs use only `gpu` (limited by --resources gpu=N) and `gpu_placement` (which devices a job locks).
+    """
     slurm = config["slurm"]
-    site = os.environ.get
     res = {"gpu": gpus, "mem_mb": slurm["mem_mb_gpu_job"] if gpus else slurm["mem_mb_cpu_job"]}
-    gpu_model = slurm["gpu_model"] or site("SNAKEMAKE_SLURM_GPU_MODEL")
-    if gpus and gpu_model:
-        res["gpu_model"] = gpu_model
     if gpus:
+        site = os.environ.get
+        gpu_model = slurm["gpu_model"] or site("SNAKEMAKE_SLURM_GPU_MODEL")
+        if gpu_model:
+            res["gpu_model"] = gpu_model
         partition = slurm["gpu_partition"] or site("SNAKEMAKE_SLURM_GPU_PARTITION")
+        res["gpu_placement"] = gpu_placement_resource()
     else:
-        partition = slurm["cpu_partition"] or site("SNAKEMAKE_SLURM_CPU_PARTITION")
+        partition = slurm["cpu_partition"]
     if partition:
         res["slurm_partition"] = partition
-    if gpus:
-        res["gpu_placement"] = gpu_placement_resource()
     return res
 
 
