@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # test processes (pytest-xdist); a test file stays on one worker, so its module fixtures are built once
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test test-fast lint format dryrun install-profile clean-demo gpu-local
+.PHONY: setup demo test test-fast test-integration test-e2e lint format dryrun install-profile clean-demo gpu-local
 
 setup:
 	bash envs/setup_cpu.sh
@@ -41,11 +41,19 @@ format: setup
 	$(VENV)/bin/ruff check --fix workflow tests bench
 	$(VENV)/bin/snakefmt Snakefile workflow/rules
 
+# The suite by folder (README.md, "Tests"): `test` runs all of it after lint, as CI does (.ci/run); `test-fast` is
+# the edit loop, tests/unit only (pure functions in-process: no vLLM server, no Snakemake run; well under 2 min here).
 test: setup lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup
-	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: setup
+	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(VENV)/bin/pytest tests/e2e $(PYTEST_ARGS)
 
 install-profile:
 	mkdir -p "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake"

@@ -1,4 +1,5 @@
-"""Shared fixtures: repository paths, tiny targets built once per session, and a workflow runner.
+"""Shared fixtures: repository paths, tiny targets built once per session, the one workflow runner, and the
+folder markers (tests/unit, tests/integration, tests/e2e: README.md, "Tests").
 
 Tests run the real thing: real tokenizers, real vLLM (CPU build), the real speculators trainer. A tiny target
 per architecture is built once per session (a few seconds each).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +17,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 VENV_BIN = Path(sys.executable).parent
 SNAKEMAKE = str(VENV_BIN / "snakemake")
+SNAKEFILE = REPO / "Snakefile"
 TINY_PRESET = REPO / "config" / "presets" / "tiny.yaml"
 TINY_DATA = REPO / "config" / "data" / "tiny_conversations.jsonl"
 SEED_PROMPTS = REPO / "config" / "data" / "seed_prompts.txt"
+VLLM_LOGS = TESTS / "vllm_logs"  # failure logs in vLLM's output shapes (tests/vllm_logs/README.md)
 
 
 def tiny_config(run: str = "t", **overrides: dict) -> dict:
@@ -36,40 +41,131 @@ def tiny_config(run: str = "t", **overrides: dict) -> dict:
     return config
 
 
+# regenerate.* of the tiny runs, plus the max_model_len that regenerate() takes beside it
+REGENERATE_SETTINGS = {
+    "magpie_prompts": 0,
+    "magpie_max_tokens": 16,
+    "magpie_min_chars": 5,
+    "magpie_temperature": 1.0,
+    "max_prompts": None,
+    "max_tokens": 8,
+    "temperature": 0.0,
+    "seed": 0,
+    "max_model_len": 512,
+}
+
+
+def regeneration_config(dtype: str = "bfloat16", stall_timeout_s: float = 600, **regenerate) -> dict:
+    """The config sections regenerate_responses' engine process reads (regenerate.stage.run_subprocess), for vLLM
+    on this CPU; keyword arguments override regenerate.*."""
+    vllm = tiny_config()["vllm"] | {
+        "gpu_memory_utilization": 0.85,
+        "extra_args": [],
+        "stall_timeout_s": stall_timeout_s,
+    }
+    return {
+        "target": {"dtype": dtype, "trust_remote_code": False},
+        "vllm": vllm,
+        "extraction": {"tensor_parallel_size": 1},
+        "regenerate": REGENERATE_SETTINGS | regenerate,
+    }
+
+
+# Site settings of whoever runs the tests must not shape a plan: every SNAKEMAKE_SLURM_* that profiles/slurm reads
+# is pinned (empty = unset) and its override file is empty.
+NO_SITE_SETTINGS = {
+    **{
+        f"SNAKEMAKE_SLURM_{name}": ""
+        for name in ("ACCOUNT", "NO_ACCOUNT", "CPU_PARTITION", "GPU_PARTITION", "GPU_MODEL", "QOS", "STATUS_COMMAND")
+    },
+    "SNAKEMAKE_SLURM_OVERRIDES": os.devnull,
+}
+
+
+def workflow_command(
+    workdir: Path,
+    config: dict | list[Path],
+    targets: list[str] | None = None,
+    extra: list[str] | None = None,
+    snakefile: Path | None = SNAKEFILE,
+    cores: int | None = 2,
+) -> list[str]:
+    """The `snakemake` command line that runs a workflow in `workdir`. `config` is a dict (written to
+    workdir/config-<run>.yaml) or config files as a user passes them (later files win). snakefile=None: the one
+    Snakemake finds in `workdir` (a deployed module); cores=None: no --cores (a profile's or a dry run's)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if isinstance(config, dict):
+        config_path = workdir / f"config-{config['run']}.yaml"
+        config_path.write_text(yaml.safe_dump(copy.deepcopy(config)))
+        config = [config_path]
+    return [
+        SNAKEMAKE,
+        *(["-s", str(snakefile)] if snakefile is not None else []),
+        "-d",
+        str(workdir),
+        *(["--cores", str(cores)] if cores is not None else []),
+        *(targets or []),
+        *(extra or []),
+        "--configfile",  # last: it takes every following word as a config file
+        *map(str, config),
+    ]
+
+
+def workflow_env(env: dict | None = None) -> dict[str, str]:
+    """The test's environment plus `env`, with this venv's bin first on PATH (jobs run `python`, `snakemake`)."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"
+    return full_env
+
+
 def run_workflow(
     workdir: Path,
-    config: dict,
+    config: dict | list[Path],
     targets: list[str] | None = None,
     extra: list[str] | None = None,
     check: bool = True,
     timeout: float = 1500,
     env: dict | None = None,
+    snakefile: Path | None = SNAKEFILE,
+    cores: int | None = 2,
 ) -> subprocess.CompletedProcess:
-    """Run the real workflow in `workdir` with `config`; returns the completed process (output captured)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / f"config-{config['run']}.yaml"
-    config_path.write_text(yaml.safe_dump(copy.deepcopy(config)))
-    cmd = [
-        SNAKEMAKE,
-        "-s",
-        str(REPO / "Snakefile"),
-        "-d",
-        str(workdir),
-        "--cores",
-        "2",
-        *(targets or []),
-        *(extra or []),
-        "--configfile",  # last: it takes every following word as a config file
-        str(config_path),
-    ]
-    full_env = {**os.environ, **(env or {})}
-    full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=full_env)
+    """Run the real workflow in `workdir` (see workflow_command); returns the completed process (output captured).
+    check: a non-zero exit fails the test with the ends of stdout and stderr."""
+    cmd = workflow_command(workdir, config, targets, extra, snakefile, cores)
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=workflow_env(env))
     if check and proc.returncode != 0:
         raise AssertionError(
             f"snakemake failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-12000:]}"
         )
     return proc
+
+
+def start_workflow(
+    workdir: Path,
+    config: dict | list[Path],
+    log: Path,
+    targets: list[str] | None = None,
+    extra: list[str] | None = None,
+    env: dict | None = None,
+) -> subprocess.Popen:
+    """Start the real workflow in `workdir` without waiting for it (the tests that kill it); stdout and stderr go
+    to `log`. The caller waits for a state, kills, and reaps the process."""
+    cmd = workflow_command(workdir, config, targets, extra)
+    with open(log, "w") as output:  # the child keeps its own copy of the file
+        return subprocess.Popen(cmd, cwd=workdir, stdout=output, stderr=subprocess.STDOUT, env=workflow_env(env))
+
+
+def rules_run(proc: subprocess.CompletedProcess) -> list[str]:
+    """The rules a Snakemake invocation ran, in the order it started them (its `rule x:` / `localrule x:` lines)."""
+    return re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE)
+
+
+def synthetic_run_config(target: Path, run: str = "t", **overrides: dict) -> dict:
+    """tiny_config for a finished run written by tests/synthetic_run.py on the target folder `target` (nothing
+    built), for the last rules to run alone."""
+    config = tiny_config(run, target={"path": str(target)}, **overrides)
+    config["target"].pop("build")
+    return config
 
 
 def api_report(target: Path, **overrides):
@@ -110,3 +206,41 @@ def tiny_tokenizer(tiny_targets):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_targets("llama"))
+
+
+@pytest.fixture(scope="session")
+def prepared(tiny_targets, tmp_path_factory):
+    """A real prepared dataset (prepare_data's functions) of 64 rows on the tiny llama target: target,
+    prepared/ and token frequencies (the evaluation tests, unit and integration)."""
+    from transformers import AutoTokenizer
+
+    from eagle3_workflow.prepare import prepare_conversations, token_frequencies, write_prepared
+
+    target = tiny_targets("llama")
+    out = tmp_path_factory.mktemp("prepared")
+    result = prepare_conversations([(TINY_DATA, "sharegpt")], AutoTokenizer.from_pretrained(target), max_seq_len=256,
+                                   max_samples=64)  # fmt: skip
+    write_prepared(result, out / "prepared", out / "token_freq.pt")
+    return {"target": target, "prepared": out / "prepared", "token_freq": token_frequencies(result.samples)}
+
+
+# ---------------------------------------------------------------- the folder is the kind of test
+
+FOLDER_MARKERS = ("unit", "integration", "e2e")  # registered, with what each folder holds, in pyproject.toml
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Each test gets the marker of its folder (tests/unit/... -> unit), so `-m unit` and the folder select the
+    same tests. A test file outside these folders and tests/gpu, or a slow-marked test in tests/unit (the edit
+    loop), is refused."""
+    for item in items:
+        parts = item.path.relative_to(TESTS).parts
+        folder = parts[0] if len(parts) > 1 else None
+        if folder == "gpu":
+            continue
+        if folder not in FOLDER_MARKERS:
+            raise pytest.UsageError(f"{item.nodeid}: put the test in tests/{{{','.join(FOLDER_MARKERS)}}}/")
+        if folder == "unit" and item.get_closest_marker("slow"):
+            raise pytest.UsageError(f"{item.nodeid}: a slow test belongs in tests/integration or tests/e2e")
+        item.add_marker(folder)

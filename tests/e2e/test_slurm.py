@@ -1,5 +1,5 @@
-"""profiles/slurm: its settings, where site settings come from, `make install-profile`, and the tiny preset
-through `--profile profiles/slurm` on a real single-node SLURM (tests/slurm_cluster.py).
+"""The tiny preset through `--profile profiles/slurm` on a real single-node SLURM (tests/slurm_cluster.py). The
+profile's settings on their own: tests/integration/test_slurm_profile.py.
 
 The cluster declares 8 GPUs as a generic resource; the run asks for 2 per extraction replica, and the test
 reads the request back from slurmctld (`scontrol show job`) after the run: partition, GPUs, one node,
@@ -9,22 +9,14 @@ fails.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import REPO, run_workflow, tiny_config
+from conftest import NO_SITE_SETTINGS, REPO, run_workflow, tiny_config
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 
 PROFILE = REPO / "profiles" / "slurm"
 EXTRACTION_GPUS = 2
-# Site settings a developer may have exported or written to an installed profile's local-overrides.yaml must
-# not leak into the test: every SNAKEMAKE_SLURM_* the profile reads is pinned (empty = unset).
-SITE_VARIABLES = ("ACCOUNT", "NO_ACCOUNT", "CPU_PARTITION", "GPU_PARTITION", "GPU_MODEL", "QOS", "STATUS_COMMAND")
 
 
 @pytest.fixture(scope="module")
@@ -37,125 +29,6 @@ def slurm_cluster(tmp_path_factory):
     cluster.stop()
     leftover = {name: proc.pid for name, proc in cluster.processes.items() if proc.poll() is None}
     assert not leftover, f"daemons still running after stop(): {leftover}"
-
-
-def parse_profile(env: dict[str, str]) -> dict:
-    """profiles/slurm/config.yaml as Snakemake reads it (YTE rendered), in a subprocess: rendering exports site
-    settings to the environment, which must not leak into the test process."""
-    code = (
-        "import json, sys\n"
-        "from snakemake.profiles import ProfileConfigFileParser\n"
-        "with open(sys.argv[1]) as f:\n"
-        "    print(json.dumps(dict(ProfileConfigFileParser().parse(f))))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(PROFILE / "config.yaml")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
-def default_resources(profile: dict) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in profile.get("default-resources", []))
-
-
-def blank_site(tmp_path: Path) -> dict[str, str]:
-    empty_overrides = tmp_path / "no-local-overrides.yaml"
-    empty_overrides.write_text("{}\n")
-    return {
-        **{f"SNAKEMAKE_SLURM_{name}": "" for name in SITE_VARIABLES},
-        "SNAKEMAKE_SLURM_OVERRIDES": str(empty_overrides),
-    }
-
-
-def test_profile_settings(tmp_path):
-    profile = parse_profile(blank_site(tmp_path))
-    assert profile["executor"] == "slurm"
-    assert int(profile["retries"]) >= 1
-    assert profile["slurm-requeue"] == "True"
-    assert profile["slurm-logdir"].startswith("results/")
-    assert profile["slurm-keep-successful-logs"] == "True"
-    resources = default_resources(profile)
-    assert "cpus_per_task" not in resources, "cpus_per_task in default-resources overrides every rule's threads"
-    assert "attempt" in resources["runtime"], "runtime must grow with the retry attempt"
-    assert resources["nodes"] == "1"
-    # nothing site-specific unless the site says so
-    assert "slurm_account" not in resources and "slurm_partition" not in resources
-    assert "slurm-status-command" not in profile and "slurm-no-account" not in profile
-
-
-def test_profile_site_settings_from_file_and_environment(tmp_path):
-    overrides = tmp_path / "local-overrides.yaml"
-    overrides.write_text("account: proj-file\ncpu_partition: cpu-file\nstatus_command: squeue\nqos: high\n")
-    env = {**blank_site(tmp_path), "SNAKEMAKE_SLURM_OVERRIDES": str(overrides)}
-    profile = parse_profile(env)
-    resources = default_resources(profile)
-    assert resources["slurm_account"] == "'proj-file'"
-    assert resources["slurm_partition"] == "'cpu-file'"
-    assert profile["slurm-status-command"] == "squeue"
-    assert profile["slurm-qos"] == "high"
-    # the environment wins over the file
-    profile = parse_profile({**env, "SNAKEMAKE_SLURM_ACCOUNT": "proj-env"})
-    assert default_resources(profile)["slurm_account"] == "'proj-env'"
-    # clusters without accounts
-    profile = parse_profile({**env, "SNAKEMAKE_SLURM_NO_ACCOUNT": "true"})
-    assert profile["slurm-no-account"] == "True"
-    assert "slurm_account" not in default_resources(profile)
-
-
-def test_profile_rejects_unknown_override_keys(tmp_path):
-    overrides = tmp_path / "local-overrides.yaml"
-    overrides.write_text("acount: typo\n")
-    code = (
-        "import sys\n"
-        "from snakemake.profiles import ProfileConfigFileParser\n"
-        "ProfileConfigFileParser().parse(open(sys.argv[1]))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(PROFILE / "config.yaml")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **blank_site(tmp_path), "SNAKEMAKE_SLURM_OVERRIDES": str(overrides)},
-        timeout=60,
-    )
-    assert proc.returncode != 0
-    assert "unknown keys ['acount']" in proc.stderr
-
-
-def test_install_profile_makes_profile_slurm_work_as_typed(tmp_path):
-    """`make install-profile` links $XDG_CONFIG_HOME/snakemake/slurm, where `--profile slurm` looks."""
-    config_home = tmp_path / "config-home"
-    env = {**os.environ, **blank_site(tmp_path), "XDG_CONFIG_HOME": str(config_home)}
-    subprocess.run(["make", "-C", str(REPO), "install-profile"], check=True, env=env, capture_output=True)
-    link = config_home / "snakemake" / "slurm"
-    assert link.is_symlink() and link.resolve() == PROFILE.resolve()
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "snakemake"),
-            "-s",
-            str(REPO / "Snakefile"),
-            "-n",
-            "--profile",
-            "slurm",
-            "--configfile",
-            str(REPO / "config" / "presets" / "tiny.yaml"),
-        ],
-        cwd=workdir,
-        env={**env, "SNAKEMAKE_SLURM_CPU_PARTITION": "from-env"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    # the profile was read: its default-resources (nodes=1, the site partition) are in the plan
-    assert "nodes=1" in proc.stdout + proc.stderr
-    assert "slurm_partition=from-env" in proc.stdout + proc.stderr
 
 
 def slurm_jobs_by_rule(cluster: SlurmCluster) -> dict[str, list[dict[str, str]]]:
@@ -225,7 +98,7 @@ def test_tiny_run_through_slurm_profile(slurm_cluster, tmp_path):
             "--slurm-init-seconds-before-status-checks",
             "5",
         ],
-        env={**blank_site(tmp_path), **slurm_cluster.env},
+        env={**NO_SITE_SETTINGS, **slurm_cluster.env},
         timeout=2400,
     )
     elapsed = time.monotonic() - started

@@ -1,4 +1,5 @@
 """GPU placement on a fake GPU machine: real processes, real flock, fake device ids (machine_gpus override).
+The in-process parts (the plan, release, lock names): tests/unit/test_gpu_placement.py.
 
 A worker process takes its devices with hold_gpus, starts a child with runtime.child_environment (as the stages
 start vLLM and torchrun), writes what the child saw, then waits until the test says every worker has reported
@@ -22,13 +23,7 @@ import pytest
 from conftest import REPO, SEED_PROMPTS, SNAKEMAKE, VENV_BIN, run_workflow, tiny_config
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.gpu_placement import (
-    PlacementSettings,
-    count_machine_gpus,
-    hold_gpus,
-    lock_path,
-    plan_placement,
-)
+from eagle3_workflow.gpu_placement import PlacementSettings, hold_gpus
 
 SCRIPTS = REPO / "workflow" / "scripts"
 LOG = logging.getLogger("test_gpu_placement")
@@ -147,75 +142,6 @@ def test_a_killed_jobs_gpus_are_free_again(tmp_path):
         PlacementSettings(gpus=8, lock_dir=tmp_path / "locks", machine_gpus=8, wait_timeout_s=0), LOG, env={}
     ):
         pass
-
-
-def test_released_when_the_job_fails(tmp_path):
-    settings = PlacementSettings(gpus=2, lock_dir=tmp_path, machine_gpus=2, wait_timeout_s=0)
-    with pytest.raises(RuntimeError, match="stage body failed"):
-        with hold_gpus(settings, LOG, env={}):
-            raise RuntimeError("stage body failed")
-    with hold_gpus(settings, LOG, env={}) as devices:
-        assert devices == ["0", "1"]
-
-
-def test_under_slurm_nothing_is_reassigned(tmp_path):
-    env = {"SLURM_JOB_ID": "4242", "CUDA_VISIBLE_DEVICES": "5", "SLURM_JOB_GPUS": "5"}
-    settings = PlacementSettings(gpus=1, lock_dir=tmp_path / "locks", machine_gpus=8)
-    with hold_gpus(settings, LOG, env=env) as devices:
-        assert devices == ["5"] and env["CUDA_VISIBLE_DEVICES"] == "5"
-    assert env == {"SLURM_JOB_ID": "4242", "CUDA_VISIBLE_DEVICES": "5", "SLURM_JOB_GPUS": "5"}
-    assert not (tmp_path / "locks").exists()
-
-
-def test_jobs_sharing_one_slurm_allocation_split_it(tmp_path):
-    env = {"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    settings = PlacementSettings(gpus=2, lock_dir=tmp_path)
-    first_env, second_env = dict(env), dict(env)
-    with hold_gpus(settings, LOG, env=first_env) as first, hold_gpus(settings, LOG, env=second_env) as second:
-        assert first == ["0", "1"] and second == ["2", "3"]
-        assert second_env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert {p.name.split("-", 1)[1] for p in tmp_path.iterdir()} >= {"slurm7-gpu0.lock", "slurm7-gpu3.lock"}
-
-
-def test_too_few_gpus_fails_at_once(tmp_path):
-    settings = PlacementSettings(gpus=4, lock_dir=tmp_path, machine_gpus=2, wait_timeout_s=3600)
-    with pytest.raises(StageError, match=r"needs 4 GPU\(s\) but this machine has 2"):
-        with hold_gpus(settings, LOG, env={}):
-            pass
-    with pytest.raises(StageError, match=r"SLURM allocation 9 exposes 1"):
-        plan_placement(PlacementSettings(gpus=2), {"SLURM_JOB_ID": "9", "CUDA_VISIBLE_DEVICES": "0"}, lambda: 8)
-
-
-def test_no_gpu_job_and_no_gpu_machine_change_nothing(tmp_path):
-    env = {"CUDA_VISIBLE_DEVICES": "3"}
-    with hold_gpus(PlacementSettings(gpus=0, lock_dir=tmp_path / "a"), LOG, env=env):
-        assert env == {"CUDA_VISIBLE_DEVICES": "3"}
-    # vllm.device auto/cpu on a machine without GPUs: the stages fall back to CPU as before
-    with hold_gpus(PlacementSettings(gpus=1, lock_dir=tmp_path / "b", machine_gpus=0, device="auto"), LOG, env={}):
-        pass
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    with pytest.raises(StageError, match="this machine has 0"):
-        plan_placement(PlacementSettings(gpus=1, machine_gpus=0, device="cuda"), {}, lambda: 0)
-
-
-def test_user_cuda_visible_devices_restricts_the_pool():
-    plan = plan_placement(PlacementSettings(gpus=1), {"CUDA_VISIBLE_DEVICES": "2,3"}, lambda: 8)
-    assert plan.pool == ("2", "3") and plan.count == 1 and not plan.keep
-
-
-def test_count_machine_gpus_from_nvidia_smi():
-    out = (
-        "GPU 0: NVIDIA H200 (UUID: GPU-aaaa)\n"
-        "  MIG 3g.71gb     Device  0: (UUID: MIG-bbbb)\n"
-        "GPU 1: NVIDIA H200 (UUID: GPU-cccc)\n"
-    )
-    assert count_machine_gpus(out) == 2
-    assert count_machine_gpus("") == 0
-
-
-def test_lock_files_are_per_host_and_device(tmp_path):
-    assert lock_path(tmp_path, "", "3").name.endswith("-gpu3.lock")
-    assert lock_path(tmp_path, "slurm1", "GPU-ab/cd").name.endswith("-slurm1-gpu" + "GPU-ab_cd.lock")
 
 
 # ------------------------------------------------------------------- a local Snakemake run, 8 replica jobs
@@ -379,18 +305,3 @@ def test_real_gpu_stages_hold_their_devices(tmp_path):
         log_text = (tmp_path / "work" / "results" / "placed" / "logs" / f"{job}.log").read_text()
         held = [line for line in log_text.splitlines() if "gpu placement: holding GPU(s)" in line]
         assert len(held) == 1 and " of 0,1 " in held[0], (job, held)
-
-
-def test_the_busy_message_names_the_live_holder_only(tmp_path):
-    def settings(gpus: int) -> PlacementSettings:
-        return PlacementSettings(gpus=gpus, lock_dir=tmp_path, machine_gpus=2, wait_timeout_s=0)
-
-    with hold_gpus(settings(2), LOG, env={}, job="rule first"):
-        pass  # released: its text stays in both lock files
-    with hold_gpus(settings(1), LOG, env={}, job="rule holder"):  # GPU 0
-        with pytest.raises(StageError) as failure:
-            with hold_gpus(settings(2), LOG, env={}):
-                pass
-    message = str(failure.value)
-    assert "GPU 0: pid" in message and "rule holder" in message, message
-    assert "GPU 1: free" in message and "rule first" not in message, message

@@ -1,11 +1,10 @@
-"""Published presets (config/presets/*.yaml other than tiny): schema-valid, complete alone with --configfile,
-EAGLE-3 layer ids in vLLM's convention, and a dry run through profiles/slurm whose plan asks SLURM for the
-GPUs and partitions the preset and the site settings say. Nothing is downloaded: the target is a directory
+"""Published presets (config/presets/*.yaml other than tiny) through Snakemake: complete alone with --configfile,
+and a dry run through profiles/slurm whose plan asks SLURM for the GPUs and partitions the preset and the site
+settings say (the presets as files: tests/unit/test_presets.py). Nothing is downloaded: the target is a directory
 holding only config.json, the data the tiny conversations file."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -15,45 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, SNAKEMAKE, TINY_DATA, VENV_BIN, run_workflow
-from snakemake.utils import validate
+from published_presets import GPU_SMOLLM2, PRESETS, TargetShape, load_preset, preset_path, with_defaults
 
-SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 DEFAULTS = REPO / "config" / "config.yaml"
 PROFILE = REPO / "profiles" / "slurm"
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetShape:
-    """What the model card says; the preset must agree."""
-
-    num_layers: int
-    hidden_size: int
-    trust_remote_code: bool
-
-
-PRESETS = {
-    "llama-3.1-8b": TargetShape(num_layers=32, hidden_size=4096, trust_remote_code=False),
-    "qwen3-8b": TargetShape(num_layers=36, hidden_size=4096, trust_remote_code=False),
-    "kimi-k2.5-int4": TargetShape(num_layers=61, hidden_size=7168, trust_remote_code=True),
-}
 SITE_GPU_PARTITION = "site-gpu"
 SITE_CPU_PARTITION = "site-cpu"
 # rules with no GPU at all; they take the site CPU partition from the profile's default-resources
 CPU_RULES = ("prepare_data", "check_api", "validate_hidden_states")
-
-
-def preset_path(name: str) -> Path:
-    return REPO / "config" / "presets" / f"{name}.yaml"
-
-
-def load_preset(name: str) -> dict:
-    return yaml.safe_load(preset_path(name).read_text())
-
-
-def with_defaults(config: dict) -> dict:
-    config = copy.deepcopy(config)
-    validate(config, str(SCHEMA))  # fills the schema's defaults in place
-    return config
 
 
 @dataclasses.dataclass
@@ -127,36 +95,6 @@ def user_paths_file(tmp_path: Path, shape: TargetShape, extra: dict | None = Non
     path = tmp_path / "my_paths.yaml"
     path.write_text(yaml.safe_dump(paths))
     return path
-
-
-@pytest.mark.parametrize("name", PRESETS)
-def test_preset_is_schema_valid(name):
-    config = with_defaults(load_preset(name))
-    assert config["run"] == name
-    assert config["target"]["path"], "a published preset names its target directory (a placeholder to set)"
-
-
-@pytest.mark.parametrize("name", PRESETS)
-def test_preset_matches_the_model_card(name):
-    shape = PRESETS[name]
-    raw = load_preset(name)
-    n = shape.num_layers
-    # vLLM ids: k = residual stream after layer k-1, N = pre-norm last layer; EAGLE-3 = [2, N//2, N-3] + N
-    assert raw["hidden_states"]["layer_ids"] == [2, n // 2, n - 3, n]
-    # trust_remote_code is a decision: written out, never left to the default
-    assert raw["target"]["trust_remote_code"] is shape.trust_remote_code
-    assert raw["extraction"]["tensor_parallel_size"] <= raw["extraction"]["gpus_per_replica"]
-    assert raw["vllm"]["device"] == "cuda"
-
-
-def test_kimi_preset_is_one_node_per_replica():
-    raw = load_preset("kimi-k2.5-int4")
-    assert raw["extraction"]["tensor_parallel_size"] == 8
-    assert raw["extraction"]["gpus_per_replica"] == 8
-    assert raw["target"]["trust_remote_code"] is True
-
-
-GPU_SMOLLM2 = "smollm2-135m-gpu"  # builds its own target (no target.path): not in PRESETS' dry run through SLURM
 
 
 def test_a_configfile_run_takes_nothing_from_the_tiny_defaults(tmp_path):
@@ -240,22 +178,6 @@ def test_run_config_cpu_partition_reaches_every_cluster_rule(tmp_path):
     plan = {job.rule: job for job in parse_dry_run_plan(text)}
     for rule in CPU_RULES:
         assert plan[rule].resources.get("slurm_partition") == "run-cpu", plan[rule]
-
-
-def test_smollm2_gpu_preset_says_what_the_issue_asks():
-    """One H200, self-distilled at GPU scale, all 164 HumanEval prompts at k = 3, lossless check on, and the
-    torch 2.11 workaround the H200 run needed."""
-    config = with_defaults(load_preset(GPU_SMOLLM2))
-    assert config["run"] == GPU_SMOLLM2 and config["target"]["build"]["kind"] == "smollm2"
-    assert config["vllm"]["device"] == "cuda"
-    assert config["extraction"]["gpus_per_replica"] == config["train"]["gpus"] == config["evaluate"]["gpus"] == 1
-    regenerate = config["regenerate"]
-    assert regenerate["enabled"] and regenerate["magpie_prompts"] >= 15_000, "~2/3 of Magpie turns survive: >= 10k"
-    assert config["data"]["max_samples"] is None and config["data"]["sources"] == []
-    evaluate = config["evaluate"]
-    assert (evaluate["prompts"], evaluate["num_prompts"], evaluate["num_speculative_tokens"]) == ("humaneval", 164, 3)
-    assert evaluate["lossless_logprob_tolerance"] < 0.5
-    assert config["train"]["extra_args"] == ["--loss-implementation", "eager"]
 
 
 def test_smollm2_gpu_preset_plans_every_stage_on_cpu(tmp_path):

@@ -1,5 +1,6 @@
-"""The one process runtime: children die with their stage (even on SIGKILL), a stop signal is one line and exit
-143, a hung engine is a failure, and a failure quotes the root cause from vLLM's prefixed logs."""
+"""The one process runtime with real processes: children die with their stage (even on SIGKILL), a stop signal is
+one line and exit 143, a hung engine is a failure, a server that fails at start is quoted and not waited for.
+The pure parts (log prefixes, first_traceback, the progress watch): tests/unit/test_runtime.py."""
 
 from __future__ import annotations
 
@@ -16,18 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from eagle3_workflow.runtime.child import (
-    BUSY_MARKER,
-    PROGRESS_MARKER,
-    ChildFailure,
-    ChildProcess,
-    ProgressWatch,
-    first_traceback,
-    strip_log_prefixes,
-)
+from eagle3_workflow.runtime.child import BUSY_MARKER, PROGRESS_MARKER, ChildFailure, ChildProcess, ProgressWatch
 
 SCRIPTS = REPO / "workflow" / "scripts"
-VLLM_LOGS = Path(__file__).resolve().parent / "vllm_logs"
 
 
 # ---------------------------------------------------------------- helpers: process trees, read from /proc
@@ -97,62 +89,6 @@ class Stage:
         self.proc.kill()
         self.proc.wait()
         wait_until(lambda: not alive(pids), 10, f"the stage's tree {sorted(pids)} to end after SIGKILL")
-
-
-# ---------------------------------------------------------------- first_traceback on vLLM's log shapes
-
-
-def test_prefixes_vllm_and_torchrun_put_before_lines_are_stripped():
-    assert strip_log_prefixes("(EngineCore_DP0 pid=123) ERROR 12-01 04:38:56 [core.py:708] Traceback (most") == (
-        "Traceback (most"
-    )
-    assert strip_log_prefixes('(Worker_TP0 pid=7)   File "x.py", line 1') == '  File "x.py", line 1'
-    assert strip_log_prefixes("ERROR 12-01 04:38:56.123 [core.py:7]     raise X") == "    raise X"
-    assert strip_log_prefixes("WARNING [utils.py:1] hello") == "hello"
-    assert strip_log_prefixes("[rank0]: ValueError: bad") == "ValueError: bad"
-    assert strip_log_prefixes("(APIServer pid=1) INFO 12-01 04:38:56 [api_server.py:1] up\r") == "up"
-    assert strip_log_prefixes('  File "(x)", line 2') == '  File "(x)", line 2'  # indentation is content
-
-
-@pytest.mark.parametrize(
-    ("log_name", "exception_line"),
-    [
-        ("engine_core_no_eagle3.log", "RuntimeError: Model does not support EAGLE3 interface but "
-                                      "aux_hidden_state_outputs was requested"),
-        ("connector_import_error.log", "ModuleNotFoundError: No module named 'eagle3_missing_connector'"),
-        ("worker_exception.log", "TypeError: 'NoneType' object is not subscriptable"),
-        ("out_of_memory.log", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
-    ],
-)  # fmt: skip
-def test_first_traceback_quotes_the_exception_line_of_real_vllm_failures(log_name, exception_line):
-    lines = (VLLM_LOGS / log_name).read_text().splitlines()
-    quoted = first_traceback(lines)
-    assert quoted.splitlines()[0] == "Traceback (most recent call last):"
-    assert quoted.splitlines()[-1].startswith(exception_line), quoted
-    assert "pid=" not in quoted and "[core.py" not in quoted
-
-
-def test_first_traceback_of_torchrun_ranks_and_no_traceback():
-    lines = ["noise", "[rank0]: Traceback (most recent call last):", '[rank0]:   File "x.py", line 1, in <module>',
-             "[rank0]:     main()", "[rank0]: ValueError: bad ids", "Traceback (most recent call last):", "KeyError: 2"]  # fmt: skip
-    assert first_traceback(lines).splitlines()[-1] == "ValueError: bad ids"
-    assert first_traceback(["all", "fine"]) == ""
-
-
-# ---------------------------------------------------------------- the progress watch (pure)
-
-
-def test_progress_watch_adapts_to_the_pace_with_a_floor():
-    watch = ProgressWatch(floor_s=10, factor=20)
-    assert watch.stalled_for(1000.0) is None  # not armed: an engine loading is not watched
-    watch.observe(BUSY_MARKER, 0.0)
-    assert watch.stalled_for(9.0) is None and watch.stalled_for(11.0) == 11.0  # the floor bounds the first item
-    watch.observe(PROGRESS_MARKER, 5.0)
-    watch.observe(PROGRESS_MARKER, 7.0)  # slowest interval so far: 5 s -> limit 100 s
-    assert watch.limit_s() == 100.0
-    assert watch.stalled_for(100.0) is None and watch.stalled_for(108.0) == 101.0
-    watch.observe("@@eagle3 idle", 200.0)
-    assert watch.stalled_for(10_000.0) is None
 
 
 # ---------------------------------------------------------------- ChildProcess, with plain processes (fast)
@@ -301,16 +237,11 @@ run_stage("regenerate_responses", None,
 def _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s: float) -> Stage:
     import json
 
-    from test_regenerate import SETTINGS
+    from conftest import regeneration_config
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"Write a long story about ship number {i} and its crew.\n" for i in range(64)))
-    config = {
-        "target": {"dtype": "bfloat16", "trust_remote_code": False},
-        "vllm": _vllm_settings() | {"stall_timeout_s": stall_timeout_s},
-        "extraction": {"tensor_parallel_size": 1},
-        "regenerate": SETTINGS | {"max_tokens": 256},
-    }
+    config = regeneration_config(stall_timeout_s=stall_timeout_s, max_tokens=256)
     return Stage(REGENERATE_STAGE.format(config=json.dumps(config), target=str(tiny_targets("llama")),
                                          prompts=str(prompts), out=str(tmp_path / "o.jsonl"),
                                          stats=str(tmp_path / "s.json")))  # fmt: skip
@@ -384,18 +315,3 @@ def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_fo
     assert quoted.splitlines()[-1] == "ModuleNotFoundError: No module named 'eagle3_missing_connector'", quoted
     assert "did not stop" not in caplog.text
     assert server.child is not None and not alive(tree(server.child.pid))
-
-
-def test_the_engine_progress_bar_prints_one_marker_per_finished_request(capsys):
-    """Used the way vllm.LLM drives use_tqdm: created with total/desc/postfix, updated per finished request."""
-    from eagle3_workflow.runtime.child import engine_progress_bar
-
-    bar = engine_progress_bar()(total=3, desc="Processed prompts", dynamic_ncols=True, postfix="est. speed")
-    for _ in range(3):
-        bar.update(1)
-    bar.postfix = "est. speed input: 1.00 toks/s"
-    assert bar.format_dict["elapsed"] >= 0
-    bar.close()
-    for _ in engine_progress_bar()(range(2), desc="Adding requests"):  # vLLM also wraps iterables with it
-        pass
-    assert capsys.readouterr().out.splitlines() == [PROGRESS_MARKER] * 3

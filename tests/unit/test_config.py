@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 from conftest import REPO, api_report, tiny_config
@@ -53,16 +51,6 @@ def test_bad_run_name_is_rejected():
         validate(config, SCHEMA)
 
 
-def test_snakemake_refuses_a_bad_config_before_planning(tmp_path: Path):
-    from conftest import run_workflow
-
-    config = tiny_config()
-    config["extraction"]["replicas"] = 0
-    proc = run_workflow(tmp_path, config, extra=["-n"], check=False)
-    assert proc.returncode != 0
-    assert "replicas" in proc.stderr + proc.stdout
-
-
 def test_unknown_top_level_key_is_named_with_the_allowed_keys():
     from eagle3_workflow.config_errors import config_errors
 
@@ -70,21 +58,6 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys():
     config["extration"] = {"replicas": 2}
     (line,) = config_errors(config, SCHEMA)
     assert "extration" in line and "extraction" in line and "hidden_states" in line
-
-
-def test_snakemake_names_a_misspelled_key_in_a_few_lines(tmp_path: Path):
-    from conftest import run_workflow
-
-    config = tiny_config()
-    config["extration"] = {"replicas": 2}
-    config["extraction"]["concurency"] = 3
-    proc = run_workflow(tmp_path, config, extra=["-n"], check=False)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "unknown key extration" in output and "unknown key extraction.concurency" in output
-    assert "allowed keys: " in output and "concurrency" in output  # the allowed keys, so the fix is visible
-    assert "$schema" not in output and "description" not in output  # neither the schema nor the config dump
-    assert len(output.splitlines()) < 20, output
 
 
 # ---------------------------------------------------------------- check_api: a config mistake is not an environment one

@@ -1,32 +1,24 @@
-"""The gates: check_api and the canary pass on healthy tiny targets (llama, qwen3, deepseek_v3) and stop every
-injected fault with a readable cause; through Snakemake, extraction never starts after a failed gate."""
+"""The gates without a server: check_api passes on healthy tiny targets (llama, qwen3, deepseek_v3) and names
+every broken surface; the canary's pure parts (layer count and ids, slot matching, truncation). The canary through
+the production server and the gates through Snakemake: tests/integration/test_gates_canary.py."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, api_report, run_workflow, tiny_config
-from safetensors.torch import load_file, save_file
+from conftest import api_report
 
 from eagle3_workflow.canary import (
     canary_layer_count,
     canary_layer_ids,
     id_set_shape_problems,
     keep_tensor,
-    run_canary,
     truncated_config,
 )
-from eagle3_workflow.extraction import Sample
-from eagle3_workflow.prepare import prepare_conversations
-from eagle3_workflow.vllm_server import hidden_states_server_spec
 
 ARCHS = ["llama", "qwen3", "deepseek_v3"]
-FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")
-VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
 
 
 def failed_rows(report) -> dict[str, str]:
@@ -96,6 +88,14 @@ def test_check_api_catches_an_unsupported_architecture(tiny_targets, tmp_path):
         (target / name).write_bytes((tiny_targets("llama") / name).read_bytes())
     report = api_report(target)
     assert "not in vLLM's model registry" in failed_rows(report)["target architecture"]
+
+
+def test_check_api_catches_a_renamed_acceptance_counter(tiny_targets, monkeypatch):
+    from eagle3_workflow.evaluation import metrics
+
+    monkeypatch.setattr(metrics, "SPEC_COUNTERS", {**metrics.SPEC_COUNTERS, "vllm:spec_decode_renamed": "x"})
+    report = api_report(tiny_targets("llama"))
+    assert "vllm:spec_decode_renamed" in failed_rows(report)["spec-decode metrics"]
 
 
 # ---------------------------------------------------------------- canary: pure parts
@@ -186,217 +186,3 @@ def test_truncation_keeps_only_needed_tensors():
     assert keep_tensor("lm_head.weight", 3)
     cfg = truncated_config({"num_hidden_layers": 8, "layer_types": ["a"] * 8, "num_nextn_predict_layers": 1}, 3)
     assert cfg["num_hidden_layers"] == 3 and cfg["layer_types"] == ["a"] * 3 and "num_nextn_predict_layers" not in cfg
-
-
-# ---------------------------------------------------------------- canary: the real path
-
-
-def canary_inputs(target: Path, count: int = 3):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    lines = TINY_DATA.read_text().splitlines()[:count]
-    source = target.parent / f"{target.name}-canary.jsonl"
-    source.write_text("\n".join(lines) + "\n")
-    result = prepare_conversations([(source, "sharegpt")], tokenizer, max_seq_len=256)
-    samples = [Sample(i, s.input_ids) for i, s in enumerate(result.samples)]
-    return samples, [s.messages for s in result.samples]
-
-
-def canary(target: Path, work: Path, samples=None, messages=None):
-    if samples is None:
-        samples, messages = canary_inputs(target)
-
-    def spec_factory(model, layer_ids, storage_dir):
-        return hidden_states_server_spec(
-            VLLM_SETTINGS,
-            model=model,
-            layer_ids=layer_ids,
-            storage_dir=storage_dir,
-            device="cpu",
-            tensor_parallel_size=1,
-            trust_remote_code=False,
-        )
-
-    return run_canary(
-        target_dir=target,
-        work_dir=work,
-        samples=samples,
-        messages=messages,
-        spec_factory=spec_factory,
-        server_log=work / "server.log",
-        canary_layers=None,
-        tolerance=0.05,
-        render_samples=2,
-        trust_remote_code=False,
-        device="cpu",
-    )
-
-
-def copy_target(source: Path, dest: Path) -> Path:
-    dest.mkdir(parents=True)
-    for path in source.iterdir():
-        (dest / path.name).write_bytes(path.read_bytes())
-    return dest
-
-
-def row(report, name: str):
-    return next(r for r in report.checks if r.name == name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
-    report = canary(tiny_targets(arch), tmp_path)
-    assert report.passed, report.checks
-    assert report.reference.startswith("HF transformers")
-    assert max(report.per_layer_max_rel_error.values()) < 0.05
-    assert report.canary_layer_ids == [2, 4, 6, 8]  # production's shape on the 8-layer tiny target
-    assert set(report.layer_matches) == {"2", "4", "6", "8"}
-    assert all(m["best"] == k for k, m in report.layer_matches.items())
-    assert not (tmp_path / "model").exists() and not (tmp_path / "scratch").exists(), "the slice is scratch"
-
-
-def with_fault(monkeypatch, fault: str) -> None:
-    monkeypatch.setenv("EAGLE3_FAULT", fault)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3"])  # llama's shift: test_workflow_stops_at_canary_on_shifted_layers
-def test_canary_catches_captures_shifted_by_one_layer(tiny_targets, tmp_path, monkeypatch, arch):
-    with_fault(monkeypatch, "shift_layers")
-    report = canary(tiny_targets(arch), tmp_path)
-    assert not report.passed
-    assert not row(report, "layer-id convention").passed
-    assert "id 2 is layer 1" in row(report, "layer-id convention").found
-
-
-# Captures that keep the number and order of slots (tests/fault_plugins/sitecustomize.py): fault -> the true source
-# of each wrong slot on the canary's [2, 4, 6, 8]. The first is issue 13's bug, which passed the 1..K canary.
-# Through a real server, the two ends of the class (each ~1 canary run); the other shapes (swap, all from one
-# layer, middle off by one, last from the previous layer) run on the same matching code in
-# test_match_slots_names_every_remapped_slot, and the plugin keeps them for a manual run (EAGLE3_FAULT=remap:...).
-REMAPS = {
-    "shift_up_if_count_kept": {2: "3", 4: "5", 6: "7"},
-    "remap:post_norm_last": {8: "post-norm"},
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fault", list(REMAPS))
-def test_canary_names_every_remapped_layer(tiny_targets, tmp_path, monkeypatch, fault):
-    with_fault(monkeypatch, fault)
-    report = canary(tiny_targets("llama"), tmp_path)
-    check = row(report, "layer-id convention")
-    assert not report.passed and not check.passed, report.checks
-    wrong = {int(k): m["best"] for k, m in report.layer_matches.items() if m["best"] != k}
-    assert wrong == REMAPS[fault], check.found
-    for claimed, source in REMAPS[fault].items():
-        assert f"id {claimed} is layer {source}" in check.found
-
-
-@pytest.mark.slow
-def test_canary_names_the_layers_of_a_shifted_deepseek(tiny_targets, tmp_path, monkeypatch):
-    """DeepSeek-V3 captures in its own forward (not vLLM's mixin). With the old contiguous ids 1..K the shift asked
-    for layer 0's residual and the worker died; on [2, 4, 6, 8] it runs, and the canary names every wrong layer."""
-    with_fault(monkeypatch, "shift_layers")
-    report = canary(tiny_targets("deepseek_v3"), tmp_path)
-    check = row(report, "layer-id convention")
-    assert not report.passed and not check.passed, report.checks
-    assert {int(k): m["best"] for k, m in report.layer_matches.items()} == {2: "1", 4: "3", 6: "5", 8: "7"}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
-def test_canary_catches_a_nan_layer(tiny_targets, tmp_path, arch):
-    target = copy_target(tiny_targets(arch), tmp_path / "model")
-    weights = load_file(target / "model.safetensors")
-    name = next(n for n in sorted(weights) if n.startswith("model.layers.1.") and n.endswith("o_proj.weight"))
-    weights[name] = torch.full_like(weights[name], float("nan"))
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    report = canary(target, tmp_path / "work")
-    assert not report.passed
-    assert not row(report, "finite").passed
-
-
-@pytest.mark.slow
-def test_canary_fails_loudly_on_a_scrambled_layer(tiny_targets, tmp_path):
-    """A transposed weight makes vLLM's loader die: the canary reports the server's traceback, fast."""
-    from eagle3_workflow.vllm_server import ServerFailure
-
-    target = copy_target(tiny_targets("llama"), tmp_path / "model")
-    weights = load_file(target / "model.safetensors")
-    weights["model.layers.0.mlp.gate_proj.weight"] = weights["model.layers.0.mlp.gate_proj.weight"].t().contiguous()
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ServerFailure) as info:
-        canary(target, tmp_path / "work")
-    message = str(info.value)
-    assert "Traceback" in message and "last" in message and "server log lines" in message
-    assert not (tmp_path / "work" / "model").exists(), "a failed canary leaves its truncated model behind"
-
-
-@pytest.mark.slow
-def test_canary_catches_a_chat_template_mismatch(tiny_targets, tmp_path):
-    target = copy_target(tiny_targets("qwen3"), tmp_path / "model")
-    samples, messages = canary_inputs(target)  # prepared with the original template
-    config_path = target / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    template_file = target / "chat_template.jinja"
-    if template_file.exists():
-        template_file.write_text(
-            template_file.read_text().replace("<|im_start|>{{ m['role'] }}\n", "<|im_start|>{{ m['role'] }}:\n")
-        )
-    else:
-        config["chat_template"] = config["chat_template"].replace("{{ m['role'] }}\n", "{{ m['role'] }}:\n")
-        config_path.write_text(json.dumps(config))
-
-    report = canary(target, tmp_path / "work", samples, messages)
-    assert not report.passed
-    check = row(report, "server chat rendering")
-    assert not check.passed and "first difference" in check.found
-
-
-# ---------------------------------------------------------------- through Snakemake: extraction never starts
-
-
-def assert_extraction_never_ran(workdir: Path, run: str):
-    hidden = workdir / "results" / run / "hidden_states"
-    assert not (hidden / "replica_0.json").exists()
-    assert not (hidden / "files").exists()
-    assert not (workdir / "results" / run / "logs" / "extract_hidden_states_replica_0.log").exists()
-
-
-@pytest.mark.slow
-def test_workflow_stops_at_check_api_on_bad_layer_ids(tmp_path):
-    config = tiny_config(run="badids", hidden_states={"layer_ids": [2, 3, 99]})
-    proc = run_workflow(tmp_path, config, check=False)
-    assert proc.returncode != 0
-    log = (tmp_path / "results" / "badids" / "logs" / "check_api.log").read_text()
-    assert "FAIL" in log and "outside 1..8" in log
-    assert not (tmp_path / "results" / "badids" / "checks" / "api_compat.json").exists()
-    assert not (tmp_path / "results" / "badids" / "checks" / "canary.json").exists()
-    assert_extraction_never_ran(tmp_path, "badids")
-
-
-@pytest.mark.slow
-def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
-    config = tiny_config(run="shifted")
-    env = {
-        "EAGLE3_FAULT": "shift_layers",
-        "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = run_workflow(tmp_path, config, check=False, env=env)
-    assert proc.returncode != 0
-    log = (tmp_path / "results" / "shifted" / "logs" / "canary.log").read_text()
-    assert "canary FAILED" in log and "layer-id convention" in log
-    assert not (tmp_path / "results" / "shifted" / "checks" / "canary.json").exists()
-    assert_extraction_never_ran(tmp_path, "shifted")
-
-
-def test_check_api_catches_a_renamed_acceptance_counter(tiny_targets, monkeypatch):
-    from eagle3_workflow.evaluation import metrics
-
-    monkeypatch.setattr(metrics, "SPEC_COUNTERS", {**metrics.SPEC_COUNTERS, "vllm:spec_decode_renamed": "x"})
-    report = api_report(tiny_targets("llama"))
-    assert "vllm:spec_decode_renamed" in failed_rows(report)["spec-decode metrics"]

@@ -1,15 +1,14 @@
 """The published draft's model card (rule package_draft): made from the run's artefacts as they are written today
-(tests/synthetic_run.py follows the contracts), pure rendering checked on its own, and the rule through Snakemake."""
+(tests/synthetic_run.py follows the contracts), and pure rendering checked on its own. The rule through Snakemake:
+tests/integration/test_last_rules.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 
 import pytest
-from conftest import run_workflow, tiny_config
 from synthetic_run import acceptance_report, write_synthetic_run
 
 from eagle3_workflow.errors import StageError
@@ -105,27 +104,3 @@ def test_render_tolerates_missing_fields_and_says_n_a():
                    draft_files={})
     )  # fmt: skip
     assert card.startswith("# EAGLE-3 draft") and "n/a" in card and "Lossless" in card
-
-
-def test_rule_package_draft_runs_after_evaluation(tmp_path):
-    target = tmp_path / "target"
-    target.mkdir()
-    write_synthetic_run(tmp_path, "t", target=target, acceptance=acceptance_report())
-    config = tiny_config("t", target={"path": str(target)})
-    config["target"].pop("build")
-    draft_dir = tmp_path / "results" / "t" / "draft"
-    staged_at = draft_dir.stat().st_mtime
-    (draft_dir / ".snakemake_timestamp").touch()  # as train_draft's job leaves it, as old as the staged draft
-    for path in (draft_dir / ".snakemake_timestamp", draft_dir):
-        os.utime(path, (staged_at, staged_at))
-    proc = run_workflow(tmp_path, config, targets=["results/t/published_draft"], extra=["--rerun-triggers=mtime"])
-    ran = re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE)
-    assert ran == ["package_draft"], ran
-    card = (tmp_path / "results" / "t" / "published_draft" / CARD_NAME).read_text()
-    assert "| trained | **2.500** |" in card and f"vllm serve {target}" in card
-    # publishing leaves draft/ untouched: Snakemake's timestamp file, once hard-linked into the published copy,
-    # was touched through it after package_draft, and every later run replanned evaluate_draft
-    draft_stamp = tmp_path / "results" / "t" / "draft" / ".snakemake_timestamp"
-    assert not (tmp_path / "results" / "t" / "published_draft" / ".snakemake_timestamp").samefile(draft_stamp)
-    again = run_workflow(tmp_path, config, targets=["results/t/published_draft"], extra=["--rerun-triggers=mtime"])
-    assert "Nothing to be done" in again.stdout + again.stderr

@@ -1,12 +1,11 @@
 """Self-distillation: prompt reading, deduplication, Magpie prefixes from chat templates, the answer loop.
 
-Unit tests drive the pure functions with a fake generator; the slow tests run the real vLLM subprocess on the
-tiny target and the rule through Snakemake.
+The pure functions, driven by a fake generator. The real vLLM engine process on the tiny target and the rule
+through Snakemake: tests/integration/test_regenerate_engine.py.
 """
 
 from __future__ import annotations
 
-import copy
 import gzip
 import json
 import os
@@ -14,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config
+from conftest import REGENERATE_SETTINGS, REPO
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.prepare import prepare_conversations
@@ -30,7 +29,6 @@ from eagle3_workflow.regenerate.prompts import (
     read_prompt_file,
     request_seeds,
 )
-from eagle3_workflow.regenerate.stage import run_subprocess
 
 CHATML_WITH_DEFAULT_SYSTEM = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -43,17 +41,6 @@ LLAMA3_STYLE = (
     "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
-SETTINGS = {
-    "magpie_prompts": 0,
-    "magpie_max_tokens": 16,
-    "magpie_min_chars": 5,
-    "magpie_temperature": 1.0,
-    "max_prompts": None,
-    "max_tokens": 8,
-    "temperature": 0.0,
-    "seed": 0,
-    "max_model_len": 512,
-}
 
 
 @pytest.fixture
@@ -300,7 +287,7 @@ def test_regenerate_writes_sharegpt_that_prepare_data_accepts(tokenizer_with_tem
         return "Blue, and that is all.", "stop"
 
     target = FakeTarget(tokenizer, answer)
-    records, stats = regenerate(tokenizer, target, [prompt_file], {**SETTINGS, "magpie_prompts": 2})
+    records, stats = regenerate(tokenizer, target, [prompt_file], {**REGENERATE_SETTINGS, "magpie_prompts": 2})
     assert [r["conversations"] for r in records] == [
         [{"from": "human", "value": v}, {"from": "gpt", "value": "Blue, and that is all."}]
         for v in ("Name a colour.", "Count to three.", "What is a cloud?")
@@ -321,7 +308,9 @@ def test_max_prompts_caps_after_deduplication(tokenizer_with_template, tmp_path)
     tokenizer = tokenizer_with_template()
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("a\nA\nb\nc\n")
-    records, stats = regenerate(tokenizer, FakeTarget(tokenizer), [prompt_file], {**SETTINGS, "max_prompts": 2})
+    records, stats = regenerate(
+        tokenizer, FakeTarget(tokenizer), [prompt_file], {**REGENERATE_SETTINGS, "max_prompts": 2}
+    )
     assert [r["conversations"][0]["value"] for r in records] == ["a", "b"]
     assert (stats.duplicates_dropped, stats.capped_by_max_prompts) == (1, 1)
 
@@ -330,11 +319,11 @@ def test_nothing_to_answer_is_a_stage_error(tokenizer_with_template, tmp_path):
     tokenizer = tokenizer_with_template()
     target = FakeTarget(tokenizer, lambda prompt, sampling: ("", "stop"))
     with pytest.raises(StageError, match="no prompt to answer"):
-        regenerate(tokenizer, target, [], {**SETTINGS, "magpie_prompts": 3})
+        regenerate(tokenizer, target, [], {**REGENERATE_SETTINGS, "magpie_prompts": 3})
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("hello there\n")
     with pytest.raises(StageError, match="answered none of 1 prompts"):
-        regenerate(tokenizer, target, [prompt_file], SETTINGS)
+        regenerate(tokenizer, target, [prompt_file], REGENERATE_SETTINGS)
 
 
 def test_engine_kwargs_follow_the_vllm_section():
@@ -390,82 +379,6 @@ def test_shipped_prompts_are_unique():
         PromptConversation(answer_slots([{"role": "user", "content": t}]), "") for t in _shipped_prompt_texts()
     )
     assert duplicates == 0 and len(unique) >= 300
-
-
-# ---------------------------------------------------------------------------------------------- slow
-
-
-def _cpu_config(**regenerate_overrides) -> dict:
-    config = tiny_config()
-    return {
-        "target": {"dtype": "bfloat16", "trust_remote_code": False},
-        "vllm": {**config["vllm"], "gpu_memory_utilization": 0.85, "extra_args": [], "stall_timeout_s": 600},
-        "extraction": {"tensor_parallel_size": 1},
-        "regenerate": {**SETTINGS, "max_tokens": 24, "magpie_max_tokens": 24, **regenerate_overrides},
-    }
-
-
-@pytest.mark.slow
-def test_real_regeneration_on_the_tiny_target(tiny_targets, tmp_path, caplog):
-    import logging
-
-    from transformers import AutoTokenizer
-
-    target = tiny_targets("llama")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(SEED_PROMPTS.read_text().splitlines()[:12]) + "\n")
-    out, stats_path = tmp_path / "data" / "regenerated.jsonl", tmp_path / "data" / "regenerated.stats.json"
-    logger = logging.getLogger("eagle3.test_regenerate")
-    with caplog.at_level(logging.INFO, logger="eagle3.test_regenerate"):
-        run_subprocess(target, [prompts], out, stats_path, _cpu_config(magpie_prompts=4), logger)
-    assert any("vLLM ready" in r.getMessage() for r in caplog.records), "the subprocess output reaches the log"
-    stats = json.loads(stats_path.read_text())
-    assert stats["prompts_read"] == {str(prompts): 12} and stats["magpie_requested"] == 4
-    assert stats["conversations_written"] == len(out.read_text().splitlines()) > 0
-    assert stats["generated_tokens"] > 0 and stats["engine_ready_s"] > 0
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    result = prepare_conversations([(out, "sharegpt")], tokenizer, max_seq_len=256)
-    assert len(result.samples) == stats["conversations_written"]
-
-
-@pytest.mark.slow
-def test_a_failing_subprocess_is_a_stage_error_with_its_last_lines(tmp_path):
-    import logging
-
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("hello\n")
-    with pytest.raises(StageError) as info:
-        run_subprocess(
-            tmp_path / "no-model",
-            [prompts],
-            tmp_path / "o.jsonl",
-            tmp_path / "s.json",
-            _cpu_config(),
-            logging.getLogger("eagle3.test_regenerate"),
-        )
-    assert "exited with status 1" in str(info.value) and "no-model" in str(info.value)
-    assert not (tmp_path / "o.jsonl").exists()
-
-
-@pytest.mark.slow
-def test_workflow_regenerates_then_prepares(tmp_path):
-    config = tiny_config(
-        "regen",
-        regenerate={
-            "enabled": True,
-            "prompt_files": [str(SEED_PROMPTS)],
-            "magpie_prompts": 4,
-            "max_tokens": 24,
-            "max_prompts": 40,
-        },
-    )
-    run_workflow(tmp_path, copy.deepcopy(config), extra=["--until", "prepare_data"])
-    data = tmp_path / "results" / "regen" / "data"
-    stats = json.loads((data / "regenerated.stats.json").read_text())
-    manifest = json.loads((data / "manifest.json").read_text())
-    assert manifest["sources"] == ["results/regen/data/regenerated.jsonl"]
-    assert manifest["records_read"] == stats["conversations_written"] > 0
-    assert (tmp_path / "results" / "regen" / "logs" / "regenerate_responses.log").read_text().count("| ") > 10
 
 
 def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):

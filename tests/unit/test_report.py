@@ -1,14 +1,13 @@
 """The report: figures and tables from artefacts that follow the contracts (tolerant of missing training
-metrics and unfamiliar columns), and through Snakemake a real `snakemake --report` HTML made by rule `report`."""
+metrics and unfamiliar columns). Through Snakemake, a real `snakemake --report` HTML made by rule `report`:
+tests/integration/test_last_rules.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import pytest
-from conftest import run_workflow, tiny_config
 from synthetic_run import TRAINING_METRICS, acceptance_report, write_synthetic_run
 
 from eagle3_workflow.contracts import AcceptanceReport
@@ -94,19 +93,3 @@ def test_nested_report_command_reads_the_same_workflow_without_the_lock():
     assert cmd[:3] == ["py", "-m", "snakemake"]
     assert ["--configfile", "/w/cfg.json"] == cmd[cmd.index("--configfile") : cmd.index("--configfile") + 2]
     assert "--nolock" in cmd and cmd[-2:] == ["--report", "results/t/report.html"]
-
-
-def test_rule_report_makes_a_snakemake_report_from_the_artefacts(tmp_path):
-    target = tmp_path / "target"
-    target.mkdir()
-    write_synthetic_run(tmp_path, "t", target=target, acceptance=acceptance_report())
-    config = tiny_config("t", target={"path": str(target)})
-    config["target"].pop("build")
-    proc = run_workflow(tmp_path, config, targets=["results/t/report.html"], extra=["--rerun-triggers=mtime"])
-    ran = re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE)
-    assert sorted(ran) == ["report", "summarize_run"], ran
-    html = (tmp_path / "results" / "t" / "report.html").read_text()
-    assert "Snakemake" in html and len(html) > 500_000  # the self-contained Snakemake report
-    for name in ("acceptance.svg", "training.svg", "summary.html", "provenance.html"):
-        assert name in html, name
-    assert (tmp_path / "results" / "t" / "logs" / "report.log").exists()

@@ -1,5 +1,6 @@
 """A model the user brings: the target sanity verdict, the assistant stop set derived from the chat template,
-check_api's advice for an architecture this vLLM cannot capture, and group-readable artefacts."""
+check_api's advice for an architecture this vLLM cannot capture, and group-readable artefacts. The rule through
+Snakemake: tests/integration/test_target_check_rule.py."""
 
 from __future__ import annotations
 
@@ -162,46 +163,6 @@ def test_safetensors_files_are_shared_as_the_umask_allows(tmp_path):
     assert not group_readable(tmp_path / "files" / "hs_0.safetensors")  # why the helper exists (safetensors 0.8)
     share_as_umask_allows(tmp_path / "files")
     assert group_readable(tmp_path / "files" / "hs_0.safetensors")
-
-
-# ---------------------------------------------------------------- the rule: gates regeneration, skippable
-
-
-def regenerating_config(run: str, enabled: bool) -> dict:
-    from conftest import SEED_PROMPTS, tiny_config
-
-    return tiny_config(
-        run,
-        regenerate={"enabled": True, "prompt_files": [str(SEED_PROMPTS)], "max_tokens": 16, "max_prompts": 4},
-        target_check={"enabled": enabled, "max_tokens": 16},
-    )
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_regeneration_waits_for_check_target_unless_disabled(tmp_path, enabled):
-    from conftest import run_workflow
-
-    config = regenerating_config("gate", enabled)
-    proc = run_workflow(tmp_path, config, targets=["results/gate/data/regenerated.jsonl"], extra=["-n"])
-    assert ("check_target" in proc.stdout) is enabled, proc.stdout
-
-
-@pytest.mark.slow
-def test_check_target_asks_the_served_target_through_its_template(tmp_path):
-    """The real rule on the tiny target: a plain vLLM server, /v1/chat/completions, the report written."""
-    from conftest import run_workflow
-
-    run_workflow(tmp_path, regenerating_config("sane", True), targets=["results/sane/checks/target_sanity.json"])
-    report = json.loads((tmp_path / "results" / "sane" / "checks" / "target_sanity.json").read_text())
-    assert report["passed"] and len(report["answers"]) == len(SANITY_PROMPTS)
-    assert all(a["answer"].strip() and a["problem"] is None for a in report["answers"])
-    assert all(a["finish_reason"] in ("stop", "length") for a in report["answers"])
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "results" / "sane" / "target")
-    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in report["stop_token_ids"]
-    log = (tmp_path / "results" / "sane" / "logs" / "check_target.log").read_text()
-    assert log.count("asked ") == len(SANITY_PROMPTS)
 
 
 # ---------------------------------------------------------------- regenerate and evaluate stop at the end-of-turn

