@@ -112,8 +112,9 @@ def workflow_command(
 
 
 def workflow_env(env: dict | None = None) -> dict[str, str]:
-    """The test's environment plus `env`, with this venv's bin first on PATH (jobs run `python`, `snakemake`)."""
-    full_env = {**os.environ, **(env or {})}
+    """The test's environment plus `env` (a None value unsets the variable), with this venv's bin first on PATH
+    (jobs run `python`, `snakemake`)."""
+    full_env = {name: value for name, value in {**os.environ, **(env or {})}.items() if value is not None}
     full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"
     return full_env
 

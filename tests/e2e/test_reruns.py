@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import signal
 import subprocess
@@ -25,8 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
-from conftest import REPO, SNAKEMAKE, VENV_BIN, run_workflow, tiny_config
+from conftest import run_workflow, start_workflow, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -175,27 +173,7 @@ def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(tmp_path):
     workdir.mkdir()
     config = tiny_config("killed")
     run_dir = workdir / "results" / "killed"
-    config_path = workdir / "config-killed.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    log = open(workdir / "controller.log", "w")  # noqa: SIM115 - closed below
-    controller = subprocess.Popen(
-        [
-            SNAKEMAKE,
-            "-s",
-            str(REPO / "Snakefile"),
-            "-d",
-            str(workdir),
-            "--cores",
-            "2",
-            "--configfile",
-            str(config_path),
-        ],
-        cwd=workdir,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    controller = start_workflow(workdir, config, workdir / "controller.log")
     try:
         # kill once extraction has written some samples (resume must then reuse them)
         deadline = time.monotonic() + 1200
@@ -205,7 +183,6 @@ def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(tmp_path):
             time.sleep(0.5)
     finally:
         kill_tree(controller)
-        log.close()
     written = len(hidden_state_files(run_dir))
 
     locked = snakemake(workdir, config, check=False)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_workflow, tiny_config
+from conftest import rules_run, run_workflow, synthetic_run_config, tiny_config
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
 from eagle3_workflow.contracts import AcceptanceReport, read_json
@@ -63,12 +62,11 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     target = Path(prepared["target"])
     write_synthetic_run(tmp_path, "t", target=target, prepared=prepared["prepared"], draft=scratch_draft,
                         training_metrics=None)  # fmt: skip
-    config = tiny_config("t", target={"path": str(target)}, train={"train_data_ratio": 0.75},
-                         evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
-    config["target"].pop("build")
+    config = synthetic_run_config(target, train={"train_data_ratio": 0.75},
+                                  evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
     proc = run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
                         extra=["--rerun-triggers=mtime"], timeout=900)  # fmt: skip
-    assert re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE) == ["evaluate_draft"]
+    assert rules_run(proc) == ["evaluate_draft"]
 
     report = AcceptanceReport.from_dict(read_json(tmp_path / "results/t/eval/acceptance.json"))
     assert report.lossless and report.lossless_mismatches == 0

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SEED_PROMPTS, SNAKEMAKE, VENV_BIN, run_workflow, tiny_config
+from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.gpu_placement import PlacementSettings, hold_gpus
@@ -54,10 +54,15 @@ WORKER = textwrap.dedent(
 )
 
 
+def placement_env() -> dict[str, str | None]:
+    """A job on the fake GPU machine: none of the test's own SLURM_* or CUDA_VISIBLE_DEVICES (None unsets them in
+    conftest's runner), the workflow's scripts importable."""
+    unset = {name: None for name in os.environ if name.startswith("SLURM_") or name == "CUDA_VISIBLE_DEVICES"}
+    return {**unset, "PYTHONPATH": str(SCRIPTS)}
+
+
 def worker_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "CUDA_VISIBLE_DEVICES"}
-    env["PYTHONPATH"] = str(SCRIPTS)
-    return env
+    return {name: value for name, value in {**os.environ, **placement_env()}.items() if value is not None}
 
 
 def start_workers(tmp_path: Path, count: int, gpus: int, machine: int) -> tuple[list[subprocess.Popen], Path, Path]:
@@ -101,22 +106,24 @@ def finish(procs: list[subprocess.Popen], release: Path) -> None:
         assert proc.wait(timeout=60) == 0, proc.stderr.read()
 
 
-def test_eight_single_gpu_jobs_get_eight_different_devices(tmp_path):
-    procs, reports, release = start_workers(tmp_path, count=8, gpus=1, machine=8)
+def held_together(tmp_path: Path, count: int, gpus: int) -> list[dict]:
+    """`count` workers of `gpus` GPUs each on an 8-GPU machine, all holding their devices at once (each waits for the
+    release, which comes once every one has reported): what each held and what its child saw."""
+    procs, reports, release = start_workers(tmp_path, count=count, gpus=gpus, machine=8)
     try:
-        seen = wait_for_reports(procs, reports, 8)
+        return wait_for_reports(procs, reports, count)
     finally:
         finish(procs, release)
+
+
+def test_eight_single_gpu_jobs_get_eight_different_devices(tmp_path):
+    seen = held_together(tmp_path, count=8, gpus=1)
     assert sorted(r["child_saw"] for r in seen) == [str(i) for i in range(8)]
     assert all(r["held"] == [r["child_saw"]] for r in seen)
 
 
 def test_two_four_gpu_jobs_get_disjoint_sets(tmp_path):
-    procs, reports, release = start_workers(tmp_path, count=2, gpus=4, machine=8)
-    try:
-        seen = wait_for_reports(procs, reports, 2)
-    finally:
-        finish(procs, release)
+    seen = held_together(tmp_path, count=2, gpus=4)
     sets = [set(r["child_saw"].split(",")) for r in seen]
     assert all(len(s) == 4 for s in sets)
     assert sets[0].isdisjoint(sets[1]) and sets[0] | sets[1] == {str(i) for i in range(8)}
@@ -206,28 +213,15 @@ def test_local_snakemake_run_places_eight_replicas_on_eight_devices(tmp_path):
         "gpu_placement": {"machine_gpus": 8, "lock_dir": str(tmp_path / "locks")},
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    env = {**worker_env(), "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run(
-        [
-            SNAKEMAKE,
-            "-s",
-            str(snakefile),
-            "-d",
-            str(tmp_path),
-            "--cores",
-            "8",
-            "--resources",
-            "gpu=8",
-            "--configfile",
-            str(tmp_path / "config.json"),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
+    run_workflow(
+        tmp_path,
+        [tmp_path / "config.json"],
+        snakefile=snakefile,
+        cores=8,
+        extra=["--resources", "gpu=8"],
+        env=placement_env(),
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-8000:]
     held = {}
     for replica in range(8):
         log_text = (tmp_path / "logs" / f"replica_{replica}.log").read_text()
@@ -272,7 +266,7 @@ def test_every_gpu_rule_declares_its_placement(tmp_path):
         evaluate={"gpus": 1},
         gpu_placement={"machine_gpus": 8},
     )
-    proc = run_workflow(tmp_path, config, extra=["-n"], env=worker_env())
+    proc = run_workflow(tmp_path, config, extra=["-n"], env=placement_env())
     plan = planned_resources(proc.stdout)
     assert set(GPU_RULES) <= set(plan), sorted(plan)
     assert len(plan["extract_hidden_states"]) == 8
@@ -300,7 +294,7 @@ def test_real_gpu_stages_hold_their_devices(tmp_path):
         gpu_placement={"machine_gpus": 2, "lock_dir": str(tmp_path / "locks")},
     )
     target = "results/placed/hidden_states/replica_0.json"
-    run_workflow(tmp_path / "work", config, targets=[target], extra=["--resources", "gpu=2"], env=worker_env())
+    run_workflow(tmp_path / "work", config, targets=[target], extra=["--resources", "gpu=2"], env=placement_env())
     for job in ("canary", "extract_hidden_states_replica_0"):
         log_text = (tmp_path / "work" / "results" / "placed" / "logs" / f"{job}.log").read_text()
         held = [line for line in log_text.splitlines() if "gpu placement: holding GPU(s)" in line]

@@ -12,7 +12,6 @@ docs/sharing.md tells users of a local checkout to do.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, TINY_PRESET, VENV_BIN
+from conftest import NO_SITE_SETTINGS, REPO, TINY_PRESET, VENV_BIN, run_workflow
 
 SNAKEDEPLOY = str(VENV_BIN / "snakedeploy")
 
@@ -43,21 +42,22 @@ def source_copy(dest: Path) -> Path:
     return dest
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    # site settings of whoever runs the tests must not shape the plan
-    env.update({k: "" for k in list(env) if k.startswith("SNAKEMAKE_SLURM_")})
-    env["SNAKEMAKE_SLURM_OVERRIDES"] = os.devnull
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
+def deployed_snakemake(deployed: Path, targets: list[str] | None = None, **options) -> subprocess.CompletedProcess:
+    """`snakemake ... --configfile config/my_run.yaml` as the user types it in the deployed directory (no -s: the
+    deployed workflow/Snakefile), with no site settings of whoever runs the tests."""
+    options = {"timeout": 600, "env": NO_SITE_SETTINGS} | options
+    return run_workflow(deployed, [Path("config/my_run.yaml")], targets, snakefile=None, **options)
 
 
 @pytest.fixture
 def deployed(tmp_path) -> Path:
     source = source_copy(tmp_path / "eagle3-workflow")
     dest = tmp_path / "my-drafts"
-    run([SNAKEDEPLOY, "deploy-workflow", str(source), str(dest), "--branch", "main", "--name", "eagle3"], tmp_path)
+    deploy = [SNAKEDEPLOY, "deploy-workflow", str(source), str(dest), "--branch", "main", "--name", "eagle3"]
+    proc = subprocess.run(deploy, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (
+        f"snakedeploy failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
 
     snakefile = dest / "workflow" / "Snakefile"
     text = snakefile.read_text()
@@ -78,10 +78,7 @@ def deployed(tmp_path) -> Path:
 
 
 def test_deployed_module_dry_runs_with_user_config(deployed):
-    proc = run(
-        [SNAKEMAKE, "-n", "--profile", "profiles/slurm", "--configfile", "config/my_run.yaml"],
-        deployed,
-    )
+    proc = deployed_snakemake(deployed, extra=["-n", "--profile", "profiles/slurm"], cores=None)
     text = proc.stdout + proc.stderr
     assert re.search(r"^extract_hidden_states\s+2$", text, re.MULTILINE), text[-3000:]
     assert "results/deployed-tiny/report.html" in text
@@ -94,18 +91,7 @@ def test_deployed_module_runs_first_stages(deployed):
     outputs land in the user's directory. The user's copy of config/data is removed, so the data files the
     config names come from the module, through Snakemake's source cache (shipped() in common.smk)."""
     shutil.rmtree(deployed / "config" / "data")
-    run(
-        [
-            SNAKEMAKE,
-            "results/deployed-tiny/data/manifest.json",
-            "results/deployed-tiny/provenance.json",
-            "--cores",
-            "2",
-            "--configfile",  # nargs="+": targets go before it
-            "config/my_run.yaml",
-        ],
-        deployed,
-    )
+    deployed_snakemake(deployed, ["results/deployed-tiny/data/manifest.json", "results/deployed-tiny/provenance.json"])
     run_dir = deployed / "results" / "deployed-tiny"
     assert (run_dir / "data" / "manifest.json").exists()
     assert (run_dir / "provenance.json").exists()

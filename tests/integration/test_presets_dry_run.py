@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, TINY_DATA, VENV_BIN, run_workflow
+from conftest import NO_SITE_SETTINGS, REPO, TINY_DATA, run_workflow
 from published_presets import GPU_SMOLLM2, PRESETS, TargetShape, load_preset, preset_path, with_defaults
 
 DEFAULTS = REPO / "config" / "config.yaml"
@@ -57,32 +55,16 @@ def fake_target(tmp_path: Path, shape: TargetShape) -> Path:
 
 
 def dry_run(tmp_path: Path, configfiles: list[Path], env: dict[str, str]) -> str:
-    workdir = tmp_path / "work"
-    workdir.mkdir(exist_ok=True)
-    empty_overrides = tmp_path / "no-local-overrides.yaml"
-    empty_overrides.write_text("{}\n")
-    site = {
-        f"SNAKEMAKE_SLURM_{k}": ""
-        for k in ("ACCOUNT", "NO_ACCOUNT", "CPU_PARTITION", "GPU_PARTITION", "GPU_MODEL", "QOS", "STATUS_COMMAND")
-    }
-    full_env = {**os.environ, **site, "SNAKEMAKE_SLURM_OVERRIDES": str(empty_overrides), **env}
-    full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"
-    cmd = [
-        SNAKEMAKE,
-        "-s",
-        str(REPO / "Snakefile"),
-        "-d",
-        str(workdir),
-        "-n",
-        "--profile",
-        str(PROFILE),
-        "--configfile",
-        *map(str, configfiles),
-    ]
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300, env=full_env)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"dry run failed ({proc.returncode}):\n{text[-6000:]}"
-    return text
+    """`snakemake -n --profile profiles/slurm` on the config files, site settings only from `env`: its output."""
+    proc = run_workflow(
+        tmp_path / "work",
+        configfiles,
+        extra=["-n", "--profile", str(PROFILE)],
+        cores=None,
+        timeout=300,
+        env={**NO_SITE_SETTINGS, **env},
+    )
+    return proc.stdout + proc.stderr
 
 
 def user_paths_file(tmp_path: Path, shape: TargetShape, extra: dict | None = None) -> Path:
@@ -108,12 +90,7 @@ def test_a_configfile_run_takes_nothing_from_the_tiny_defaults(tmp_path):
     config_path = tmp_path / "user.yaml"
     config_path.write_text(yaml.safe_dump(user))
     tiny_defaults = yaml.safe_load(DEFAULTS.read_text())
-    proc = subprocess.run(
-        [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--cores", "1",
-         "results/no-leak/provenance.json", "--configfile", str(config_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_workflow(tmp_path, [config_path], targets=["results/no-leak/provenance.json"], cores=1, timeout=300)
     recorded = json.loads((tmp_path / "results" / "no-leak" / "provenance.json").read_text())["config"]
     assert recorded == with_defaults(user)
     assert recorded["data"]["max_samples"] != tiny_defaults["data"]["max_samples"], "the tiny cap leaked"
