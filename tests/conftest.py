@@ -10,8 +10,11 @@ from __future__ import annotations
 import copy
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -154,6 +157,34 @@ def start_workflow(
     cmd = workflow_command(workdir, config, targets, extra)
     with open(log, "w") as output:  # the child keeps its own copy of the file
         return subprocess.Popen(cmd, cwd=workdir, stdout=output, stderr=subprocess.STDOUT, env=workflow_env(env))
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Wait for a state (`condition` true), polling; `timeout_s` only guards against a hang, it is no verdict on
+    speed: make it generous (this runs on a loaded 2-core machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process the test started and every process below it (by pid, the tree as seen from the top), as a
+    lost login node would: nothing of it gets to clean up. Reaps `proc`."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    psutil.wait_procs(tree, timeout=30)
 
 
 def rules_run(proc: subprocess.CompletedProcess) -> list[str]:

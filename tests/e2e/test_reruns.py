@@ -17,14 +17,12 @@ from __future__ import annotations
 import copy
 import json
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import run_workflow, start_workflow, tiny_config
+from conftest import kill_tree, run_workflow, start_workflow, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -150,22 +148,6 @@ def test_retrain_without_reextracting(completed_run):
     # evaluation and report are now older than the draft: a plain run redoes exactly those
     plan = planned_rules(snakemake(workdir, config, "-n"))
     assert plan <= AFTER_TRAINING - {"train_draft", "record_provenance"} and "evaluate_draft" in plan, plan
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the controller and every process below it (by pid, children first seen from the top), as a
-    lost login node would: jobs die with it, the lock and incomplete markers stay."""
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for process in tree:
-        try:
-            process.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
-    psutil.wait_procs(tree, timeout=30)
 
 
 def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(tmp_path):

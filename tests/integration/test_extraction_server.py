@@ -8,19 +8,17 @@ and redone by the rerun, a disk that is too small is refused before any server s
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_workflow, tiny_config
+from conftest import REPO, kill_tree, run_workflow, start_workflow, tiny_config, wait_until
 from safetensors.torch import load_file
 
 from eagle3_workflow.contracts import process_umask
@@ -89,46 +87,34 @@ def vllm_processes(marker: str) -> list[int]:
 
 @pytest.mark.slow
 def test_server_killed_mid_run_fails_fast_then_rerun_resumes(clean_run, tmp_path):
-    config = extraction_config("x", concurrency=1)
+    # "Fast" is a state, not a clock: the stall limit is an hour, so before the hang guard below only the server
+    # watch can end the stage, and the failure must name the dead server, not a stall.
+    config = extraction_config("x", concurrency=1, stall_timeout_s=3600)
     files = hidden_dir(tmp_path, "x") / "files"
-    run_workflow(tmp_path, config, extra=["--until", "canary"])  # gates first, so timing below is extraction's
-    config_path = tmp_path / "config-x.yaml"
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "-s",
-        str(REPO / "Snakefile"),
-        "-d",
-        str(tmp_path),
-        "--cores",
-        "2",
-        "--configfile",
-        str(config_path),
-        "--until",
-        "validate_hidden_states",
-    ]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_workflow(tmp_path, config, extra=["--until", "canary"])  # gates first: the kill below lands in extraction
+    output = tmp_path / "snakemake.log"
+    proc = start_workflow(tmp_path, config, output, extra=["--until", "validate_hidden_states"])
     scratch_marker = str(hidden_dir(tmp_path, "x") / "scratch_replica_0")
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list(files.glob("hs_*.safetensors"))) < 10:
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.1)
-    servers = vllm_processes(scratch_marker)
-    assert servers, "no vLLM server found to kill"
-    killed_at = time.time()
-    for pid in servers:
-        os.kill(pid, signal.SIGKILL)
-    output, _ = proc.communicate(timeout=120)
+    try:
+        wait_until(
+            lambda: len(list(files.glob("hs_*.safetensors"))) >= 10 or proc.poll() is not None, 600, "10 samples"
+        )
+        assert proc.poll() is None, output.read_text()[-6000:]
+        servers = vllm_processes(scratch_marker)
+        assert servers, "no vLLM server found to kill"
+        for pid in servers:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=300)  # a hang guard only: the stall limit is an hour
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
     assert proc.returncode != 0
     log = (tmp_path / "results" / "x" / "logs" / "extract_hidden_states_replica_0.log").read_text()
     assert "the vLLM server exited with code -9 while work was pending" in log
-    assert "last" in log and "server log lines" in log
-    failed_line = next(line for line in log.splitlines() if "stage extract_hidden_states FAILED" in line)
-    failed_at = datetime.datetime.strptime(failed_line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    assert failed_at - killed_at < 10, f"the stage took {failed_at - killed_at:.1f} s to notice"
-    time.sleep(2)
-    assert not vllm_processes(scratch_marker), "orphan vLLM processes survived the failure"
+    assert "no progress for" not in log, "the stall watch ended the stage: the server watch missed the kill"
+    assert "last" in log
+    assert "server log lines" in log
+    wait_until(lambda: not vllm_processes(scratch_marker), 60, "the killed server's processes to end")
     assert not (hidden_dir(tmp_path, "x") / "replica_0.json").exists()
     progress = json.loads((hidden_dir(tmp_path, "x") / "progress_replica_0.json").read_text())
     assert progress["state"] == "failed"
@@ -209,10 +195,8 @@ run_stage("extract_hidden_states", None, lambda log: extract_replica(prepared_di
     proc = subprocess.Popen(
         [sys.executable, "-c", driver], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and not list((tmp_path / "files").glob("hs_*.safetensors")):
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.1)
+    wait_until(lambda: list((tmp_path / "files").glob("hs_*.safetensors")) or proc.poll() is not None, 600, "a sample")
+    assert proc.poll() is None, proc.stdout.read()
     marker = str(tmp_path / "scratch")
     assert vllm_processes(marker)
     proc.send_signal(signal.SIGTERM)
@@ -220,10 +204,7 @@ run_stage("extract_hidden_states", None, lambda log: extract_replica(prepared_di
     assert proc.returncode == 143, output[-3000:]
     assert "stage extract_hidden_states stopped by SIGTERM; the rerun resumes" in output
     assert "Traceback" not in output and "FAILED" not in output
-    gone_by = time.time() + 10
-    while vllm_processes(marker) and time.time() < gone_by:
-        time.sleep(0.2)
-    assert not vllm_processes(marker), "orphan vLLM processes 10 s after SIGTERM"
+    wait_until(lambda: not vllm_processes(marker), 60, "the server's processes to end after SIGTERM (orphans)")
 
 
 # ---------------------------------------------------------------- stalls, a dead server's log, the greedy cross-check
@@ -283,16 +264,15 @@ def start_stage(target: Path, work: Path, prepared: Path, **settings) -> subproc
     )
 
 
-def wait_for_progress(proc: subprocess.Popen, progress: Path, done_at_least: int) -> dict:
-    deadline = time.time() + 300
-    while time.time() < deadline:
+def wait_for_progress(proc: subprocess.Popen, progress: Path, done_at_least: int) -> None:
+    def reached() -> bool:
         assert proc.poll() is None, proc.stdout.read()
-        if progress.exists():
-            state = json.loads(progress.read_text())
-            if state["state"] == "running" and state["samples_done"] >= done_at_least:
-                return state
-        time.sleep(0.1)
-    raise AssertionError("extraction never reached the wanted progress")
+        if not progress.exists():
+            return False
+        state = json.loads(progress.read_text())
+        return state["state"] == "running" and state["samples_done"] >= done_at_least
+
+    wait_until(reached, 600, f"extraction to report {done_at_least} samples done")
 
 
 def children(pid: int) -> list[int]:
@@ -333,8 +313,7 @@ def test_a_stopped_engine_is_a_stall_not_progress(tiny_targets, tmp_path):
         assert stopped, "the server has no engine-core process to stop"
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
-        stopped_at = time.time()
-        proc.communicate(timeout=180)
+        proc.communicate(timeout=600)  # a hang guard only: the stall watch's limit decides, not this test's clock
     finally:
         for pid in stopped:  # ours: never leave stopped processes behind
             with contextlib.suppress(ProcessLookupError):
@@ -348,9 +327,6 @@ def test_a_stopped_engine_is_a_stall_not_progress(tiny_targets, tmp_path):
     assert "last sample finished" in log  # the bar said so before the limit
     progress = json.loads((tmp_path / "progress.json").read_text())
     assert progress["state"] == "stalled" and progress["samples_done"] < 3000
-    failed_line = next(line for line in log.splitlines() if "stage extract_hidden_states FAILED" in line)
-    failed_at = datetime.datetime.strptime(failed_line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    assert failed_at - stopped_at < 30, f"the stall took {failed_at - stopped_at:.1f} s to be reported"
     assert_failed_block_is_last(log)
 
 

@@ -10,12 +10,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_until
 
 from eagle3_workflow.runtime.child import BUSY_MARKER, PROGRESS_MARKER, ChildFailure, ChildProcess, ProgressWatch
 
@@ -51,14 +49,6 @@ def alive(pids: set[int]) -> set[int]:
     return {pid for pid in pids if (found := _stat(pid)) and found[0] != "Z"}
 
 
-def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.05)
-
-
 class Stage:
     """A stage-like process started by the test, its output collected line by line."""
 
@@ -88,7 +78,7 @@ class Stage:
         assert len(pids) >= at_least, f"expected a tree of >= {at_least} processes, found {pids}"
         self.proc.kill()
         self.proc.wait()
-        wait_until(lambda: not alive(pids), 10, f"the stage's tree {sorted(pids)} to end after SIGKILL")
+        wait_until(lambda: not alive(pids), 60, f"the stage's tree {sorted(pids)} to end after SIGKILL")
 
 
 # ---------------------------------------------------------------- ChildProcess, with plain processes (fast)
@@ -141,7 +131,7 @@ def test_a_killed_launcher_leaves_nothing_holding_the_output(tmp_path):
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait() == -signal.SIGKILL
         assert child._reader is not None and not child._reader.is_alive()  # the pipe closed: nothing holds it
-        wait_until(lambda: not alive({plain}), 10, "the orphaned worker to be killed")
+        wait_until(lambda: not alive({plain}), 60, "the orphaned worker to be killed")
 
 
 def test_a_child_killed_by_a_signal_reports_it_and_failures_quote_the_traceback(tmp_path):
@@ -193,7 +183,7 @@ def test_sigterm_to_a_stage_is_one_line_exit_143_and_stops_its_children(tmp_path
     assert "stage demo stopped by SIGTERM; the rerun resumes" in log
     assert "Traceback" not in log and "FAILED" not in log and "SystemExit" not in log
     assert len([line for line in log.splitlines() if "SIGTERM" in line]) == 1
-    wait_until(lambda: not alive(pids), 10, "the stage's children to end")
+    wait_until(lambda: not alive(pids), 60, "the stage's children to end")
 
 
 # ---------------------------------------------------------------- real vLLM trees (slow)
@@ -271,7 +261,7 @@ def test_a_stopped_engine_fails_regenerate_as_stalled(tiny_targets, tmp_path):
     assert stage.proc.wait(timeout=120) == 1
     output = "\n".join(stage.lines)
     assert "no progress for" in output and "engine alive but not answering" in output
-    wait_until(lambda: not alive(pids), 10, "the stalled stage's tree to end")
+    wait_until(lambda: not alive(pids), 60, "the stalled stage's tree to end")
 
 
 @pytest.mark.slow
