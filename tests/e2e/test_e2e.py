@@ -38,7 +38,8 @@ def test_every_stage_leaves_its_artefact(tiny_run):
     for gate in ("checks/api_compat.json", "checks/canary.json", "hidden_states/validation.json"):
         assert json.loads((run / gate).read_text())["passed"] is True
     provenance = json.loads((run / "provenance.json").read_text())
-    assert provenance["packages"]["speculators"] == "0.9.0" and provenance["config"]["run"] == "tiny"
+    assert provenance["packages"]["speculators"] == "0.9.0"
+    assert provenance["config"]["run"] == "tiny"
     draft = json.loads((run / "draft" / "config.json").read_text())
     assert draft["speculators_model_type"] == "eagle3"
     html = (run / "report.html").read_text(errors="ignore")
@@ -52,7 +53,8 @@ def test_trained_draft_beats_the_untrained_one_and_stays_lossless(tiny_run):
     trained = acceptance["trained"]["mean_acceptance_length"]
     untrained = acceptance["untrained"]["mean_acceptance_length"]
     assert acceptance["lossless"] is True
-    assert untrained >= 1.0 and trained >= 1.0
+    assert untrained >= 1.0
+    assert trained >= 1.0
     # measured on this preset (seed 0): trained 1.30, untrained 1.00; the margin leaves room for CPU kernels
     assert trained > untrained + 0.1, (trained, untrained)
     assert acceptance["trained"]["per_position_acceptance"][0] > 0.1

@@ -22,7 +22,10 @@ def test_snakemake_names_a_misspelled_key_in_a_few_lines(tmp_path: Path):
     proc = run_workflow(tmp_path, config, extra=["-n"], check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "unknown key extration" in output and "unknown key extraction.concurency" in output
-    assert "allowed keys: " in output and "concurrency" in output  # the allowed keys, so the fix is visible
-    assert "$schema" not in output and "description" not in output  # neither the schema nor the config dump
+    assert "unknown key extration" in output
+    assert "unknown key extraction.concurency" in output
+    assert "allowed keys: " in output
+    assert "concurrency" in output  # the allowed keys, so the fix is visible
+    assert "$schema" not in output
+    assert "description" not in output  # neither the schema nor the config dump
     assert len(output.splitlines()) < 20, output

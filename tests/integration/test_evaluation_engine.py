@@ -44,8 +44,10 @@ def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
     with pytest.raises(StageError) as failure:
         run_measurement_process(spec, tmp_path, "m", env=env, log_path=log_path, timeout_s=120)
     message = str(failure.value)
-    assert "exited with code 1" in message and "Traceback (most recent call last)" in message
-    assert "TypeError" in message and "unexpected" in message
+    assert "exited with code 1" in message
+    assert "Traceback (most recent call last)" in message
+    assert "TypeError" in message
+    assert "unexpected" in message
     assert "[eval-vllm]" in log_path.read_text()
 
 
@@ -69,22 +71,31 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert rules_run(proc) == ["evaluate_draft"]
 
     report = AcceptanceReport.from_dict(read_json(tmp_path / "results/t/eval/acceptance.json"))
-    assert report.lossless and report.lossless_mismatches == 0
-    assert report.num_prompts == 8 and report.prompt_source == "heldout" and report.device == "cpu"
-    assert report.vllm_version and report.no_speculation_tokens_per_s > 0
+    assert report.lossless
+    assert report.lossless_mismatches == 0
+    assert report.num_prompts == 8
+    assert report.prompt_source == "heldout"
+    assert report.device == "cpu"
+    assert report.vllm_version
+    assert report.no_speculation_tokens_per_s > 0
     k = report.num_speculative_tokens
     for result in (report.trained, report.untrained):
         assert 1.0 <= result.mean_acceptance_length <= 1 + k
-        assert result.num_drafts > 0 and result.draft_tokens == result.num_drafts * k
+        assert result.num_drafts > 0
+        assert result.draft_tokens == result.num_drafts * k
         assert sum(result.accepted_per_position) == result.accepted_tokens
         rates = result.per_position_acceptance
-        assert len(rates) == k and all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
+        assert len(rates) == k
+        assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
         assert result.generated_tokens == report.no_speculation_generated_tokens  # same greedy text
-        assert result.tokens_per_s > 0 and result.engine_start_s > 0
-    assert len(report.processes) == 1 and report.processes[0].runs == ["no_speculation", "trained", "untrained"]
+        assert result.tokens_per_s > 0
+        assert result.engine_start_s > 0
+    assert len(report.processes) == 1
+    assert report.processes[0].runs == ["no_speculation", "trained", "untrained"]
     assert (tmp_path / "results/t/eval/work/untrained_draft/model.safetensors").exists()
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
-    assert "[eval-vllm]" in log and "stage evaluate_draft: done" in log
+    assert "[eval-vllm]" in log
+    assert "stage evaluate_draft: done" in log
     print(json.dumps(dataclasses.asdict(report), indent=1)[:3000], file=sys.stderr)
 
 
@@ -109,9 +120,12 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
                                 reference_logprobs=reference.logprobs, tolerance=0.0)  # fmt: skip
     accepted = acceptance_result(run, draft_path=Path("ngram"), num_speculative_tokens=3, reference=reference,
                                  mismatches=mismatches)  # fmt: skip
-    assert mismatches == [] and accepted.lossless
-    assert accepted.accepted_tokens > 0 and accepted.mean_acceptance_length > 1.0
+    assert mismatches == []
+    assert accepted.lossless
+    assert accepted.accepted_tokens > 0
+    assert accepted.mean_acceptance_length > 1.0
     assert accepted.mean_acceptance_length == pytest.approx(1 + sum(accepted.per_position_acceptance))
     rates = accepted.per_position_acceptance
-    assert rates[0] > 0 and all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert rates[0] > 0
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
     print(f"ngram: acceptance length {accepted.mean_acceptance_length:.3f}, per position {rates}", file=sys.stderr)

@@ -60,13 +60,20 @@ def test_clean_run_writes_progress_manifest_and_validation(clean_run):
     manifest = json.loads((hidden / "replica_0.json").read_text())
     validation = json.loads((hidden / "validation.json").read_text())
     progress = json.loads((hidden / "progress_replica_0.json").read_text())
-    assert manifest["samples_extracted"] == manifest["samples_total"] == 96 and manifest["tokens_per_s"] > 0
-    assert validation["passed"] and validation["samples_valid"] == 96 and validation["layer_count"] == 4
+    assert manifest["samples_extracted"] == manifest["samples_total"] == 96
+    assert manifest["tokens_per_s"] > 0
+    assert validation["passed"]
+    assert validation["samples_valid"] == 96
+    assert validation["layer_count"] == 4
     assert len(manifest["greedy_probes"]) == 4  # extraction.greedy_probe_samples
     assert [r["ok"] for r in validation["greedy_check"]] == [True] * 4
-    assert progress["state"] == "done" and progress["samples_done"] == 96 and progress["eta_s"] == 0.0
+    assert progress["state"] == "done"
+    assert progress["samples_done"] == 96
+    assert progress["eta_s"] == 0.0
     log = (clean_run / "results" / "x" / "logs" / "extract_hidden_states_replica_0.log").read_text()
-    assert "[vllm]" in log and "samples," in log and "tok/s" in log
+    assert "[vllm]" in log
+    assert "samples," in log
+    assert "tok/s" in log
     modes = {oct(p.stat().st_mode & 0o777) for p in (hidden / "files").glob("hs_*.safetensors")}
     assert modes == {oct(0o666 & ~process_umask())}, "hidden states must be readable by the group (vLLM writes 0600)"
 
@@ -76,7 +83,8 @@ def test_two_replicas_split_the_work_and_match_the_clean_run(clean_run, tmp_path
     run_workflow(tmp_path, extraction_config("x", replicas=2), extra=["--until", "validate_hidden_states"])
     hidden = hidden_dir(tmp_path, "x")
     rows = [set(json.loads((hidden / f"replica_{r}.json").read_text())["rows"]) for r in range(2)]
-    assert not rows[0] & rows[1] and rows[0] | rows[1] == set(range(96))
+    assert not rows[0] & rows[1]
+    assert rows[0] | rows[1] == set(range(96))
     assert_same_samples(load_all(hidden / "files"), load_all(hidden_dir(clean_run, "x") / "files"))
 
 
@@ -123,7 +131,8 @@ def test_server_killed_mid_run_fails_fast_then_rerun_resumes(clean_run, tmp_path
 
     run_workflow(tmp_path, config, extra=["--until", "validate_hidden_states"])
     manifest = json.loads((hidden_dir(tmp_path, "x") / "replica_0.json").read_text())
-    assert manifest["samples_reused"] == kept and manifest["samples_extracted"] == 96 - kept
+    assert manifest["samples_reused"] == kept
+    assert manifest["samples_extracted"] == 96 - kept
     assert json.loads((hidden_dir(tmp_path, "x") / "validation.json").read_text())["passed"]
     assert_same_samples(load_all(files), load_all(hidden_dir(clean_run, "x") / "files"))
 
@@ -145,12 +154,14 @@ def test_truncated_file_is_caught_by_validation_and_redone(clean_run, tmp_path):
     )
     assert proc.returncode != 0
     log = (tmp_path / "results" / "x" / "logs" / "validate_hidden_states.log").read_text()
-    assert "1 bad hidden-state files" in log.replace("0 missing and ", "") and "unreadable" in log
+    assert "1 bad hidden-state files" in log.replace("0 missing and ", "")
+    assert "unreadable" in log
     assert not (hidden_dir(tmp_path, "x") / "validation.json").exists()
 
     run_workflow(tmp_path, config, extra=["--until", "validate_hidden_states", "--forcerun", "extract_hidden_states"])
     manifest = json.loads((hidden_dir(tmp_path, "x") / "replica_0.json").read_text())
-    assert manifest["samples_extracted"] == 1 and manifest["samples_reused"] == 95
+    assert manifest["samples_extracted"] == 1
+    assert manifest["samples_reused"] == 95
     assert_same_samples(load_all(hidden_dir(tmp_path, "x") / "files"), load_all(hidden_dir(clean_run, "x") / "files"))
 
 
@@ -165,7 +176,8 @@ def test_disk_preflight_refuses_before_any_server_starts(clean_run, tmp_path):
     proc = run_workflow(tmp_path, config, extra=["--until", "extract_hidden_states"], check=False)
     assert proc.returncode != 0
     log = (tmp_path / "results" / "x" / "logs" / "extract_hidden_states_replica_0.log").read_text()
-    assert "not enough disk for hidden states" in log and "97.66 KiB free" in log
+    assert "not enough disk for hidden states" in log
+    assert "97.66 KiB free" in log
     assert "starting vLLM" not in log
 
 
@@ -203,7 +215,8 @@ run_stage("extract_hidden_states", None, lambda log: extract_replica(prepared_di
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143, output[-3000:]
     assert "stage extract_hidden_states stopped by SIGTERM; the rerun resumes" in output
-    assert "Traceback" not in output and "FAILED" not in output
+    assert "Traceback" not in output
+    assert "FAILED" not in output
     wait_until(lambda: not vllm_processes(marker), 60, "the server's processes to end after SIGTERM (orphans)")
 
 
@@ -323,10 +336,13 @@ def test_a_stopped_engine_is_a_stall_not_progress(tiny_targets, tmp_path):
             proc.kill()
     assert proc.returncode == 1
     log = (tmp_path / "stage.log").read_text()
-    assert "no progress for" in log and "server alive but not answering" in log and "last server log lines" in log
+    assert "no progress for" in log
+    assert "server alive but not answering" in log
+    assert "last server log lines" in log
     assert "last sample finished" in log  # the bar said so before the limit
     progress = json.loads((tmp_path / "progress.json").read_text())
-    assert progress["state"] == "stalled" and progress["samples_done"] < 3000
+    assert progress["state"] == "stalled"
+    assert progress["samples_done"] < 3000
     assert_failed_block_is_last(log)
 
 
@@ -361,7 +377,8 @@ def test_greedy_cross_check_on_the_full_model(tiny_targets, tmp_path, monkeypatc
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     probes = json.loads((tmp_path / "manifest.json").read_text())
-    assert len(probes) == 6 and all(p["top_logprobs"] for p in probes)
+    assert len(probes) == 6
+    assert all(p["top_logprobs"] for p in probes)
     rows = greedy_cross_check(tiny_targets("llama"), tmp_path / "files", probes)
     if fault is None:
         assert all(r["ok"] for r in rows), rows

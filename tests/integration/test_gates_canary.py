@@ -86,7 +86,8 @@ def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
     assert report.canary_layer_ids == [2, 4, 6, 8]  # production's shape on the 8-layer tiny target
     assert set(report.layer_matches) == {"2", "4", "6", "8"}
     assert all(m["best"] == k for k, m in report.layer_matches.items())
-    assert not (tmp_path / "model").exists() and not (tmp_path / "scratch").exists(), "the slice is scratch"
+    assert not (tmp_path / "model").exists(), "the slice is scratch"
+    assert not (tmp_path / "scratch").exists(), "the slice is scratch"
 
 
 def with_fault(monkeypatch, fault: str) -> None:
@@ -121,7 +122,8 @@ def test_canary_names_every_remapped_layer(tiny_targets, tmp_path, monkeypatch, 
     with_fault(monkeypatch, fault)
     report = canary(tiny_targets("llama"), tmp_path)
     check = row(report, "layer-id convention")
-    assert not report.passed and not check.passed, report.checks
+    assert not report.passed, report.checks
+    assert not check.passed, report.checks
     wrong = {int(k): m["best"] for k, m in report.layer_matches.items() if m["best"] != k}
     assert wrong == REMAPS[fault], check.found
     for claimed, source in REMAPS[fault].items():
@@ -135,7 +137,8 @@ def test_canary_names_the_layers_of_a_shifted_deepseek(tiny_targets, tmp_path, m
     with_fault(monkeypatch, "shift_layers")
     report = canary(tiny_targets("deepseek_v3"), tmp_path)
     check = row(report, "layer-id convention")
-    assert not report.passed and not check.passed, report.checks
+    assert not report.passed, report.checks
+    assert not check.passed, report.checks
     assert {int(k): m["best"] for k, m in report.layer_matches.items()} == {2: "1", 4: "3", 6: "5", 8: "7"}
 
 
@@ -164,7 +167,9 @@ def test_canary_fails_loudly_on_a_scrambled_layer(tiny_targets, tmp_path):
     with pytest.raises(ServerFailure) as info:
         canary(target, tmp_path / "work")
     message = str(info.value)
-    assert "Traceback" in message and "last" in message and "server log lines" in message
+    assert "Traceback" in message
+    assert "last" in message
+    assert "server log lines" in message
     assert not (tmp_path / "work" / "model").exists(), "a failed canary leaves its truncated model behind"
 
 
@@ -186,7 +191,8 @@ def test_canary_catches_a_chat_template_mismatch(tiny_targets, tmp_path):
     report = canary(target, tmp_path / "work", samples, messages)
     assert not report.passed
     check = row(report, "server chat rendering")
-    assert not check.passed and "first difference" in check.found
+    assert not check.passed
+    assert "first difference" in check.found
 
 
 # ---------------------------------------------------------------- through Snakemake: extraction never starts
@@ -205,7 +211,8 @@ def test_workflow_stops_at_check_api_on_bad_layer_ids(tmp_path):
     proc = run_workflow(tmp_path, config, check=False)
     assert proc.returncode != 0
     log = (tmp_path / "results" / "badids" / "logs" / "check_api.log").read_text()
-    assert "FAIL" in log and "outside 1..8" in log
+    assert "FAIL" in log
+    assert "outside 1..8" in log
     assert not (tmp_path / "results" / "badids" / "checks" / "api_compat.json").exists()
     assert not (tmp_path / "results" / "badids" / "checks" / "canary.json").exists()
     assert_extraction_never_ran(tmp_path, "badids")
@@ -221,6 +228,7 @@ def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
     proc = run_workflow(tmp_path, config, check=False, env=env)
     assert proc.returncode != 0
     log = (tmp_path / "results" / "shifted" / "logs" / "canary.log").read_text()
-    assert "canary FAILED" in log and "layer-id convention" in log
+    assert "canary FAILED" in log
+    assert "layer-id convention" in log
     assert not (tmp_path / "results" / "shifted" / "checks" / "canary.json").exists()
     assert_extraction_never_ran(tmp_path, "shifted")

@@ -126,7 +126,8 @@ def test_two_four_gpu_jobs_get_disjoint_sets(tmp_path):
     seen = held_together(tmp_path, count=2, gpus=4)
     sets = [set(r["child_saw"].split(",")) for r in seen]
     assert all(len(s) == 4 for s in sets)
-    assert sets[0].isdisjoint(sets[1]) and sets[0] | sets[1] == {str(i) for i in range(8)}
+    assert sets[0].isdisjoint(sets[1])
+    assert sets[0] | sets[1] == {str(i) for i in range(8)}
 
 
 def test_a_killed_jobs_gpus_are_free_again(tmp_path):
@@ -273,7 +274,8 @@ def test_every_gpu_rule_declares_its_placement(tmp_path):
     for rule, lines in plan.items():
         for line in lines:
             if rule in GPU_RULES:
-                assert f"gpu={GPU_RULES[rule]}," in line and '"machine_gpus": 8' in line, (rule, line)
+                assert f"gpu={GPU_RULES[rule]}," in line, (rule, line)
+                assert '"machine_gpus": 8' in line, (rule, line)
             else:
                 assert "gpu_placement" not in line, (rule, line)
     for stage in (canary, evaluation, extraction, regenerate, training):
@@ -298,4 +300,5 @@ def test_real_gpu_stages_hold_their_devices(tmp_path):
     for job in ("canary", "extract_hidden_states_replica_0"):
         log_text = (tmp_path / "work" / "results" / "placed" / "logs" / f"{job}.log").read_text()
         held = [line for line in log_text.splitlines() if "gpu placement: holding GPU(s)" in line]
-        assert len(held) == 1 and " of 0,1 " in held[0], (job, held)
+        assert len(held) == 1, (job, held)
+        assert " of 0,1 " in held[0], (job, held)

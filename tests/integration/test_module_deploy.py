@@ -61,7 +61,8 @@ def deployed(tmp_path) -> Path:
 
     snakefile = dest / "workflow" / "Snakefile"
     text = snakefile.read_text()
-    assert "module eagle3:" in text and "use rule * from eagle3" in text, text
+    assert "module eagle3:" in text, text
+    assert "use rule * from eagle3" in text, text
     # the local provider's relative path -> the source's absolute path (see the module docstring)
     text, count = re.subn(r'snakefile:\s*\n\s*"Snakefile"', f'snakefile:\n        "{source}/Snakefile"', text)
     assert count == 1, text

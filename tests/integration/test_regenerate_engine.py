@@ -34,9 +34,11 @@ def test_real_regeneration_on_the_tiny_target(tiny_targets, tmp_path, caplog):
         run_subprocess(target, [prompts], out, stats_path, _cpu_config(magpie_prompts=4), logger)
     assert any("vLLM ready" in r.getMessage() for r in caplog.records), "the subprocess output reaches the log"
     stats = json.loads(stats_path.read_text())
-    assert stats["prompts_read"] == {str(prompts): 12} and stats["magpie_requested"] == 4
+    assert stats["prompts_read"] == {str(prompts): 12}
+    assert stats["magpie_requested"] == 4
     assert stats["conversations_written"] == len(out.read_text().splitlines()) > 0
-    assert stats["generated_tokens"] > 0 and stats["engine_ready_s"] > 0
+    assert stats["generated_tokens"] > 0
+    assert stats["engine_ready_s"] > 0
     tokenizer = AutoTokenizer.from_pretrained(target)
     result = prepare_conversations([(out, "sharegpt")], tokenizer, max_seq_len=256)
     assert len(result.samples) == stats["conversations_written"]
@@ -57,7 +59,8 @@ def test_a_failing_subprocess_is_a_stage_error_with_its_last_lines(tmp_path):
             _cpu_config(),
             logging.getLogger("eagle3.test_regenerate"),
         )
-    assert "exited with status 1" in str(info.value) and "no-model" in str(info.value)
+    assert "exited with status 1" in str(info.value)
+    assert "no-model" in str(info.value)
     assert not (tmp_path / "o.jsonl").exists()
 
 

@@ -130,7 +130,8 @@ def test_a_killed_launcher_leaves_nothing_holding_the_output(tmp_path):
         plain = int(child.head[0].split()[2])
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait() == -signal.SIGKILL
-        assert child._reader is not None and not child._reader.is_alive()  # the pipe closed: nothing holds it
+        assert child._reader is not None
+        assert not child._reader.is_alive()  # the pipe closed: nothing holds it
         wait_until(lambda: not alive({plain}), 60, "the orphaned worker to be killed")
 
 
@@ -143,7 +144,8 @@ def test_a_child_killed_by_a_signal_reports_it_and_failures_quote_the_traceback(
     with child:
         assert child.wait() == 1
     text = child.failure_text("it failed")
-    assert text.startswith("it failed\n") and "ZeroDivisionError: division by zero" in text
+    assert text.startswith("it failed\n")
+    assert "ZeroDivisionError: division by zero" in text
     assert "[c] Traceback" in (tmp_path / "log").read_text()
 
 
@@ -155,8 +157,10 @@ def test_no_progress_while_busy_fails_with_the_stall_message():
     with child, pytest.raises(ChildFailure) as failure:
         child.wait()
     message = str(failure.value)
-    assert "no progress for" in message and "engine alive but not answering" in message
-    assert "last words" in message and "@@eagle3" not in message  # markers stay out of logs and quotes
+    assert "no progress for" in message
+    assert "engine alive but not answering" in message
+    assert "last words" in message
+    assert "@@eagle3" not in message  # markers stay out of logs and quotes
 
 
 STAGE_WITH_A_CHILD = """
@@ -181,7 +185,9 @@ def test_sigterm_to_a_stage_is_one_line_exit_143_and_stops_its_children(tmp_path
     assert stage.proc.wait(timeout=60) == 143
     log = log_path.read_text()
     assert "stage demo stopped by SIGTERM; the rerun resumes" in log
-    assert "Traceback" not in log and "FAILED" not in log and "SystemExit" not in log
+    assert "Traceback" not in log
+    assert "FAILED" not in log
+    assert "SystemExit" not in log
     assert len([line for line in log.splitlines() if "SIGTERM" in line]) == 1
     wait_until(lambda: not alive(pids), 60, "the stage's children to end")
 
@@ -260,7 +266,8 @@ def test_a_stopped_engine_fails_regenerate_as_stalled(tiny_targets, tmp_path):
     pids = tree(stage.proc.pid)
     assert stage.proc.wait(timeout=120) == 1
     output = "\n".join(stage.lines)
-    assert "no progress for" in output and "engine alive but not answering" in output
+    assert "no progress for" in output
+    assert "engine alive but not answering" in output
     wait_until(lambda: not alive(pids), 60, "the stalled stage's tree to end")
 
 
@@ -304,4 +311,5 @@ def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_fo
     quoted = message.split("first traceback in the output of the vLLM server:\n", 1)[1].split("\nlast ", 1)[0]
     assert quoted.splitlines()[-1] == "ModuleNotFoundError: No module named 'eagle3_missing_connector'", quoted
     assert "did not stop" not in caplog.text
-    assert server.child is not None and not alive(tree(server.child.pid))
+    assert server.child is not None
+    assert not alive(tree(server.child.pid))

@@ -55,8 +55,10 @@ def test_profile_settings():
     assert "attempt" in resources["runtime"], "runtime must grow with the retry attempt"
     assert resources["nodes"] == "1"
     # nothing site-specific unless the site says so
-    assert "slurm_account" not in resources and "slurm_partition" not in resources
-    assert "slurm-status-command" not in profile and "slurm-no-account" not in profile
+    assert "slurm_account" not in resources
+    assert "slurm_partition" not in resources
+    assert "slurm-status-command" not in profile
+    assert "slurm-no-account" not in profile
 
 
 def test_profile_site_settings_from_file_and_environment(tmp_path):

@@ -36,9 +36,11 @@ def test_conversion_record(smollm2_target):
     out, record = smollm2_target
     assert (record.num_layers, record.hidden_size, record.vocab_size) == (30, 576, 49152)
     assert record.tie_word_embeddings is True  # the GGUF has no output.weight
-    assert record.greedy.passed and "Paris" in record.greedy.answer
+    assert record.greedy.passed
+    assert "Paris" in record.greedy.answer
     assert record.max_relative_weight_error < 2**-7
-    assert record.source["package_version"] == "0.1.2" and len(record.source["sha256"]) == 64
+    assert record.source["package_version"] == "0.1.2"
+    assert len(record.source["sha256"]) == 64
     assert json.loads((out / BUILD_RECORD).read_text())["greedy"]["answer"] == record.greedy.answer
 
 
@@ -50,14 +52,17 @@ def test_saved_directory_is_a_plain_bf16_model_with_the_chat_template(smollm2_ta
     out, _ = smollm2_target
     config = AutoConfig.from_pretrained(out)
     assert getattr(config, "quantization_config", None) is None
-    assert config.tie_word_embeddings and config.model_type == "llama"
+    assert config.tie_word_embeddings
+    assert config.model_type == "llama"
     raw = json.loads((out / "config.json").read_text())
-    assert raw["dtype"] == "bfloat16" and "_model_name_or_path" not in raw
+    assert raw["dtype"] == "bfloat16"
+    assert "_model_name_or_path" not in raw
     with safe_open(out / "model.safetensors", "pt") as handle:
         assert "lm_head.weight" not in handle.keys()  # tied: stored once, as the embedding
         assert str(handle.get_slice("model.embed_tokens.weight").get_dtype()) == "BF16"
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.model_max_length == 8192
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.model_max_length == 8192
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )

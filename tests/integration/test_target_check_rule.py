@@ -31,8 +31,10 @@ def test_check_target_asks_the_served_target_through_its_template(tmp_path):
     """The real rule on the tiny target: a plain vLLM server, /v1/chat/completions, the report written."""
     run_workflow(tmp_path, regenerating_config("sane", True), targets=["results/sane/checks/target_sanity.json"])
     report = json.loads((tmp_path / "results" / "sane" / "checks" / "target_sanity.json").read_text())
-    assert report["passed"] and len(report["answers"]) == len(SANITY_PROMPTS)
-    assert all(a["answer"].strip() and a["problem"] is None for a in report["answers"])
+    assert report["passed"]
+    assert len(report["answers"]) == len(SANITY_PROMPTS)
+    assert all(a["answer"].strip() for a in report["answers"])
+    assert all(a["problem"] is None for a in report["answers"])
     assert all(a["finish_reason"] in ("stop", "length") for a in report["answers"])
     from transformers import AutoTokenizer
 

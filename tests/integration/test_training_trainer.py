@@ -177,11 +177,15 @@ def test_metric_records_become_one_row_per_step_and_validation(logged_attempts):
     assert list(frame.columns[:5]) == ["attempt", "split", "epoch", "global_step", "loss"]
     assert {"loss_0", "loss_2", "full_acc_0", "full_acc_2", "cond_acc_1", "lr", "tokens_per_s"} <= set(frame.columns)
     first = frame.iloc[0]
-    assert first["loss"] == pytest.approx(6.0) and first["loss_1"] == pytest.approx(2.0)
+    assert first["loss"] == pytest.approx(6.0)
+    assert first["loss_1"] == pytest.approx(2.0)
     # the values themselves, not a console rendering rounded to 3 decimals
-    assert first["full_acc_2"] == 0.1 * 3 and first["lr"] == 0.00075
-    assert first["tokens_per_s"] == 1234.5 and first["error_records"] == 0.0
-    assert frame.iloc[2]["loss"] == pytest.approx(4.5) and frame.iloc[2]["full_acc_1"] == pytest.approx(0.2)
+    assert first["full_acc_2"] == 0.1 * 3
+    assert first["lr"] == 0.00075
+    assert first["tokens_per_s"] == 1234.5
+    assert first["error_records"] == 0.0
+    assert frame.iloc[2]["loss"] == pytest.approx(4.5)
+    assert frame.iloc[2]["full_acc_1"] == pytest.approx(0.2)
 
 
 def test_resumed_steps_come_from_the_last_attempt(logged_attempts):
@@ -223,7 +227,8 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
 
     metrics = pd.read_csv(draft / "metrics.csv")
     train = metrics[metrics["split"] == "train"]
-    assert list(train["global_step"]) == list(range(len(train))) and len(train) == summary.steps
+    assert list(train["global_step"]) == list(range(len(train)))
+    assert len(train) == summary.steps
     assert set(metrics[metrics["split"] == "val"]["epoch"]) == {0, 1}
     assert {"loss_0", "full_acc_0", "full_acc_2", "cond_acc_2"} <= set(metrics.columns)
     assert train["loss"].iloc[-1] < train["loss"].iloc[0]  # it learned something
@@ -231,10 +236,12 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
     model = Eagle3DraftModel.from_pretrained(str(draft))
     d2t = np.load(tmp_path / "train_work" / "data" / f"d2t-{TRAIN['draft_vocab_size']}.npy")
     assert (model.d2t.cpu().numpy() == d2t).all()
-    assert summary.resumed_from is None and summary.attempts == 1
+    assert summary.resumed_from is None
+    assert summary.attempts == 1
 
     again = run_training(train_inputs, tmp_path)  # a forced rerun: publishes the finished run, trains nothing
-    assert again.attempts == 1 and again.final_checkpoint == summary.final_checkpoint
+    assert again.attempts == 1
+    assert again.final_checkpoint == summary.final_checkpoint
     assert sha256(draft / "model.safetensors") == sha256(
         tmp_path / "train_work" / "checkpoints" / "1" / "model.safetensors"
     )
@@ -310,7 +317,8 @@ def test_killed_training_resumes_from_its_checkpoint_with_the_same_vocab_mapping
         out_dir=tmp_path / "draft",
         cpu_threads=2,
     )
-    assert summary.resumed_from is not None and summary.resumed_from.epoch == 0
+    assert summary.resumed_from is not None
+    assert summary.resumed_from.epoch == 0
     assert summary.attempts == 2
     assert summary.vocab_mapping_sha256 == mapping  # reused, not rebuilt
     assert {name: sha256(data / f"{name}-{TRAIN['draft_vocab_size']}.npy") for name in mapping} == mapping

@@ -57,7 +57,9 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys():
     config = tiny_config()
     config["extration"] = {"replicas": 2}
     (line,) = config_errors(config, SCHEMA)
-    assert "extration" in line and "extraction" in line and "hidden_states" in line
+    assert "extration" in line
+    assert "extraction" in line
+    assert "hidden_states" in line
 
 
 # ---------------------------------------------------------------- check_api: a config mistake is not an environment one
@@ -69,10 +71,12 @@ def test_layer_id_failures_name_the_key_not_the_environment(tiny_targets):
     report = api_report(tiny_targets("llama"), configured_layer_ids=[2, 2, 8])
     failed = [r for r in report.checks if not r.passed]
     assert [r.name for r in failed] == ["layer ids"]
-    assert "list each layer id once" in failed[0].found and "explicitly" not in failed[0].found
+    assert "list each layer id once" in failed[0].found
+    assert "explicitly" not in failed[0].found
     advice = failure_advice(failed)
     assert "change hidden_states.layer_ids" in advice
-    assert "envs/" not in advice and "environment" not in advice.lower()
+    assert "envs/" not in advice
+    assert "environment" not in advice.lower()
 
 
 def test_default_layer_ids_that_collide_ask_for_explicit_ids():
@@ -92,5 +96,7 @@ def test_environment_failures_name_the_package():
             CheckRow("speculators train fields", "TrainConfig has every flag", "missing ['ttt_steps']", False),
         ]
     )
-    assert "Environment" in advice and "Config" not in advice
-    assert "vllm: install" in advice and "speculators: install" in advice
+    assert "Environment" in advice
+    assert "Config" not in advice
+    assert "vllm: install" in advice
+    assert "speculators: install" in advice

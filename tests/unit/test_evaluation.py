@@ -76,7 +76,8 @@ def test_acceptance_length_counts_the_bonus_token():
     assert stats.draft_acceptance_rate == pytest.approx(0.4)
     # nothing accepted = one token per step, and a short vector is padded to k positions
     stats = acceptance_from_counters(SpecDecodeCounters(10, 30, 0, []), 3)
-    assert stats.mean_acceptance_length == 1.0 and stats.per_position_acceptance == [0.0, 0.0, 0.0]
+    assert stats.mean_acceptance_length == 1.0
+    assert stats.per_position_acceptance == [0.0, 0.0, 0.0]
 
 
 def test_no_drafts_is_a_failure_not_a_division_by_zero():
@@ -143,7 +144,8 @@ def test_heldout_prompts_render_with_the_chat_template_and_say_when_short(prepar
     assert prompt_set.prompts[0].origin.startswith("row 57 (")
     assert "only 7 usable prompts of the 10 requested" in " ".join(prompt_set.notes)
     text = tiny_tokenizer.decode(prompt_set.prompts[0].token_ids)
-    assert text.startswith("<|begin_of_text|>") and text.endswith("<|im_start|>assistant\n")
+    assert text.startswith("<|begin_of_text|>")
+    assert text.endswith("<|im_start|>assistant\n")
 
 
 def test_humaneval_prompts_come_from_the_package(tiny_tokenizer, tmp_path):
@@ -177,12 +179,16 @@ def test_compare_greedy_reports_the_first_divergence_with_the_reference_gap():
                            tolerance=0.0)  # fmt: skip
     assert [(m.prompt_index, m.position, m.expected_token, m.found_token) for m in found] == [(1, 1, 6, 9),
                                                                                               (2, 1, 9, None)]  # fmt: skip
-    assert found[0].logprob_gap == 0.0 and found[0].tolerated  # an exact tie
-    assert found[1].logprob_gap is None and not found[1].tolerated and found[1].found_text == "<end>"
+    assert found[0].logprob_gap == 0.0
+    assert found[0].tolerated  # an exact tie
+    assert found[1].logprob_gap is None
+    assert not found[1].tolerated
+    assert found[1].found_text == "<end>"
     logprobs[1][1] = {6: -0.40, 9: -0.55}
     strict = compare_greedy(reference, candidate, origins=["a", "b", "c"], reference_logprobs=logprobs,
                             tolerance=0.1)[0]  # fmt: skip
-    assert strict.logprob_gap == pytest.approx(0.15) and not strict.tolerated
+    assert strict.logprob_gap == pytest.approx(0.15)
+    assert not strict.tolerated
 
 
 def test_lossless_failure_shows_the_first_real_mismatch_readably():
@@ -191,7 +197,10 @@ def test_lossless_failure_shows_the_first_real_mismatch_readably():
                                 decode=lambda ids: "".join(chr(96 + i % 26) for i in ids))  # fmt: skip
     message = lossless_failure({"trained": mismatches, "untrained": []}, num_prompts=4, tolerance=0.0)
     assert "1/4 prompts with the trained draft, 0/4 prompts with the untrained draft" in message
-    assert "data.jsonl:7" in message and "token 12" in message and "token 99" in message and "1.9000" in message
+    assert "data.jsonl:7" in message
+    assert "token 12" in message
+    assert "token 99" in message
+    assert "1.9000" in message
     assert describe_mismatch("trained", mismatches[0]) in message
 
 
@@ -201,13 +210,18 @@ def test_lossless_failure_shows_the_first_real_mismatch_readably():
 def test_engine_kwargs_follow_the_vllm_config_and_device():
     cpu = measurement_engine_kwargs(VLLM_SETTINGS, target="/t", dtype="bfloat16", trust_remote_code=False, seed=0, device="cpu",
                         tensor_parallel_size=1, in_process=True)  # fmt: skip
-    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS["kv_cache_memory_bytes"] and cpu["enforce_eager"]
-    assert cpu["distributed_executor_backend"] == "uni" and cpu["disable_log_stats"] is False
+    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS["kv_cache_memory_bytes"]
+    assert cpu["enforce_eager"]
+    assert cpu["distributed_executor_backend"] == "uni"
+    assert cpu["disable_log_stats"] is False
     assert "gpu_memory_utilization" not in cpu
     gpu = measurement_engine_kwargs(VLLM_SETTINGS | {"kv_cache_memory_bytes": None}, target="/t", dtype="bfloat16",
                         trust_remote_code=True, seed=0, device="cuda", tensor_parallel_size=8, in_process=False)  # fmt: skip
-    assert gpu["gpu_memory_utilization"] == 0.85 and gpu["tensor_parallel_size"] == 8 and gpu["trust_remote_code"]
-    assert "distributed_executor_backend" not in gpu and "kv_cache_memory_bytes" not in gpu
+    assert gpu["gpu_memory_utilization"] == 0.85
+    assert gpu["tensor_parallel_size"] == 8
+    assert gpu["trust_remote_code"]
+    assert "distributed_executor_backend" not in gpu
+    assert "kv_cache_memory_bytes" not in gpu
     run = eagle3_run("trained", Path("draft"), 3)
     assert run.speculative_config == {"method": "eagle3", "model": str(Path("draft").resolve()),
                                       "num_speculative_tokens": 3}  # fmt: skip
@@ -215,7 +229,8 @@ def test_engine_kwargs_follow_the_vllm_config_and_device():
 
 def test_measurement_environment():
     env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
-    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert str(REPO / "workflow" / "scripts") in env["PYTHONPATH"].split(":")
     env = measurement_environment(device="cuda", cpu_threads=2, in_process=False)
@@ -254,8 +269,10 @@ def test_untrained_draft_has_the_trained_shape_vocab_and_frozen_tensors(scratch_
     assert baseline.frozen_tensors_differing == []
     trained, fresh = load_file(scratch_draft / "model.safetensors"), load_file(baseline.path / "model.safetensors")
     assert trained.keys() == fresh.keys()
-    assert all(trained[k].shape == fresh[k].shape and trained[k].dtype == fresh[k].dtype for k in trained)
-    assert (trained["d2t"] == fresh["d2t"]).all() and (trained["t2d"] == fresh["t2d"]).all()
+    assert all(trained[k].shape == fresh[k].shape for k in trained)
+    assert all(trained[k].dtype == fresh[k].dtype for k in trained)
+    assert (trained["d2t"] == fresh["d2t"]).all()
+    assert (trained["t2d"] == fresh["t2d"]).all()
     assert not (trained["fc.weight"] == fresh["fc.weight"]).all()  # fresh weights (another seed)
     config = read_json(baseline.path / "config.json")
     assert config["speculators_model_type"] == "eagle3"

@@ -79,8 +79,10 @@ def test_resume_scan_keeps_valid_and_redoes_partial(tmp_path):
     partial = tmp_path / "hs_1.safetensors"
     partial.write_bytes(partial.read_bytes()[:-10])
     done, todo, redone = resume_scan(samples, tmp_path, 4, 8)
-    assert [s.row for s in done] == [0] and [s.row for s in todo] == [1, 2]
-    assert 1 in redone and not partial.exists()
+    assert [s.row for s in done] == [0]
+    assert [s.row for s in todo] == [1, 2]
+    assert 1 in redone
+    assert not partial.exists()
 
 
 def test_disk_preflight_refuses_with_numbers(tmp_path):
@@ -88,7 +90,9 @@ def test_disk_preflight_refuses_with_numbers(tmp_path):
     with pytest.raises(StageError) as info:
         disk_preflight(samples, tmp_path, layer_count=4, hidden_size=4096, margin=1.1, available_override=10**6)
     message = str(info.value)
-    assert "not enough disk" in message and "1000 tokens" in message and "free" in message
+    assert "not enough disk" in message
+    assert "1000 tokens" in message
+    assert "free" in message
     disk_preflight(samples, tmp_path, layer_count=4, hidden_size=64, margin=1.1, available_override=10**9)
 
 
@@ -106,7 +110,8 @@ def test_fatal_signatures_and_traceback_quote():
         "INFO later",
     ]
     quoted = first_traceback(lines)
-    assert quoted.startswith("Traceback") and quoted.endswith("has no attribute 'embed_tokens'")
+    assert quoted.startswith("Traceback")
+    assert quoted.endswith("has no attribute 'embed_tokens'")
 
 
 def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
@@ -121,7 +126,8 @@ def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--model") + 1] == "/models/a b"  # one argv item: no shell, no quoting problem
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "8"
-    assert "--enable-scale-out" in cmd and "--trust-remote-code" not in cmd
+    assert "--enable-scale-out" in cmd
+    assert "--trust-remote-code" not in cmd
     assert not any("api-key" in part or "api_key" in part for part in cmd)
 
 
@@ -132,9 +138,13 @@ def test_greedy_check_row_accepts_ties_and_names_a_different_token():
     norm = torch.ones(3)
     state = torch.tensor([1.0, 0.999, 0.2])  # tokens 0 and 1: a bf16 tie
     tie = greedy_check_row(state, {"row": 3, "token_id": 1}, norm, head, 1e-6)
-    assert tie["ok"] and tie["recomputed_token"] == 0 and tie["logit_gap"] > 0
+    assert tie["ok"]
+    assert tie["recomputed_token"] == 0
+    assert tie["logit_gap"] > 0
     wrong = greedy_check_row(state, {"row": 3, "token_id": 2}, norm, head, 1e-6)
-    assert not wrong["ok"] and wrong["server_token"] == 2 and wrong["logit_gap"] > wrong["tolerance"]
+    assert not wrong["ok"]
+    assert wrong["server_token"] == 2
+    assert wrong["logit_gap"] > wrong["tolerance"]
 
 
 def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):

@@ -54,7 +54,8 @@ def test_check_api_catches_a_missing_connector_method(tiny_targets, arch, monkey
     monkeypatch.delattr(module.ExampleHiddenStatesConnector, "_submit_async_write")
     report = api_report(tiny_targets(arch))
     failed = failed_rows(report)
-    assert "connector write hook signature" in failed and "CPU connector internals" in failed
+    assert "connector write hook signature" in failed
+    assert "CPU connector internals" in failed
 
 
 def test_check_api_catches_a_changed_signature(tiny_targets, monkeypatch):
@@ -116,9 +117,11 @@ def test_canary_ids_have_the_shape_of_productions(layers):
     """Gaps everywhere, last id = K, a middle id: the shape that makes count-preserving remaps visible."""
     ids = canary_layer_ids(layers)
     assert id_set_shape_problems(ids, layers) == []
-    assert ids == sorted(set(ids)) and ids[0] >= 1
+    assert ids == sorted(set(ids))
+    assert ids[0] >= 1
     if layers >= 8:
-        assert len(ids) == 4 and ids[0] == 2  # production's count and first id
+        assert len(ids) == 4
+        assert ids[0] == 2  # production's count and first id
     # issue 13's remap (id k from layer k+1 whenever k+1 < N) moves at least one id of this set
     assert any(k + 1 < layers for k in ids)
 
@@ -175,7 +178,8 @@ def test_match_slots_passes_a_correct_capture_and_reports_the_margin():
     matches = match_slots(ids, labels, squared_distances(extracted, candidates), extracted.float().pow(2).sum((0, 2)))
     assert all(m.ok for m in matches)
     assert min(m.margin for m in matches) > 5
-    assert convention_row(matches, 8).passed and "weakest margin" in convention_row(matches, 8).found
+    assert convention_row(matches, 8).passed
+    assert "weakest margin" in convention_row(matches, 8).found
 
 
 def test_truncation_keeps_only_needed_tensors():
@@ -185,4 +189,6 @@ def test_truncation_keeps_only_needed_tensors():
     assert not keep_tensor("model.layers.61.eh_proj.weight", 3)  # DeepSeek MTP layer
     assert keep_tensor("lm_head.weight", 3)
     cfg = truncated_config({"num_hidden_layers": 8, "layer_types": ["a"] * 8, "num_nextn_predict_layers": 1}, 3)
-    assert cfg["num_hidden_layers"] == 3 and cfg["layer_types"] == ["a"] * 3 and "num_nextn_predict_layers" not in cfg
+    assert cfg["num_hidden_layers"] == 3
+    assert cfg["layer_types"] == ["a"] * 3
+    assert "num_nextn_predict_layers" not in cfg

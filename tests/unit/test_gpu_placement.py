@@ -36,7 +36,8 @@ def test_under_slurm_nothing_is_reassigned(tmp_path):
     env = {"SLURM_JOB_ID": "4242", "CUDA_VISIBLE_DEVICES": "5", "SLURM_JOB_GPUS": "5"}
     settings = PlacementSettings(gpus=1, lock_dir=tmp_path / "locks", machine_gpus=8)
     with hold_gpus(settings, LOG, env=env) as devices:
-        assert devices == ["5"] and env["CUDA_VISIBLE_DEVICES"] == "5"
+        assert devices == ["5"]
+        assert env["CUDA_VISIBLE_DEVICES"] == "5"
     assert env == {"SLURM_JOB_ID": "4242", "CUDA_VISIBLE_DEVICES": "5", "SLURM_JOB_GPUS": "5"}
     assert not (tmp_path / "locks").exists()
 
@@ -46,7 +47,8 @@ def test_jobs_sharing_one_slurm_allocation_split_it(tmp_path):
     settings = PlacementSettings(gpus=2, lock_dir=tmp_path)
     first_env, second_env = dict(env), dict(env)
     with hold_gpus(settings, LOG, env=first_env) as first, hold_gpus(settings, LOG, env=second_env) as second:
-        assert first == ["0", "1"] and second == ["2", "3"]
+        assert first == ["0", "1"]
+        assert second == ["2", "3"]
         assert second_env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert {p.name.split("-", 1)[1] for p in tmp_path.iterdir()} >= {"slurm7-gpu0.lock", "slurm7-gpu3.lock"}
 
@@ -67,14 +69,17 @@ def test_no_gpu_job_and_no_gpu_machine_change_nothing(tmp_path):
     # vllm.device auto/cpu on a machine without GPUs: the stages fall back to CPU as before
     with hold_gpus(PlacementSettings(gpus=1, lock_dir=tmp_path / "b", machine_gpus=0, device="auto"), LOG, env={}):
         pass
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "a").exists()
+    assert not (tmp_path / "b").exists()
     with pytest.raises(StageError, match="this machine has 0"):
         plan_placement(PlacementSettings(gpus=1, machine_gpus=0, device="cuda"), {}, lambda: 0)
 
 
 def test_user_cuda_visible_devices_restricts_the_pool():
     plan = plan_placement(PlacementSettings(gpus=1), {"CUDA_VISIBLE_DEVICES": "2,3"}, lambda: 8)
-    assert plan.pool == ("2", "3") and plan.count == 1 and not plan.keep
+    assert plan.pool == ("2", "3")
+    assert plan.count == 1
+    assert not plan.keep
 
 
 def test_count_machine_gpus_from_nvidia_smi():
@@ -103,5 +108,7 @@ def test_the_busy_message_names_the_live_holder_only(tmp_path):
             with hold_gpus(settings(2), LOG, env={}):
                 pass
     message = str(failure.value)
-    assert "GPU 0: pid" in message and "rule holder" in message, message
-    assert "GPU 1: free" in message and "rule first" not in message, message
+    assert "GPU 0: pid" in message, message
+    assert "rule holder" in message, message
+    assert "GPU 1: free" in message, message
+    assert "rule first" not in message, message

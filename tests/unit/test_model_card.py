@@ -60,20 +60,26 @@ def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
     card = (published / CARD_NAME).read_text()
     # acceptance trained vs untrained (synthetic: 1 + (70+50+30)/100 and 1 + 1/100), k and the ratio
     assert "| trained | **2.500** | 0.700 / 0.500 / 0.300 |" in card
-    assert "| untrained | **1.010** |" in card and "2.48x the untrained draft" in card
+    assert "| untrained | **1.010** |" in card
+    assert "2.48x the untrained draft" in card
     # the target, from its config.json where check_api's record has no target section
     assert "LlamaForCausalLM, 30 layers, hidden 576, vocabulary 49,152" in card
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card and "f" * 64 in card  # what a built target came from
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card
+    assert "f" * 64 in card  # what a built target came from
     # data size and training settings
-    assert "256 kept of 300 read" in card and "40,000 in all" in card and "21,000" in card
-    assert "| optimizer, lr | adamw, 0.0003 |" in card and "| epochs, steps | 10, n/a |" in card
+    assert "256 kept of 300 read" in card
+    assert "40,000 in all" in card
+    assert "21,000" in card
+    assert "| optimizer, lr | adamw, 0.0003 |" in card
+    assert "| epochs, steps | 10, n/a |" in card
     assert "16000 Magpie user turns" in card
     # provenance: commit and every published file with its hash
     assert "abc123" in card
     assert f"`{sha256_of(run_dir / 'draft' / 'model.safetensors')}`" in card
     # the command serves the target with this draft, k = 3, as evaluate_draft's speculative config
     argv = serve_line(card)
-    assert argv[:2] == ["vllm", "serve"] and argv[3] == "--speculative-config"
+    assert argv[:2] == ["vllm", "serve"]
+    assert argv[3] == "--speculative-config"
     spec = json.loads(argv[4])
     assert spec == {"method": "eagle3", "model": "<this folder or its hub id>", "num_speculative_tokens": 3}
 
@@ -103,4 +109,6 @@ def test_render_tolerates_missing_fields_and_says_n_a():
         CardInputs(run="r", config={}, target={}, manifest={}, training={}, acceptance={}, provenance={},
                    draft_files={})
     )  # fmt: skip
-    assert card.startswith("# EAGLE-3 draft") and "n/a" in card and "Lossless" in card
+    assert card.startswith("# EAGLE-3 draft")
+    assert "n/a" in card
+    assert "Lossless" in card

@@ -52,7 +52,8 @@ def test_mask_covers_exactly_the_assistant_turns(tiny_tokenizer, template):
     tokenizer = with_template(tiny_tokenizer, template)
     conv = tokenize_conversation(tokenizer, MULTI_TURN)
     text = decoded_assistant_text(tokenizer, conv)
-    assert "2 plus 2 is 4." in text and "3 times 3 is 9." in text
+    assert "2 plus 2 is 4." in text
+    assert "3 times 3 is 9." in text
     for leaked in ("You are terse", "What is 2 plus 2", "And 3 times 3", "system", "user"):
         assert leaked not in text, f"{leaked!r} is trained on"
     assert conv.input_ids == tokenizer(conv.text, add_special_tokens=False)["input_ids"]
@@ -69,8 +70,10 @@ def test_mask_matches_transformers_generation_mask(tiny_tokenizer):
     assert list(theirs["input_ids"]) == ours.input_ids
     reference = list(theirs["assistant_masks"])
     extra = [i for i, (a, b) in enumerate(zip(ours.loss_mask, reference, strict=True)) if a != b]
-    assert all(reference[i] == 0 and tokenizer.decode([ours.input_ids[i]]).strip() == "" for i in extra)
-    assert sum(reference) > 0 and sum(ours.loss_mask) >= sum(reference)
+    assert all(reference[i] == 0 for i in extra)
+    assert all(tokenizer.decode([ours.input_ids[i]]).strip() == "" for i in extra)
+    assert sum(reference) > 0
+    assert sum(ours.loss_mask) >= sum(reference)
 
 
 def test_end_of_turn_token_is_trained(tiny_tokenizer):
@@ -101,7 +104,8 @@ def test_sharegpt_messages_and_parquet_are_read(tiny_tokenizer, tmp_path):
     result = prepare_conversations(
         [(a, "sharegpt"), (b, "messages"), (c, "auto"), (d, "parquet")], tiny_tokenizer, max_seq_len=128
     )
-    assert len(result.samples) == 6 and result.manifest_counts["records_read"] == 6
+    assert len(result.samples) == 6
+    assert result.manifest_counts["records_read"] == 6
     assert sum(token_frequencies(result.samples).values()) == sum(sum(s.loss_mask) for s in result.samples)
 
 
@@ -120,7 +124,8 @@ def test_bad_record_fails_with_file_and_line(tiny_tokenizer, tmp_path, case):
     with pytest.raises(StageError) as info:
         prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
     message = str(info.value)
-    assert f"{path}:2" in message and "on_bad_record: skip" in message
+    assert f"{path}:2" in message
+    assert "on_bad_record: skip" in message
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
@@ -144,9 +149,11 @@ def test_overlength_drop_and_truncate(tiny_tokenizer, tmp_path):
     long_answer = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "word " * 200}]}
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_answer])
     dropped = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=64, overlength="drop")
-    assert len(dropped.samples) == 1 and dropped.manifest_counts["dropped"] == {"overlength": 1}
+    assert len(dropped.samples) == 1
+    assert dropped.manifest_counts["dropped"] == {"overlength": 1}
     truncated = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=64, overlength="truncate")
-    assert len(truncated.samples) == 2 and truncated.manifest_counts["truncated"] == 1
+    assert len(truncated.samples) == 2
+    assert truncated.manifest_counts["truncated"] == 1
     assert max(len(s.input_ids) for s in truncated.samples) == 64
 
 
@@ -169,9 +176,11 @@ def test_empty_turn_is_a_bad_record_with_file_and_line(tiny_tokenizer, tmp_path)
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, EMPTY_TURN])
     with pytest.raises(StageError) as info:
         prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
-    assert f"{path}:2" in str(info.value) and "empty_turn" in str(info.value)
+    assert f"{path}:2" in str(info.value)
+    assert "empty_turn" in str(info.value)
     result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
-    assert len(result.samples) == 1 and result.manifest_counts["dropped"] == {"empty_turn": 1}
+    assert len(result.samples) == 1
+    assert result.manifest_counts["dropped"] == {"empty_turn": 1}
 
 
 def test_non_utf8_line_is_a_bad_record_and_skip_skips_it(tiny_tokenizer, tmp_path):
@@ -180,9 +189,11 @@ def test_non_utf8_line_is_a_bad_record_and_skip_skips_it(tiny_tokenizer, tmp_pat
     path.write_bytes(b"\n".join([json.dumps(GOOD).encode(), bad_line, json.dumps(GOOD).encode()]) + b"\n")
     with pytest.raises(StageError) as info:
         prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
-    assert f"{path}:2" in str(info.value) and "not_utf8" in str(info.value)
+    assert f"{path}:2" in str(info.value)
+    assert "not_utf8" in str(info.value)
     result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
-    assert len(result.samples) == 2 and result.manifest_counts["dropped"] == {"not_utf8": 1}
+    assert len(result.samples) == 2
+    assert result.manifest_counts["dropped"] == {"not_utf8": 1}
 
 
 def test_non_utf8_json_array_names_file_and_line(tiny_tokenizer, tmp_path):
@@ -190,7 +201,8 @@ def test_non_utf8_json_array_names_file_and_line(tiny_tokenizer, tmp_path):
     path.write_bytes(b'[\n{"conversations": []},\n{"x": "\xff"}\n]\n')
     with pytest.raises(StageError) as info:
         prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
-    assert f"{path}:3" in str(info.value) and "not_utf8" in str(info.value)
+    assert f"{path}:3" in str(info.value)
+    assert "not_utf8" in str(info.value)
 
 
 def test_each_record_counted_under_one_outcome(tiny_tokenizer, tmp_path):
@@ -200,7 +212,8 @@ def test_each_record_counted_under_one_outcome(tiny_tokenizer, tmp_path):
     result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=32, on_bad_record="skip")
     counts = result.manifest_counts
     # long_user was truncated, then dropped for no assistant tokens: dropped only, not also truncated
-    assert counts["dropped"] == {"no_assistant_tokens": 1} and counts["truncated"] == 1
+    assert counts["dropped"] == {"no_assistant_tokens": 1}
+    assert counts["truncated"] == 1
     assert counts["records_read"] == len(result.samples) + sum(counts["dropped"].values())
     capped = prepare_conversations(
         [(path, "auto")], tiny_tokenizer, max_seq_len=32, on_bad_record="skip", max_samples=1, seed=1
@@ -222,7 +235,9 @@ def test_declared_format_mismatch_names_the_format_that_fits(tiny_tokenizer, tmp
     with pytest.raises(StageError) as info:
         prepare_conversations([(path, "messages")], tiny_tokenizer, max_seq_len=128)
     message = str(info.value)
-    assert "format_mismatch" in message and "does not match" in message and "format: sharegpt" in message
+    assert "format_mismatch" in message
+    assert "does not match" in message
+    assert "format: sharegpt" in message
     assert "neither" not in message
 
 
@@ -230,7 +245,8 @@ def test_skip_with_nothing_kept_lists_every_bad_record(tiny_tokenizer, tmp_path)
     path = write_jsonl(tmp_path / "data.jsonl", [BAD_CASES["invalid_record"], EMPTY_TURN])
     with pytest.raises(StageError, match="no record survived") as info:
         prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
-    assert f"{path}:1" in str(info.value) and f"{path}:2" in str(info.value)
+    assert f"{path}:1" in str(info.value)
+    assert f"{path}:2" in str(info.value)
 
 
 def test_bad_record_table_wraps_long_details_instead_of_cutting(tiny_tokenizer, tmp_path):
@@ -241,4 +257,5 @@ def test_bad_record_table_wraps_long_details_instead_of_cutting(tiny_tokenizer, 
     message = str(info.value)
     assert "last_key_visible" in message
     table = [line for line in message.splitlines() if " | " in line]
-    assert len(table) > 2 and max(len(line) for line in table) <= len(f"{path}:1") + len(" | invalid_record | ") + 80
+    assert len(table) > 2
+    assert max(len(line) for line in table) <= len(f"{path}:1") + len(" | invalid_record | ") + 80

@@ -39,12 +39,15 @@ def test_smollm2_gpu_preset_says_what_the_issue_asks():
     """One H200, self-distilled at GPU scale, all 164 HumanEval prompts at k = 3, lossless check on, and the
     torch 2.11 workaround the H200 run needed."""
     config = with_defaults(load_preset(GPU_SMOLLM2))
-    assert config["run"] == GPU_SMOLLM2 and config["target"]["build"]["kind"] == "smollm2"
+    assert config["run"] == GPU_SMOLLM2
+    assert config["target"]["build"]["kind"] == "smollm2"
     assert config["vllm"]["device"] == "cuda"
     assert config["extraction"]["gpus_per_replica"] == config["train"]["gpus"] == config["evaluate"]["gpus"] == 1
     regenerate = config["regenerate"]
-    assert regenerate["enabled"] and regenerate["magpie_prompts"] >= 15_000, "~2/3 of Magpie turns survive: >= 10k"
-    assert config["data"]["max_samples"] is None and config["data"]["sources"] == []
+    assert regenerate["enabled"], "~2/3 of Magpie turns survive: >= 10k"
+    assert regenerate["magpie_prompts"] >= 15_000, "~2/3 of Magpie turns survive: >= 10k"
+    assert config["data"]["max_samples"] is None
+    assert config["data"]["sources"] == []
     evaluate = config["evaluate"]
     assert (evaluate["prompts"], evaluate["num_prompts"], evaluate["num_speculative_tokens"]) == ("humaneval", 164, 3)
     assert evaluate["lossless_logprob_tolerance"] < 0.5

@@ -19,5 +19,6 @@ def test_git_state_reads_the_workflow_checkout_not_the_working_directory(tmp_pat
 
 def test_git_state_says_which_folder_is_not_a_checkout(tmp_path):
     commit, dirty = git_state(tmp_path)
-    assert commit.startswith("unknown") and str(tmp_path) in commit
+    assert commit.startswith("unknown")
+    assert str(tmp_path) in commit
     assert dirty is False

@@ -131,8 +131,10 @@ def test_bad_prompt_records_fail_with_file_and_line(tmp_path):
         read_prompt_file(path)
     message = str(info.value)
     assert "2 unusable record(s)" in message
-    assert "p.jsonl:2" in message and "no user turn" in message
-    assert "p.jsonl:3" in message and "neither 'conversations'" in message
+    assert "p.jsonl:2" in message
+    assert "no user turn" in message
+    assert "p.jsonl:3" in message
+    assert "neither 'conversations'" in message
 
 
 def test_malformed_json_line_fails_with_its_line(tmp_path):
@@ -202,10 +204,12 @@ def test_end_of_turn_is_a_stop_token_when_it_is_one_token_else_a_stop_string(tok
     tokenizer = tokenizer_with_template()
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     stop = end_of_turn_stop(tokenizer, "<|im_end|>\n")
-    assert stop.token_ids == [im_end] and stop.strings == []
+    assert stop.token_ids == [im_end]
+    assert stop.strings == []
     # the tiny vocabulary has no <|eot_id|> token: the marker must be matched as text
     stop = end_of_turn_stop(tokenizer, "<|eot_id|>")
-    assert stop.strings == ["<|eot_id|>"] and stop.token_ids == [tokenizer.eos_token_id]
+    assert stop.strings == ["<|eot_id|>"]
+    assert stop.token_ids == [tokenizer.eos_token_id]
 
 
 def test_a_template_that_repeats_the_content_is_refused(tokenizer_with_template):
@@ -229,7 +233,8 @@ def test_magpie_samples_distinct_seeds_from_the_prefix_and_filters(tokenizer_wit
     result = generate_magpie_prompts(tokenizer, target, count=5, max_tokens=16, min_chars=5, temperature=1.0, seed=3)
     prompts, sampling = target.calls[0]
     assert prompts == ["<|begin_of_text|><|im_start|>user\n"] * 5  # the prefix, tokenized once, no extra BOS
-    assert len({s.seed for s in sampling}) == 5 and all(s.temperature == 1.0 for s in sampling)
+    assert len({s.seed for s in sampling}) == 5
+    assert all(s.temperature == 1.0 for s in sampling)
     assert all(s.stop_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")] for s in sampling)
     assert [p.messages[0]["content"] for p in result.prompts] == ["Why is the sea salty?"] * 2  # dedup comes later
     assert result.dropped == {"empty": 1, "unfinished": 1, "too_short": 1}
@@ -257,7 +262,8 @@ def test_multi_turn_answers_see_the_earlier_regenerated_answers(tokenizer_with_t
     )
     assert [m["content"] for m in result.conversations[0].messages] == ["one", "answer 1", "two", "answer 2"]
     second_round_prompt = target.calls[1][0][0]
-    assert "answer 1<|im_end|>" in second_round_prompt and "stale" not in second_round_prompt
+    assert "answer 1<|im_end|>" in second_round_prompt
+    assert "stale" not in second_round_prompt
     assert second_round_prompt.endswith("<|im_start|>assistant\n")
     assert conversation.messages[1]["content"] == ""  # the input is not modified
 
@@ -301,7 +307,8 @@ def test_regenerate_writes_sharegpt_that_prepare_data_accepts(tokenizer_with_tem
     out = tmp_path / "regenerated.jsonl"
     write_jsonl_atomic(out, records)
     result = prepare_conversations([(out, "sharegpt")], tokenizer, max_seq_len=256)
-    assert len(result.samples) == 3 and not result.bad_records
+    assert len(result.samples) == 3
+    assert not result.bad_records
 
 
 def test_max_prompts_caps_after_deduplication(tokenizer_with_template, tmp_path):
@@ -340,7 +347,8 @@ def test_engine_kwargs_follow_the_vllm_section():
         "regenerate": {"seed": 7},
     }
     kwargs = regeneration_engine_kwargs(Path("/m"), config)
-    assert kwargs["kv_cache_memory_bytes"] == 1 << 28 and "gpu_memory_utilization" not in kwargs
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 28
+    assert "gpu_memory_utilization" not in kwargs
     assert (kwargs["dtype"], kwargs["seed"], kwargs["trust_remote_code"]) == ("bfloat16", 7, False)
     config["vllm"]["kv_cache_memory_bytes"] = None
     assert regeneration_engine_kwargs(Path("/m"), config)["gpu_memory_utilization"] == 0.85
@@ -378,7 +386,8 @@ def test_shipped_prompts_are_unique():
     unique, duplicates = deduplicate(
         PromptConversation(answer_slots([{"role": "user", "content": t}]), "") for t in _shipped_prompt_texts()
     )
-    assert duplicates == 0 and len(unique) >= 300
+    assert duplicates == 0
+    assert len(unique) >= 300
 
 
 def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
@@ -388,5 +397,7 @@ def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     env = subprocess_env({"vllm": {"cpu_threads": 2}})
-    assert "MKL_NUM_THREADS" not in env and "OPENBLAS_NUM_THREADS" not in env
-    assert env["OMP_NUM_THREADS"] == "2" and env["PYTHONPATH"].split(os.pathsep)[0].endswith("workflow/scripts")
+    assert "MKL_NUM_THREADS" not in env
+    assert "OPENBLAS_NUM_THREADS" not in env
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("workflow/scripts")

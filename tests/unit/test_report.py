@@ -41,11 +41,15 @@ def test_summarize_writes_every_figure_and_table(run_dir):
     summarize_run(inputs, outputs)
     for field in dataclasses.fields(outputs):
         path = getattr(outputs, field.name)
-        assert path.exists() and path.stat().st_size > 200, path
+        assert path.exists(), path
+        assert path.stat().st_size > 200, path
     summary = outputs.summary.read_text()
-    assert "1.5" in summary and "abc123" in summary  # trained acceptance length 1 + 150/100, git commit
+    assert "1.5" in summary
+    assert "abc123" in summary  # trained acceptance length 1 + 150/100, git commit
     table = outputs.acceptance_table.read_text()
-    assert "pos 3" in table and "Greedy divergences" in table and "indicative only" in table
+    assert "pos 3" in table
+    assert "Greedy divergences" in table
+    assert "indicative only" in table
     assert "<svg" in outputs.training.read_text()
     assert "FAIL" not in outputs.gates.read_text()
 
@@ -92,4 +96,5 @@ def test_nested_report_command_reads_the_same_workflow_without_the_lock():
     cmd = nested_report_command("/wf/Snakefile", Path("/w/cfg.json"), Path("results/t/report.html"), python="py")
     assert cmd[:3] == ["py", "-m", "snakemake"]
     assert ["--configfile", "/w/cfg.json"] == cmd[cmd.index("--configfile") : cmd.index("--configfile") + 2]
-    assert "--nolock" in cmd and cmd[-2:] == ["--report", "results/t/report.html"]
+    assert "--nolock" in cmd
+    assert cmd[-2:] == ["--report", "results/t/report.html"]

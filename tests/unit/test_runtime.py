@@ -45,7 +45,8 @@ def test_first_traceback_quotes_the_exception_line_of_real_vllm_failures(log_nam
     quoted = first_traceback(lines)
     assert quoted.splitlines()[0] == "Traceback (most recent call last):"
     assert quoted.splitlines()[-1].startswith(exception_line), quoted
-    assert "pid=" not in quoted and "[core.py" not in quoted
+    assert "pid=" not in quoted
+    assert "[core.py" not in quoted
 
 
 def test_first_traceback_of_torchrun_ranks_and_no_traceback():
@@ -62,11 +63,13 @@ def test_progress_watch_adapts_to_the_pace_with_a_floor():
     watch = ProgressWatch(floor_s=10, factor=20)
     assert watch.stalled_for(1000.0) is None  # not armed: an engine loading is not watched
     watch.observe(BUSY_MARKER, 0.0)
-    assert watch.stalled_for(9.0) is None and watch.stalled_for(11.0) == 11.0  # the floor bounds the first item
+    assert watch.stalled_for(9.0) is None
+    assert watch.stalled_for(11.0) == 11.0  # the floor bounds the first item
     watch.observe(PROGRESS_MARKER, 5.0)
     watch.observe(PROGRESS_MARKER, 7.0)  # slowest interval so far: 5 s -> limit 100 s
     assert watch.limit_s() == 100.0
-    assert watch.stalled_for(100.0) is None and watch.stalled_for(108.0) == 101.0
+    assert watch.stalled_for(100.0) is None
+    assert watch.stalled_for(108.0) == 101.0
     watch.observe("@@eagle3 idle", 200.0)
     assert watch.stalled_for(10_000.0) is None
 

@@ -44,7 +44,9 @@ def test_one_bad_answer_fails_the_report_with_a_clear_message():
     report = judge("/m", 32, [2], answers)
     assert not report.passed
     message = failure_message(report)
-    assert "1 of 3" in message and "base (not instruct)" in message and "target_check.enabled: false" in message
+    assert "1 of 3" in message
+    assert "base (not instruct)" in message
+    assert "target_check.enabled: false" in message
 
 
 # ---------------------------------------------------------------- the stop set from the template's end-of-turn
@@ -89,14 +91,16 @@ def test_stop_set_holds_the_templates_end_of_turn_and_eos(turn_tokenizer, templa
     stop = assistant_stop_set(tokenizer)
     assert tokenizer.convert_tokens_to_ids(end_of_turn) in stop.token_ids
     assert tokenizer.eos_token_id in stop.token_ids
-    assert stop.strings == [] and stop.end_of_turn.startswith(end_of_turn)
+    assert stop.strings == []
+    assert stop.end_of_turn.startswith(end_of_turn)
 
 
 def test_a_plain_text_end_of_turn_is_a_stop_string(turn_tokenizer):
     tokenizer = copy.deepcopy(turn_tokenizer)
     tokenizer.chat_template = PLAIN_TEXT
     stop = assistant_stop_set(tokenizer)
-    assert stop.strings == ["### End"] and stop.token_ids == [tokenizer.eos_token_id]
+    assert stop.strings == ["### End"]
+    assert stop.token_ids == [tokenizer.eos_token_id]
 
 
 # ---------------------------------------------------------------- check_api: an architecture vLLM cannot capture
@@ -119,10 +123,13 @@ def test_check_api_lists_the_architectures_this_vllm_can_capture(tiny_targets, t
     assert "supports_eagle3=False" in failed[0].found
     capable = eagle3_capable_architectures()  # read from the installed vLLM's registry
     assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"} <= set(capable)
-    assert "GPT2LMHeadModel" not in capable and not any("Eagle" in a for a in capable)
+    assert "GPT2LMHeadModel" not in capable
+    assert not any("Eagle" in a for a in capable)
     advice = failure_advice(failed, capable)
-    assert "this vLLM cannot capture" in advice and "Environment" not in advice
-    assert "LlamaForCausalLM" in advice and f"these {len(capable)}" in advice
+    assert "this vLLM cannot capture" in advice
+    assert "Environment" not in advice
+    assert "LlamaForCausalLM" in advice
+    assert f"these {len(capable)}" in advice
 
 
 # ---------------------------------------------------------------- group-readable artefacts
@@ -186,8 +193,10 @@ def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, t
     prompts.write_text("Name a colour.\n")
     settings = {"magpie_prompts": 0, "max_prompts": None, "max_tokens": 8, "temperature": 0.0, "seed": 0}
     _, stats = regenerate(tokenizer, generate, [prompts], settings | {"max_model_len": 512})
-    assert requests and all(end_of_turn in s.stop_token_ids for s in requests)
-    assert end_of_turn in stats.stop_token_ids and tokenizer.eos_token_id in stats.stop_token_ids
+    assert requests
+    assert all(end_of_turn in s.stop_token_ids for s in requests)
+    assert end_of_turn in stats.stop_token_ids
+    assert tokenizer.eos_token_id in stats.stop_token_ids
 
 
 def test_evaluation_sampling_carries_the_stop_set_to_the_measurement_process():

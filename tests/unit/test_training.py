@@ -87,7 +87,8 @@ def test_gpu_commands_use_speculators_defaults_and_torchrun_for_several_gpus():
     settings = TrainSettings.from_config({**TRAIN, "gpus": 8})
     single = build_train_command(settings, paths(), TrainDevice("cuda", 1), target_layer_ids=[2, 4, 5], python="py")
     assert single[:3] == ["py", "-m", "eagle3_workflow.trainer_entry"]
-    assert "--draft-attn-impl" not in single and "--loss-implementation" not in single  # flex + fused
+    assert "--draft-attn-impl" not in single
+    assert "--loss-implementation" not in single  # flex + fused
     multi = build_train_command(
         settings, paths(), TrainDevice("cuda", 8), target_layer_ids=[2, 4, 5], python="py", trust_remote_code=True
     )
@@ -112,10 +113,15 @@ def test_command_resolves_in_speculators_own_config():
     command = build_train_command(settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5])
     flat = TrainConfig.resolve(command[3:]).flatten()
     assert flat["target_layer_ids"] == [2, 4, 5]
-    assert flat["draft_vocab_size"] == 256 and flat["epochs"] == 2 and flat["lr"] == 0.003
-    assert flat["checkpoint_freq"] == 0.5 and flat["train_data_ratio"] == 0.75
-    assert flat["draft_attn_impl"] == "sdpa" and flat["loss_implementation"] == "eager"
-    assert flat["on_missing"] == "raise" and flat["speculator_type"] == "eagle3"
+    assert flat["draft_vocab_size"] == 256
+    assert flat["epochs"] == 2
+    assert flat["lr"] == 0.003
+    assert flat["checkpoint_freq"] == 0.5
+    assert flat["train_data_ratio"] == 0.75
+    assert flat["draft_attn_impl"] == "sdpa"
+    assert flat["loss_implementation"] == "eager"
+    assert flat["on_missing"] == "raise"
+    assert flat["speculator_type"] == "eagle3"
     used = {a[2:].replace("-", "_") for a in command[3:] if a.startswith("--")}
     assert used <= set(TRAINER_FIELDS_USED) <= set(flat)
 
@@ -254,7 +260,8 @@ def test_half_written_checkpoints_are_dropped_so_resume_takes_the_last_complete_
     removed = drop_incomplete_checkpoints(save)
     assert [r.split(":")[0] for r in removed] == ["2", "1"]
     info = latest_checkpoint(save)
-    assert info.epoch == 0 and info.global_step == 3
+    assert info.epoch == 0
+    assert info.global_step == 3
 
 
 def test_staging_links_the_dataset_token_freq_and_hidden_states(tmp_path):
