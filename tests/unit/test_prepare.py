@@ -169,31 +169,31 @@ def test_missing_source_is_named(tiny_tokenizer, tmp_path):
         prepare_conversations([(tmp_path / "nope.jsonl", "auto")], tiny_tokenizer, max_seq_len=128)
 
 
+def assert_one_bad_record(tokenizer, path: Path, *, line: int, reason: str, kept: int) -> None:
+    """on_bad_record fail: the error names the record's file:line and reason; skip: the other records are kept and
+    the reason counted once."""
+    with pytest.raises(StageError) as info:
+        prepare_conversations([(path, "auto")], tokenizer, max_seq_len=128)
+    assert f"{path}:{line}" in str(info.value)
+    assert reason in str(info.value)
+    result = prepare_conversations([(path, "auto")], tokenizer, max_seq_len=128, on_bad_record="skip")
+    assert len(result.samples) == kept
+    assert result.manifest_counts["dropped"] == {reason: 1}
+
+
 EMPTY_TURN = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "  "}]}
 
 
 def test_empty_turn_is_a_bad_record_with_file_and_line(tiny_tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, EMPTY_TURN])
-    with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
-    assert f"{path}:2" in str(info.value)
-    assert "empty_turn" in str(info.value)
-    result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
-    assert len(result.samples) == 1
-    assert result.manifest_counts["dropped"] == {"empty_turn": 1}
+    assert_one_bad_record(tiny_tokenizer, path, line=2, reason="empty_turn", kept=1)
 
 
 def test_non_utf8_line_is_a_bad_record_and_skip_skips_it(tiny_tokenizer, tmp_path):
     path = tmp_path / "data.jsonl"
     bad_line = json.dumps(GOOD).replace("hello", "h\xe9llo").encode("latin-1")  # é as one latin-1 byte
     path.write_bytes(b"\n".join([json.dumps(GOOD).encode(), bad_line, json.dumps(GOOD).encode()]) + b"\n")
-    with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
-    assert f"{path}:2" in str(info.value)
-    assert "not_utf8" in str(info.value)
-    result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
-    assert len(result.samples) == 2
-    assert result.manifest_counts["dropped"] == {"not_utf8": 1}
+    assert_one_bad_record(tiny_tokenizer, path, line=2, reason="not_utf8", kept=2)
 
 
 def test_non_utf8_json_array_names_file_and_line(tiny_tokenizer, tmp_path):
