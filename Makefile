@@ -50,10 +50,10 @@ test-fast: setup
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
 test-integration: setup
-	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile tests/integration $(PYTEST_ARGS)
 
 test-e2e: setup
-	$(VENV)/bin/pytest tests/e2e $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile tests/e2e $(PYTEST_ARGS)
 
 install-profile:
 	mkdir -p "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,14 @@ MULTI_TURN = [
     {"role": "user", "content": "And 3 times 3?"},
     {"role": "assistant", "content": "3 times 3 is 9."},
 ]
+
+
+@pytest.fixture
+def tmp_path():
+    """A short directory instead of pytest's: the bad-record table wraps a cell over 80 characters, and pytest's
+    tmp_path (longer under xdist, .../popen-gw1/<test name>/) split the file:line these tests look for."""
+    with tempfile.TemporaryDirectory(prefix="prepare-") as directory:
+        yield Path(directory)
 
 
 def with_template(tokenizer, template):
