@@ -42,7 +42,7 @@ format: setup
 	$(VENV)/bin/snakefmt Snakefile workflow/rules
 
 # The suite by folder (README.md, "Tests"): `test` runs all of it after lint, as CI does (.ci/run); `test-fast` is
-# the edit loop, tests/unit only (pure functions in-process: no vLLM server, no Snakemake run; well under 2 min here).
+# the edit loop, tests/unit only (pure functions in-process: no vLLM server, no Snakemake run; about 1 min here).
 test: setup lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 

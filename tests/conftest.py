@@ -267,6 +267,8 @@ def pytest_collection_modifyitems(config, items):
     same tests. A test file outside these folders and tests/gpu, or a slow-marked test in tests/unit (the edit
     loop), is refused."""
     for item in items:
+        if not item.path.is_relative_to(TESTS):  # a path outside tests/ given on the command line
+            continue
         parts = item.path.relative_to(TESTS).parts
         folder = parts[0] if len(parts) > 1 else None
         if folder == "gpu":
