@@ -4,7 +4,6 @@ untrained baseline, and writes acceptance.json with sane numbers and lossless=Tr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 from conftest import TINY_DATA, run_workflow, tiny_config
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
-from eagle3_workflow.contracts import AcceptanceReport, read_json
+from eagle3_workflow.artefacts import AcceptanceReport, load
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.launch import (
@@ -244,20 +243,20 @@ def test_measurement_environment():
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env or env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
 
 
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")  # the bad spec is written unchecked on purpose
 def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
-    @dataclasses.dataclass
-    class RunFromANewerWriter(MeasurementRun):
-        unexpected: str = "field"  # the child cannot rebuild the spec: a TypeError before vLLM is imported
-
-    spec = MeasurementSpec(engine={}, prompts=[[1, 2]], max_tokens=4, timing_repeats=1,
-                           runs=[RunFromANewerWriter("trained", None)])  # fmt: skip
+    # prompts that are not token ids, written unchecked: the child's artefacts.load refuses the spec before it
+    # imports vLLM, and exits 1 with the cause and its traceback in the log
+    spec = MeasurementSpec.model_construct(engine={}, prompts=["not token ids"], max_tokens=4, timing_repeats=1,
+                                           runs=[], top_logprobs=5, stop_token_ids=[], stop=[])  # fmt: skip
     env = measurement_environment(device="cpu", cpu_threads=None, in_process=True)
     log_path = tmp_path / "eval.log"
     with pytest.raises(StageError) as failure:
         run_measurement_process(spec, tmp_path, "m", env=env, log_path=log_path, timeout_s=120)
     message = str(failure.value)
     assert "exited with code 1" in message and "Traceback (most recent call last)" in message
-    assert "TypeError" in message and "unexpected" in message
+    assert "ArtefactError" in message and "m.spec.json is not a valid MeasurementSpec" in message
+    assert "prompts.0: Input should be a valid list" in message
     assert "[eval-vllm]" in log_path.read_text()
 
 
@@ -296,7 +295,7 @@ def test_untrained_draft_has_the_trained_shape_vocab_and_frozen_tensors(scratch_
     assert all(trained[k].shape == fresh[k].shape and trained[k].dtype == fresh[k].dtype for k in trained)
     assert (trained["d2t"] == fresh["d2t"]).all() and (trained["t2d"] == fresh["t2d"]).all()
     assert not (trained["fc.weight"] == fresh["fc.weight"]).all()  # fresh weights (another seed)
-    config = read_json(baseline.path / "config.json")
+    config = json.loads((baseline.path / "config.json").read_text())  # speculators' file, checked key by key
     assert config["speculators_model_type"] == "eagle3"
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(Path(prepared["target"]).resolve())
 
@@ -316,7 +315,7 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
                         extra=["--rerun-triggers=mtime"], timeout=900)  # fmt: skip
     assert re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE) == ["evaluate_draft"]
 
-    report = AcceptanceReport.from_dict(read_json(tmp_path / "results/t/eval/acceptance.json"))
+    report = load(AcceptanceReport, tmp_path / "results/t/eval/acceptance.json")
     assert report.lossless and report.lossless_mismatches == 0
     assert report.num_prompts == 8 and report.prompt_source == "heldout" and report.device == "cpu"
     assert report.vllm_version and report.no_speculation_tokens_per_s > 0
@@ -333,7 +332,7 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert (tmp_path / "results/t/eval/work/untrained_draft/model.safetensors").exists()
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
     assert "[eval-vllm]" in log and "stage evaluate_draft: done" in log
-    print(json.dumps(dataclasses.asdict(report), indent=1)[:3000], file=sys.stderr)
+    print(report.model_dump_json(indent=1)[:3000], file=sys.stderr)
 
 
 @pytest.mark.slow
@@ -348,8 +347,8 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
                            seed=0, device="cpu", tensor_parallel_size=1, in_process=True)  # fmt: skip
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=32,
-                           timing_repeats=1, runs=[MeasurementRun("no_speculation", None),
-                                                   MeasurementRun("ngram", ngram)])  # fmt: skip
+                           timing_repeats=1, runs=[MeasurementRun(label="no_speculation", speculative_config=None),
+                                                   MeasurementRun(label="ngram", speculative_config=ngram)])  # fmt: skip
     env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
     result, _ = run_measurement_process(spec, tmp_path, "ngram", env=env, log_path=tmp_path / "log", timeout_s=600)
     reference, run = result.runs

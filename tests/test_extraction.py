@@ -23,9 +23,9 @@ import torch
 from conftest import REPO, run_workflow, tiny_config
 from safetensors.torch import load_file, save_file
 
-from eagle3_workflow.contracts import process_umask
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction import Sample, disk_preflight, resume_scan
+from eagle3_workflow.files import process_umask
 from eagle3_workflow.hidden_states import check_file, eagle3_layer_ids, estimate_bytes, resolve_layer_ids, shard_rows
 from eagle3_workflow.vllm_server import ServerSpec, build_server_command, first_traceback, match_fatal
 
@@ -349,6 +349,7 @@ STAGE_DRIVER = """
 import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
+from eagle3_workflow.artefacts import write
 from eagle3_workflow.extraction import ClientSettings, extract_replica
 from eagle3_workflow.vllm_server import hidden_states_server_spec
 args = json.loads(sys.argv[1])
@@ -361,7 +362,7 @@ def body(log):
         server_log=Path(args["log"]), layer_count=len(args["layer_ids"]), hidden_size=64,
         settings=ClientSettings(**args["settings"]), disk_margin=1.1, available_bytes_override=None,
         **({"probe_samples": args["probe_samples"]} if args["probe_samples"] else {}))
-    (Path(args["work"]) / "manifest.json").write_text(json.dumps(manifest.greedy_probes))
+    write(Path(args["work"]) / "manifest.json", manifest)
 run_stage("extract_hidden_states", args["log"], body)
 """
 
@@ -487,15 +488,16 @@ def test_a_dead_server_leaves_the_failed_block_last(tiny_targets, tmp_path):
 
 
 def test_greedy_check_row_accepts_ties_and_names_a_different_token():
+    from eagle3_workflow.artefacts import GreedyProbe
     from eagle3_workflow.validation import greedy_check_row
 
     head = torch.eye(4, 3) * torch.tensor([10.0, 10.0, 1.0])
     norm = torch.ones(3)
     state = torch.tensor([1.0, 0.999, 0.2])  # tokens 0 and 1: a bf16 tie
-    tie = greedy_check_row(state, {"row": 3, "token_id": 1}, norm, head, 1e-6)
-    assert tie["ok"] and tie["recomputed_token"] == 0 and tie["logit_gap"] > 0
-    wrong = greedy_check_row(state, {"row": 3, "token_id": 2}, norm, head, 1e-6)
-    assert not wrong["ok"] and wrong["server_token"] == 2 and wrong["logit_gap"] > wrong["tolerance"]
+    tie = greedy_check_row(state, GreedyProbe(row=3, token_id=1, top_logprobs={}), norm, head, 1e-6)
+    assert tie.ok and tie.recomputed_token == 0 and tie.logit_gap > 0
+    wrong = greedy_check_row(state, GreedyProbe(row=3, token_id=2, top_logprobs={}), norm, head, 1e-6)
+    assert not wrong.ok and wrong.server_token == 2 and wrong.logit_gap > wrong.tolerance
 
 
 def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):
@@ -510,6 +512,7 @@ def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):
 @pytest.mark.parametrize("fault", [None, "remap:last_from_previous"])
 def test_greedy_cross_check_on_the_full_model(tiny_targets, tmp_path, monkeypatch, fault):
     """The server's greedy token equals norm+lm_head of the captured id N; a wrong id N is caught."""
+    from eagle3_workflow.artefacts import ExtractionManifest, load
     from eagle3_workflow.validation import greedy_cross_check, greedy_failure_message
 
     if fault:
@@ -520,13 +523,13 @@ def test_greedy_cross_check_on_the_full_model(tiny_targets, tmp_path, monkeypatc
     proc = start_stage(tiny_targets("llama"), tmp_path, prepared, probe_samples=6)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
-    probes = json.loads((tmp_path / "manifest.json").read_text())
-    assert len(probes) == 6 and all(p["top_logprobs"] for p in probes)
+    probes = load(ExtractionManifest, tmp_path / "manifest.json").greedy_probes
+    assert len(probes) == 6 and all(p.top_logprobs for p in probes)
     rows = greedy_cross_check(tiny_targets("llama"), tmp_path / "files", probes)
     if fault is None:
-        assert all(r["ok"] for r in rows), rows
+        assert all(r.ok for r in rows), rows
     else:
-        assert sum(not r["ok"] for r in rows) >= 4, rows
+        assert sum(not r.ok for r in rows) >= 4, rows
         assert "does not give the server's own greedy next token" in greedy_failure_message(rows)
 
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_workflow.contracts import process_umask
+from eagle3_workflow.artefacts import ApiCompatReport, TrainingFingerprint, ValidationReport, load, write
 from eagle3_workflow.cpu_train_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files import process_umask
 from eagle3_workflow.runtime.child import first_traceback
 from eagle3_workflow.training.command import (
     TRAINER_FIELDS_USED,
@@ -91,6 +92,21 @@ def write_hidden_states(target: Path, prepared: Path, files_dir: Path, layer_ids
     return len(dataset), model.config.hidden_size
 
 
+def gate_records(target: Path, rows: int, hidden_size: int) -> tuple[ApiCompatReport, ValidationReport]:
+    """check_api's and validate_hidden_states's records for the hidden states write_hidden_states made."""
+    from eagle3_workflow.api_checks import read_target_info
+
+    api_compat = ApiCompatReport(
+        passed=True, vllm_version="0.32.0", speculators_version="0.9.0", transformers_version="5",
+        torch_version="2", device="cpu", layer_ids=LAYER_IDS, checks=[], target=read_target_info(target),
+    )  # fmt: skip
+    validation = ValidationReport(
+        passed=True, samples_expected=rows, samples_valid=rows, missing=[], bad={}, tokens=0, bytes=0,
+        layer_count=len(LAYER_IDS), hidden_size=hidden_size, files_dir=[],
+    )  # fmt: skip
+    return api_compat, validation
+
+
 @pytest.fixture(scope="module")
 def train_inputs(tiny_targets, tmp_path_factory):
     """target, prepared/, token_freq.pt, hidden-state files, api_compat.json and validation.json."""
@@ -105,20 +121,8 @@ def train_inputs(tiny_targets, tmp_path_factory):
     result = prepare_conversations([(TINY_DATA, "sharegpt")], tokenizer, max_seq_len=256, max_samples=24)
     write_prepared(result, root / "prepared", root / "token_freq.pt")
     rows, hidden_size = write_hidden_states(target, root / "prepared", root / "files", LAYER_IDS)
-    (root / "api_compat.json").write_text(json.dumps({"passed": True, "layer_ids": LAYER_IDS}))
-    (root / "validation.json").write_text(
-        json.dumps(
-            {
-                "passed": True,
-                "samples_expected": rows,
-                "samples_valid": rows,
-                "missing": [],
-                "bad": {},
-                "layer_count": len(LAYER_IDS),
-                "hidden_size": hidden_size,
-            }
-        )
-    )
+    write(root / "api_compat.json", gate_records(target, rows, hidden_size)[0])
+    write(root / "validation.json", gate_records(target, rows, hidden_size)[1])
     return {
         "target": target,
         "prepared": root / "prepared",
@@ -387,14 +391,31 @@ def test_first_traceback_is_quoted_to_its_exception_line():
 # The work directory
 
 
+def made_from(lr: float) -> TrainingFingerprint:
+    return TrainingFingerprint(
+        settings={"lr": lr}, target_layer_ids=LAYER_IDS[:-1], target_config_sha256=None, target_weight_files={},
+        prepared_sha256={}, token_freq_sha256="f", validation_sha256="v", hidden_state_samples_sha256={},
+        speculators_version="0.9.0",
+    )  # fmt: skip
+
+
 def test_work_dir_is_kept_for_the_same_inputs_and_cleared_for_others(tmp_path):
     work = tmp_path / "train_work"
-    assert reconcile_work_dir(work, {"settings": {"lr": 1}}) is False
+    assert reconcile_work_dir(work, made_from(lr=1)) is False
     (work / "checkpoints" / "0").mkdir(parents=True)
-    assert reconcile_work_dir(work, {"settings": {"lr": 1}}) is True
+    assert reconcile_work_dir(work, made_from(lr=1)) is True
     assert (work / "checkpoints" / "0").is_dir()
-    assert reconcile_work_dir(work, {"settings": {"lr": 2}}) is False
+    assert reconcile_work_dir(work, made_from(lr=2)) is False
     assert not (work / "checkpoints").exists()
+    # a fingerprint that cannot be compared (cut short by a kill; or with an input this version does not know):
+    # the checkpoints belong to unknown inputs, so they go too
+    newer = made_from(lr=2).model_dump() | {"tokenizer_sha256": "t"}
+    for marker in ('{"settings": {"lr"', json.dumps(newer)):
+        (work / "checkpoints" / "0").mkdir(parents=True)
+        (work / "fingerprint.json").write_text(marker)
+        assert reconcile_work_dir(work, made_from(lr=2)) is False
+        assert not (work / "checkpoints").exists()
+        assert load(TrainingFingerprint, work / "fingerprint.json") == made_from(lr=2)
 
 
 def test_fingerprint_follows_the_data_the_target_weights_and_the_settings_that_matter(tmp_path):
