@@ -1,34 +1,37 @@
 """Artefacts of a finished run, written without running the stages, so the last rules (evaluate_draft,
-summarize_run, report) can run alone through Snakemake: every file follows its contract, and their mtimes follow
-the DAG's order so that `--rerun-triggers mtime` finds every upstream job done."""
+summarize_run, report, package_draft) can run alone through Snakemake: every file is its artefacts.py model, written
+with artefacts.write, and their mtimes follow the DAG's order so that `--rerun-triggers mtime` finds every upstream
+job done."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
-from eagle3_workflow.contracts import (
+from eagle3_workflow.artefacts import (
     AcceptanceReport,
     AcceptanceResult,
+    ApiCompatReport,
+    Artefact,
     CanaryReport,
+    CheckpointInfo,
     CheckRow,
     DataManifest,
     ExtractionManifest,
     LosslessMismatch,
     MeasurementProcess,
+    Provenance,
+    TargetInfo,
+    TrainingSummary,
     ValidationReport,
+    write,
 )
 
 
-def _dump(path: Path, payload: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if dataclasses.is_dataclass(payload):
-        payload = dataclasses.asdict(payload)
-    path.write_text(json.dumps(payload, indent=2, default=str))
+def _dump(path: Path, artefact: Artefact) -> Path:
+    write(path, artefact)
     return path
 
 
@@ -37,8 +40,11 @@ def acceptance_report(num_speculative_tokens: int = 3, *, mismatches: int = 0) -
         drafts = 100
         per_pos = [int(r * drafts) for r in rates]
         found = [
-            LosslessMismatch(i, f"row {i}", 3, 17, 18, 0.0, True, "the cat", " sat", " sits") for i in range(mismatches)
-        ]
+            LosslessMismatch(prompt_index=i, origin=f"row {i}", position=3, expected_token=17, found_token=18,
+                             logprob_gap=0.0, tolerated=True, context="the cat", expected_text=" sat",
+                             found_text=" sits")
+            for i in range(mismatches)
+        ]  # fmt: skip
         return AcceptanceResult(
             label=label, draft_path=f"/runs/{label}", mean_acceptance_length=1 + sum(per_pos) / drafts,
             per_position_acceptance=rates, num_drafts=drafts, draft_tokens=drafts * num_speculative_tokens,
@@ -55,9 +61,38 @@ def acceptance_report(num_speculative_tokens: int = 3, *, mismatches: int = 0) -
         num_prompts_requested=16, prompt_detail="prepared rows 240..255 of 256", device="cpu",
         vllm_version="0.32.0", no_speculation_generated_tokens=480, no_speculation_generate_s=4.8,
         no_speculation_engine_start_s=2.4, lossless_logprob_tolerance=0.0, untrained_baseline="fresh weights",
-        processes=[MeasurementProcess(["no_speculation", "trained", "untrained"], 40.0, 6.0,
-                                      {"no_speculation": 2.4, "trained": 2.5, "untrained": 2.5}, 1.5)],
+        processes=[MeasurementProcess(runs=["no_speculation", "trained", "untrained"], wall_s=40.0, vllm_import_s=6.0,
+                                      engine_start_s={"no_speculation": 2.4, "trained": 2.5, "untrained": 2.5},
+                                      load_1m=1.5)],
         notes=["tokens/s measured on CPU: indicative only"],
+    )  # fmt: skip
+
+
+def api_compat_report(target: Path, checks: list[CheckRow]) -> ApiCompatReport:
+    """check_api's record: the target as its config.json says (check_api's own reader), else an 8-layer tiny one."""
+    from eagle3_workflow.api_checks import read_target_info
+
+    facts = (
+        read_target_info(target) if (target / "config.json").exists()
+        else TargetInfo(path=str(target), architecture="LlamaForCausalLM", model_type="llama", num_layers=8,
+                        hidden_size=64, vocab_size=512)
+    )  # fmt: skip
+    return ApiCompatReport(
+        passed=True, vllm_version="0.32.0", speculators_version="0.9.0", transformers_version="5.19.0",
+        torch_version="2.13.0", device="cpu", layer_ids=[2, 4, 5, 8], checks=checks, target=facts,
+    )  # fmt: skip
+
+
+def training_summary(draft_dir: Path) -> TrainingSummary:
+    """draft/training.json of a 2-epoch CPU training (as TRAINING_METRICS below logged it)."""
+    final = CheckpointInfo(
+        epoch=1, local_step=0, global_step=4, path=str(draft_dir.parent / "train_work/checkpoints/1")
+    )
+    return TrainingSummary(
+        device="cpu", processes=1, command=["python", "-m", "eagle3_workflow.trainer_entry", "--epochs", "2"],
+        attempts=1, resumed_from=None, final_checkpoint=final, epochs=2, steps=4, wall_s=60.0,
+        target_layer_ids=[2, 4, 5], draft_vocab_size=256, vocab_mapping_sha256={"d2t": "d" * 64, "t2d": "e" * 64},
+        final_train_loss=2.5, final_val_loss=2.6, final_val_full_acc=[0.4, 0.18],
     )  # fmt: skip
 
 
@@ -94,11 +129,10 @@ def write_synthetic_run(
         order.append(path)
         return path
 
-    _dump(staged(out / "provenance.json"), {
-        "run": run, "created_unix": 1.7e9, "host": "testhost", "platform": "Linux", "python": "3.11",
-        "git_commit": "abc123", "git_dirty": False, "packages": {"vllm": "0.32.0", "torch": "2.13.0"},
-        "accelerators": [], "config": {"run": run},
-    })  # fmt: skip
+    _dump(staged(out / "provenance.json"), Provenance(
+        run=run, created_unix=1.7e9, host="testhost", platform="Linux", python="3.11", git_commit="abc123",
+        git_dirty=False, packages={"vllm": "0.32.0", "torch": "2.13.0"}, accelerators=[], config={"run": run},
+    ))  # fmt: skip
     prepared_dir = staged(out / "data" / "prepared")
     if prepared is not None:
         shutil.copytree(prepared, prepared_dir)
@@ -114,12 +148,8 @@ def write_synthetic_run(
         sources=["config/data/tiny_conversations.jsonl"], max_seq_len=256, prepared_dir=str(prepared_dir),
         token_freq_path=str(out / "data" / "token_freq.pt"),
     ))  # fmt: skip
-    checks = [CheckRow("vllm version", ">=0.18.0,<0.34.0", "0.32.0", True)]
-    _dump(staged(out / "checks" / "api_compat.json"), {
-        "passed": True, "vllm_version": "0.32.0", "speculators_version": "0.9.0", "transformers_version": "5.19.0",
-        "torch_version": "2.13.0", "device": "cpu", "layer_ids": [2, 4, 5, 8],
-        "checks": [dataclasses.asdict(c) for c in checks],
-    })  # fmt: skip
+    checks = [CheckRow(name="vllm version", expected=">=0.18.0,<0.34.0", found="0.32.0", passed=True)]
+    _dump(staged(out / "checks" / "api_compat.json"), api_compat_report(target, checks))
     _dump(staged(out / "checks" / "canary.json"), CanaryReport(
         passed=True, device="cpu", canary_layers=4, canary_layer_ids=[2, 4], reference="HF transformers fp32",
         tolerance=0.05, per_layer_max_rel_error={"2": 0.004, "4": 0.006},
@@ -142,7 +172,7 @@ def write_synthetic_run(
         (draft_dir / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     if training_metrics is not None:
         (draft_dir / "metrics.csv").write_text(training_metrics)
-        _dump(draft_dir / "training.json", {"final_train_loss": 2.5, "final_val_loss": 2.6})
+        _dump(draft_dir / "training.json", training_summary(draft_dir))
     if acceptance is not None:
         _dump(staged(out / "eval" / "acceptance.json"), acceptance)
 

@@ -29,7 +29,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
-from eagle3_workflow.contracts import read_json  # noqa: E402
+from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
 from eagle3_workflow.extraction import ClientSettings, extract_replica, load_prepared_input_ids  # noqa: E402
 from eagle3_workflow.vllm_server import ServerSpec, VLLMServer, hidden_states_server_spec  # noqa: E402
 
@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     config = validated_config(args.preset)
     run_dir = REPO / "results" / config["run"]
-    api = read_json(run_dir / "checks" / "api_compat.json")
+    api = load(ApiCompatReport, run_dir / "checks" / "api_compat.json")
     target = config["target"]["path"] or str(run_dir / "target")
     prepared = run_dir / "data" / "prepared"
     all_ids = load_prepared_input_ids(prepared)
@@ -79,7 +79,7 @@ def main() -> None:
     prompts = all_ids[:count]
     tokens = sum(map(len, prompts))
     extraction = config["extraction"]
-    device = api["device"]
+    device = api.device
     tp = extraction["tensor_parallel_size"] if device == "cuda" else 1
     work = Path(tempfile.mkdtemp(prefix="bench-extraction-"))
     subset = work / "prepared"
@@ -91,7 +91,7 @@ def main() -> None:
         return hidden_states_server_spec(
             config["vllm"],
             model=target,
-            layer_ids=api["layer_ids"],
+            layer_ids=api.layer_ids,
             storage_dir=storage_dir,
             device=device,
             tensor_parallel_size=tp,
@@ -120,8 +120,8 @@ def main() -> None:
             progress_path=None,
             server_spec_factory=extraction_spec,
             server_log=work / "extract-server.log",
-            layer_count=len(api["layer_ids"]),
-            hidden_size=api["target"]["hidden_size"],
+            layer_count=len(api.layer_ids),
+            hidden_size=api.target.hidden_size,
             settings=ClientSettings(concurrency=extraction["concurrency"]),
             disk_margin=1.0,
             available_bytes_override=None,
@@ -136,8 +136,8 @@ def main() -> None:
         "host": platform.node(),
         "samples": count,
         "tokens": tokens,
-        "layers_captured": api["layer_ids"],
-        "hidden_size": api["target"]["hidden_size"],
+        "layers_captured": api.layer_ids,
+        "hidden_size": api.target.hidden_size,
         "plain_tok_per_s": [round(x, 1) for x in results["plain"]],
         "workflow_tok_per_s": [round(x, 1) for x in results["workflow"]],
         "ratio_best": round(best_workflow / best_plain, 3),

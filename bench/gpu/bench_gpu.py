@@ -59,7 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
-from eagle3_workflow.contracts import write_json_atomic  # noqa: E402
+from eagle3_workflow.artefacts import ApiCompatReport, TrainingSummary, load, write  # noqa: E402
 from eagle3_workflow.extraction import (  # noqa: E402
     ClientSettings,
     ProgressTracker,
@@ -67,6 +67,7 @@ from eagle3_workflow.extraction import (  # noqa: E402
     extract_replica,
     extract_samples,
 )
+from eagle3_workflow.files import write_text_atomic  # noqa: E402
 from eagle3_workflow.hidden_states import resolve_layer_ids  # noqa: E402
 from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec  # noqa: E402
 
@@ -400,6 +401,7 @@ def trainer_steps(metrics_jsonl: Path) -> list[dict]:
 # flags whose values are paths (or the vocab-mapping files the workflow builds once and bare speculators builds
 # itself from the same token_freq.pt with the same function): the only ones allowed to differ
 PATH_FLAGS = {"--data-path", "--save-path", "--log-dir", "--d2t-path", "--t2d-path"}
+VERSIONED = ("vllm", "speculators", "transformers", "torch")  # the *_version keys of api_compat.json
 
 
 def flag_values(command: list[str]) -> dict[str, list[str]]:
@@ -471,19 +473,25 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, target_l
 
 def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path) -> dict:
     """The gate files train_draft reads (api_compat, validation) and the layer ids, written once for all runs."""
+    from eagle3_workflow.api_checks import read_target_info
     from eagle3_workflow.extraction import load_prepared_input_ids
+    from eagle3_workflow.provenance import package_versions
     from eagle3_workflow.validation import validate_files
 
-    config = json.loads((args.target / "config.json").read_text())
-    layer_ids = resolve_layer_ids(int(config["num_hidden_layers"]), None)
+    target = read_target_info(args.target)
+    layer_ids = resolve_layer_ids(target.num_layers, None)
     api_compat = work / "api_compat.json"
-    write_json_atomic(api_compat, {"passed": True, "layer_ids": layer_ids, "device": args.device})
+    # a stand-in for check_api's record (the bench runs no gates): what train_draft reads from it
+    installed = package_versions(VERSIONED)
+    versions = {f"{name}_version": installed.get(name, "not installed") for name in VERSIONED}
+    write(api_compat, ApiCompatReport(passed=True, device=args.device, layer_ids=layer_ids, checks=[], target=target,
+                                      **versions))  # fmt: skip
     input_ids = load_prepared_input_ids(data_dir / "prepared")
-    report = validate_files(input_ids, files_dir, layer_count=len(layer_ids), hidden_size=int(config["hidden_size"]))
+    report = validate_files(input_ids, files_dir, layer_count=len(layer_ids), hidden_size=target.hidden_size)
     if not report.passed:
         raise SystemExit(f"hidden-state files did not validate: {report.missing[:5]} {list(report.bad.items())[:5]}")
     validation = work / "validation.json"
-    write_json_atomic(validation, report)
+    write(validation, report)
     return {"layer_ids": layer_ids, "api_compat": api_compat, "validation": validation}
 
 
@@ -527,7 +535,6 @@ def run_bare(ctx: dict, tag: str) -> dict:
 
 def run_workflow(ctx: dict, tag: str) -> dict:
     """One whole train_draft (fingerprint, staging, vocab mapping, trainer subprocess, checks, publishing)."""
-    from eagle3_workflow.contracts import read_json
     from eagle3_workflow.training.command import TrainDevice
     from eagle3_workflow.training.stage import train_draft
 
@@ -554,7 +561,7 @@ def run_workflow(ctx: dict, tag: str) -> dict:
     metrics_jsonl = sorted((wf_work / "logs").glob("metrics-attempt-*.jsonl"))[-1]
     steps = trainer_steps(metrics_jsonl)
     shutil.rmtree(wf_work / "checkpoints", ignore_errors=True)
-    final_loss = read_json(out_dir / "training.json").get("final_train_loss")
+    final_loss = load(TrainingSummary, out_dir / "training.json").final_train_loss
     return {"command": summary.command, "wall_s": round(wall_s, 1), "steps": steps, "final_train_loss": final_loss}
 
 
@@ -718,12 +725,12 @@ def main() -> None:
         result["extraction"] = bench_extraction(args, prompts, data_dir, args.work)
         files_dir = Path(result["extraction"]["files_dir"])
         if args.out:
-            write_json_atomic(args.out, result)
+            write_text_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
     if not args.skip_train:
         result["training"] = bench_training(args, data_dir, files_dir, args.work, len(prompts))
     result["bench_wall_s"] = round(time.monotonic() - started, 1)
     if args.out:
-        write_json_atomic(args.out, result)
+        write_text_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps(result, indent=2, default=str))
     lines = extraction_lines(result["extraction"], args) if "extraction" in result else []
     if "training" in result:

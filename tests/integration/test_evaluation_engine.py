@@ -4,16 +4,15 @@ numbers and lossless=True; vLLM's n-gram proposer exercises the accept path. The
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import rules_run, run_workflow, synthetic_run_config, tiny_config
+from conftest import run_workflow, tiny_config
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
-from eagle3_workflow.contracts import AcceptanceReport, read_json
+from eagle3_workflow.artefacts import AcceptanceReport, load
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.launch import (
     measurement_engine_kwargs,
@@ -32,22 +31,20 @@ VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_
 # ---------------------------------------------------------------- the measurement process
 
 
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")  # the bad spec is written unchecked on purpose
 def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
-    @dataclasses.dataclass
-    class RunFromANewerWriter(MeasurementRun):
-        unexpected: str = "field"  # the child cannot rebuild the spec: a TypeError before vLLM is imported
-
-    spec = MeasurementSpec(engine={}, prompts=[[1, 2]], max_tokens=4, timing_repeats=1,
-                           runs=[RunFromANewerWriter("trained", None)])  # fmt: skip
+    # prompts that are not token ids, written unchecked: the child's artefacts.load refuses the spec before it
+    # imports vLLM, and exits 1 with the cause and its traceback in the log
+    spec = MeasurementSpec.model_construct(engine={}, prompts=["not token ids"], max_tokens=4, timing_repeats=1,
+                                           runs=[], top_logprobs=5, stop_token_ids=[], stop=[])  # fmt: skip
     env = measurement_environment(device="cpu", cpu_threads=None, in_process=True)
     log_path = tmp_path / "eval.log"
     with pytest.raises(StageError) as failure:
         run_measurement_process(spec, tmp_path, "m", env=env, log_path=log_path, timeout_s=120)
     message = str(failure.value)
-    assert "exited with code 1" in message
-    assert "Traceback (most recent call last)" in message
-    assert "TypeError" in message
-    assert "unexpected" in message
+    assert "exited with code 1" in message and "Traceback (most recent call last)" in message
+    assert "ArtefactError" in message and "m.spec.json is not a valid MeasurementSpec" in message
+    assert "prompts.0: Input should be a valid list" in message
     assert "[eval-vllm]" in log_path.read_text()
 
 
@@ -64,39 +61,31 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     target = Path(prepared["target"])
     write_synthetic_run(tmp_path, "t", target=target, prepared=prepared["prepared"], draft=scratch_draft,
                         training_metrics=None)  # fmt: skip
-    config = synthetic_run_config(target, train={"train_data_ratio": 0.75},
-                                  evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
+    config = tiny_config("t", target={"path": str(target)}, train={"train_data_ratio": 0.75},
+                         evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
+    config["target"].pop("build")
     proc = run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
                         extra=["--rerun-triggers=mtime"], timeout=900)  # fmt: skip
-    assert rules_run(proc) == ["evaluate_draft"]
+    assert re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE) == ["evaluate_draft"]
 
-    report = AcceptanceReport.from_dict(read_json(tmp_path / "results/t/eval/acceptance.json"))
-    assert report.lossless
-    assert report.lossless_mismatches == 0
-    assert report.num_prompts == 8
-    assert report.prompt_source == "heldout"
-    assert report.device == "cpu"
-    assert report.vllm_version
-    assert report.no_speculation_tokens_per_s > 0
+    report = load(AcceptanceReport, tmp_path / "results/t/eval/acceptance.json")
+    assert report.lossless and report.lossless_mismatches == 0
+    assert report.num_prompts == 8 and report.prompt_source == "heldout" and report.device == "cpu"
+    assert report.vllm_version and report.no_speculation_tokens_per_s > 0
     k = report.num_speculative_tokens
     for result in (report.trained, report.untrained):
         assert 1.0 <= result.mean_acceptance_length <= 1 + k
-        assert result.num_drafts > 0
-        assert result.draft_tokens == result.num_drafts * k
+        assert result.num_drafts > 0 and result.draft_tokens == result.num_drafts * k
         assert sum(result.accepted_per_position) == result.accepted_tokens
         rates = result.per_position_acceptance
-        assert len(rates) == k
-        assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
+        assert len(rates) == k and all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
         assert result.generated_tokens == report.no_speculation_generated_tokens  # same greedy text
-        assert result.tokens_per_s > 0
-        assert result.engine_start_s > 0
-    assert len(report.processes) == 1
-    assert report.processes[0].runs == ["no_speculation", "trained", "untrained"]
+        assert result.tokens_per_s > 0 and result.engine_start_s > 0
+    assert len(report.processes) == 1 and report.processes[0].runs == ["no_speculation", "trained", "untrained"]
     assert (tmp_path / "results/t/eval/work/untrained_draft/model.safetensors").exists()
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
-    assert "[eval-vllm]" in log
-    assert "stage evaluate_draft: done" in log
-    print(json.dumps(dataclasses.asdict(report), indent=1)[:3000], file=sys.stderr)
+    assert "[eval-vllm]" in log and "stage evaluate_draft: done" in log
+    print(report.model_dump_json(indent=1)[:3000], file=sys.stderr)
 
 
 @pytest.mark.slow
@@ -111,8 +100,8 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
                            seed=0, device="cpu", tensor_parallel_size=1, in_process=True)  # fmt: skip
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=32,
-                           timing_repeats=1, runs=[MeasurementRun("no_speculation", None),
-                                                   MeasurementRun("ngram", ngram)])  # fmt: skip
+                           timing_repeats=1, runs=[MeasurementRun(label="no_speculation", speculative_config=None),
+                                                   MeasurementRun(label="ngram", speculative_config=ngram)])  # fmt: skip
     env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
     result, _ = run_measurement_process(spec, tmp_path, "ngram", env=env, log_path=tmp_path / "log", timeout_s=600)
     reference, run = result.runs
@@ -120,12 +109,9 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
                                 reference_logprobs=reference.logprobs, tolerance=0.0)  # fmt: skip
     accepted = acceptance_result(run, draft_path=Path("ngram"), num_speculative_tokens=3, reference=reference,
                                  mismatches=mismatches)  # fmt: skip
-    assert mismatches == []
-    assert accepted.lossless
-    assert accepted.accepted_tokens > 0
-    assert accepted.mean_acceptance_length > 1.0
+    assert mismatches == [] and accepted.lossless
+    assert accepted.accepted_tokens > 0 and accepted.mean_acceptance_length > 1.0
     assert accepted.mean_acceptance_length == pytest.approx(1 + sum(accepted.per_position_acceptance))
     rates = accepted.per_position_acceptance
-    assert rates[0] > 0
-    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert rates[0] > 0 and all(a >= b for a, b in zip(rates, rates[1:], strict=False))
     print(f"ngram: acceptance length {accepted.mean_acceptance_length:.3f}, per position {rates}", file=sys.stderr)

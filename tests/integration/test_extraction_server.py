@@ -21,8 +21,8 @@ import torch
 from conftest import REPO, kill_tree, run_workflow, start_workflow, tiny_config, wait_until
 from safetensors.torch import load_file
 
-from eagle3_workflow.contracts import process_umask
 from eagle3_workflow.extraction import Sample
+from eagle3_workflow.files import process_umask
 
 
 def extraction_config(run: str, **extraction) -> dict:
@@ -227,6 +227,7 @@ STAGE_DRIVER = """
 import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
+from eagle3_workflow.artefacts import write
 from eagle3_workflow.extraction import ClientSettings, extract_replica
 from eagle3_workflow.vllm_server import hidden_states_server_spec
 args = json.loads(sys.argv[1])
@@ -239,7 +240,7 @@ def body(log):
         server_log=Path(args["log"]), layer_count=len(args["layer_ids"]), hidden_size=64,
         settings=ClientSettings(**args["settings"]), disk_margin=1.1, available_bytes_override=None,
         **({"probe_samples": args["probe_samples"]} if args["probe_samples"] else {}))
-    (Path(args["work"]) / "manifest.json").write_text(json.dumps(manifest.greedy_probes))
+    write(Path(args["work"]) / "manifest.json", manifest)
 run_stage("extract_hidden_states", args["log"], body)
 """
 
@@ -366,6 +367,7 @@ def test_a_dead_server_leaves_the_failed_block_last(tiny_targets, tmp_path):
 @pytest.mark.parametrize("fault", [None, "remap:last_from_previous"])
 def test_greedy_cross_check_on_the_full_model(tiny_targets, tmp_path, monkeypatch, fault):
     """The server's greedy token equals norm+lm_head of the captured id N; a wrong id N is caught."""
+    from eagle3_workflow.artefacts import ExtractionManifest, load
     from eagle3_workflow.validation import greedy_cross_check, greedy_failure_message
 
     if fault:
@@ -376,14 +378,13 @@ def test_greedy_cross_check_on_the_full_model(tiny_targets, tmp_path, monkeypatc
     proc = start_stage(tiny_targets("llama"), tmp_path, prepared, probe_samples=6)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
-    probes = json.loads((tmp_path / "manifest.json").read_text())
-    assert len(probes) == 6
-    assert all(p["top_logprobs"] for p in probes)
+    probes = load(ExtractionManifest, tmp_path / "manifest.json").greedy_probes
+    assert len(probes) == 6 and all(p.top_logprobs for p in probes)
     rows = greedy_cross_check(tiny_targets("llama"), tmp_path / "files", probes)
     if fault is None:
-        assert all(r["ok"] for r in rows), rows
+        assert all(r.ok for r in rows), rows
     else:
-        assert sum(not r["ok"] for r in rows) >= 4, rows
+        assert sum(not r.ok for r in rows) >= 4, rows
         assert "does not give the server's own greedy next token" in greedy_failure_message(rows)
 
 

@@ -283,7 +283,7 @@ def test_a_sigkilled_evaluate_stage_leaves_no_engine_behind(tiny_targets, tmp_pa
         from eagle3_workflow.evaluation.launch import measurement_environment, run_measurement_process
         from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec
         spec = MeasurementSpec(engine={engine!r}, prompts=[[1, 2, 3]] * 64, max_tokens=256, timing_repeats=3,
-                               runs=[MeasurementRun("no_speculation", None)])
+                               runs=[MeasurementRun(label="no_speculation", speculative_config=None)])
         env = measurement_environment(device="cpu", cpu_threads=None, in_process=False)
         run_measurement_process(spec, Path({str(tmp_path)!r}), "m", env=env, log_path={str(log_path)!r},
                                 timeout_s=600, stall_timeout_s=600)

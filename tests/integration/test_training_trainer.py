@@ -22,8 +22,9 @@ import pytest
 from conftest import REPO
 from tiny_training import TRAIN, train_record
 
-from eagle3_workflow.contracts import process_umask
+from eagle3_workflow.artefacts import ApiCompatReport, ValidationReport, write
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files import process_umask
 from eagle3_workflow.training.command import TrainSettings
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
@@ -68,6 +69,21 @@ def write_hidden_states(target: Path, prepared: Path, files_dir: Path, layer_ids
     return len(dataset), model.config.hidden_size
 
 
+def gate_records(target: Path, rows: int, hidden_size: int) -> tuple[ApiCompatReport, ValidationReport]:
+    """check_api's and validate_hidden_states's records for the hidden states write_hidden_states made."""
+    from eagle3_workflow.api_checks import read_target_info
+
+    api_compat = ApiCompatReport(
+        passed=True, vllm_version="0.32.0", speculators_version="0.9.0", transformers_version="5",
+        torch_version="2", device="cpu", layer_ids=LAYER_IDS, checks=[], target=read_target_info(target),
+    )  # fmt: skip
+    validation = ValidationReport(
+        passed=True, samples_expected=rows, samples_valid=rows, missing=[], bad={}, tokens=0, bytes=0,
+        layer_count=len(LAYER_IDS), hidden_size=hidden_size, files_dir=[],
+    )  # fmt: skip
+    return api_compat, validation
+
+
 @pytest.fixture(scope="module")
 def train_inputs(tiny_targets, tmp_path_factory):
     """target, prepared/, token_freq.pt, hidden-state files, api_compat.json and validation.json."""
@@ -82,20 +98,8 @@ def train_inputs(tiny_targets, tmp_path_factory):
     result = prepare_conversations([(TINY_DATA, "sharegpt")], tokenizer, max_seq_len=256, max_samples=24)
     write_prepared(result, root / "prepared", root / "token_freq.pt")
     rows, hidden_size = write_hidden_states(target, root / "prepared", root / "files", LAYER_IDS)
-    (root / "api_compat.json").write_text(json.dumps({"passed": True, "layer_ids": LAYER_IDS}))
-    (root / "validation.json").write_text(
-        json.dumps(
-            {
-                "passed": True,
-                "samples_expected": rows,
-                "samples_valid": rows,
-                "missing": [],
-                "bad": {},
-                "layer_count": len(LAYER_IDS),
-                "hidden_size": hidden_size,
-            }
-        )
-    )
+    write(root / "api_compat.json", gate_records(target, rows, hidden_size)[0])
+    write(root / "validation.json", gate_records(target, rows, hidden_size)[1])
     return {
         "target": target,
         "prepared": root / "prepared",

@@ -88,15 +88,18 @@ def test_default_layer_ids_that_collide_ask_for_explicit_ids():
 
 def test_environment_failures_name_the_package():
     from eagle3_workflow.api_checks import failure_advice
-    from eagle3_workflow.contracts import CheckRow
+    from eagle3_workflow.artefacts import CheckRow
 
     advice = failure_advice(
         [
-            CheckRow("vllm version", ">= 0.18.0, < 0.34.0", "0.40.0", False),
-            CheckRow("speculators train fields", "TrainConfig has every flag", "missing ['ttt_steps']", False),
+            CheckRow(name="vllm version", expected=">= 0.18.0, < 0.34.0", found="0.40.0", passed=False),
+            CheckRow(
+                name="speculators train fields",
+                expected="TrainConfig has every flag",
+                found="missing ['ttt_steps']",
+                passed=False,
+            ),
         ]
     )
-    assert "Environment" in advice
-    assert "Config" not in advice
-    assert "vllm: install" in advice
-    assert "speculators: install" in advice
+    assert "Environment" in advice and "Config" not in advice
+    assert "vllm: install" in advice and "speculators: install" in advice

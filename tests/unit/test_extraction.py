@@ -132,19 +132,16 @@ def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
 
 
 def test_greedy_check_row_accepts_ties_and_names_a_different_token():
+    from eagle3_workflow.artefacts import GreedyProbe
     from eagle3_workflow.validation import greedy_check_row
 
     head = torch.eye(4, 3) * torch.tensor([10.0, 10.0, 1.0])
     norm = torch.ones(3)
     state = torch.tensor([1.0, 0.999, 0.2])  # tokens 0 and 1: a bf16 tie
-    tie = greedy_check_row(state, {"row": 3, "token_id": 1}, norm, head, 1e-6)
-    assert tie["ok"]
-    assert tie["recomputed_token"] == 0
-    assert tie["logit_gap"] > 0
-    wrong = greedy_check_row(state, {"row": 3, "token_id": 2}, norm, head, 1e-6)
-    assert not wrong["ok"]
-    assert wrong["server_token"] == 2
-    assert wrong["logit_gap"] > wrong["tolerance"]
+    tie = greedy_check_row(state, GreedyProbe(row=3, token_id=1, top_logprobs={}), norm, head, 1e-6)
+    assert tie.ok and tie.recomputed_token == 0 and tie.logit_gap > 0
+    wrong = greedy_check_row(state, GreedyProbe(row=3, token_id=2, top_logprobs={}), norm, head, 1e-6)
+    assert not wrong.ok and wrong.server_token == 2 and wrong.logit_gap > wrong.tolerance
 
 
 def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):

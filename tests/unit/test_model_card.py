@@ -1,5 +1,5 @@
 """The published draft's model card (rule package_draft): made from the run's artefacts as they are written today
-(tests/synthetic_run.py follows the contracts), and pure rendering checked on its own. The rule through Snakemake:
+(tests/synthetic_run.py writes the artefacts.py models), and pure rendering checked on its own. The rule through Snakemake:
 tests/integration/test_last_rules.py."""
 
 from __future__ import annotations
@@ -11,8 +11,21 @@ import shlex
 import pytest
 from synthetic_run import acceptance_report, write_synthetic_run
 
+from eagle3_workflow.artefacts import (
+    AcceptanceReport,
+    ApiCompatReport,
+    ArtefactError,
+    DataManifest,
+    GreedyAnswer,
+    Provenance,
+    SmolLM2Build,
+    TrainingSummary,
+    load,
+    write,
+)
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.model_card import CARD_NAME, CardInputs, package_draft, render_model_card, sha256_of
+from eagle3_workflow.smollm2 import BUILD_RECORD
 
 CONFIG = {
     "target": {"path": None, "build": {"kind": "smollm2"}, "dtype": "bfloat16"},
@@ -36,7 +49,11 @@ def run_dir(tmp_path):
         "sha256": "f" * 64,
         "package_version": "0.1.2",
     }
-    (target / "eagle3_build.json").write_text(json.dumps({"source": source}))
+    greedy = GreedyAnswer(question="What is the capital of France?", answer="Paris.", expected="Paris", passed=True)
+    write(target / BUILD_RECORD, SmolLM2Build(
+        source=source, dtype="bfloat16", num_layers=30, hidden_size=576, vocab_size=49152, tie_word_embeddings=True,
+        tensors_checked=272, max_relative_weight_error=0.004, greedy=greedy, convert_s=20.0, verify_s=5.0,
+    ))  # fmt: skip
     out = write_synthetic_run(tmp_path, "t", target=target, acceptance=acceptance_report())
     (out / "draft" / "model.safetensors").write_bytes(b"weights")
     return out
@@ -60,26 +77,20 @@ def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
     card = (published / CARD_NAME).read_text()
     # acceptance trained vs untrained (synthetic: 1 + (70+50+30)/100 and 1 + 1/100), k and the ratio
     assert "| trained | **2.500** | 0.700 / 0.500 / 0.300 |" in card
-    assert "| untrained | **1.010** |" in card
-    assert "2.48x the untrained draft" in card
-    # the target, from its config.json where check_api's record has no target section
+    assert "| untrained | **1.010** |" in card and "2.48x the untrained draft" in card
+    # the target, as check_api recorded it (here: read from the fixture's config.json)
     assert "LlamaForCausalLM, 30 layers, hidden 576, vocabulary 49,152" in card
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card
-    assert "f" * 64 in card  # what a built target came from
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card and "f" * 64 in card  # what a built target came from
     # data size and training settings
-    assert "256 kept of 300 read" in card
-    assert "40,000 in all" in card
-    assert "21,000" in card
-    assert "| optimizer, lr | adamw, 0.0003 |" in card
-    assert "| epochs, steps | 10, n/a |" in card
+    assert "256 kept of 300 read" in card and "40,000 in all" in card and "21,000" in card
+    assert "| optimizer, lr | adamw, 0.0003 |" in card and "| epochs, steps | 2, 4 |" in card  # as trained
     assert "16000 Magpie user turns" in card
     # provenance: commit and every published file with its hash
     assert "abc123" in card
     assert f"`{sha256_of(run_dir / 'draft' / 'model.safetensors')}`" in card
     # the command serves the target with this draft, k = 3, as evaluate_draft's speculative config
     argv = serve_line(card)
-    assert argv[:2] == ["vllm", "serve"]
-    assert argv[3] == "--speculative-config"
+    assert argv[:2] == ["vllm", "serve"] and argv[3] == "--speculative-config"
     spec = json.loads(argv[4])
     assert spec == {"method": "eagle3", "model": "<this folder or its hub id>", "num_speculative_tokens": 3}
 
@@ -104,11 +115,27 @@ def test_a_folder_without_config_json_is_refused(run_dir):
     assert not (run_dir / "published_draft").exists()
 
 
-def test_render_tolerates_missing_fields_and_says_n_a():
+def test_render_says_n_a_for_what_a_run_did_not_measure(run_dir):
+    training = load(TrainingSummary, run_dir / "draft" / "training.json")
     card = render_model_card(
-        CardInputs(run="r", config={}, target={}, manifest={}, training={}, acceptance={}, provenance={},
-                   draft_files={})
+        CardInputs(run="r", config={}, target=load(ApiCompatReport, run_dir / "checks" / "api_compat.json").target,
+                   manifest=load(DataManifest, run_dir / "data" / "manifest.json"),
+                   training=training.model_copy(update={"final_val_loss": None}),
+                   acceptance=load(AcceptanceReport, run_dir / "eval" / "acceptance.json"),
+                   provenance=load(Provenance, run_dir / "provenance.json"), draft_files={})
     )  # fmt: skip
-    assert card.startswith("# EAGLE-3 draft")
-    assert "n/a" in card
-    assert "Lossless" in card
+    assert card.startswith("# EAGLE-3 draft") and "Lossless" in card
+    assert "| final loss train / validation | 2.500 / n/a |" in card  # no validation split
+    assert "built from" not in card and "self-distilled" not in card  # a target given by path, data as read
+
+
+def test_an_artefact_missing_a_key_is_refused_with_the_rule_that_writes_it(run_dir):
+    training = json.loads((run_dir / "draft" / "training.json").read_text())
+    del training["command"]
+    (run_dir / "draft" / "training.json").write_text(json.dumps(training))
+    with pytest.raises(ArtefactError) as refused:
+        package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+    message = str(refused.value)
+    assert "training.json is not a valid TrainingSummary" in message and "  command: missing" in message
+    assert "snakemake --forcerun train_draft" in message
+    assert not (run_dir / "published_draft").exists()

@@ -1,4 +1,4 @@
-"""The report: figures and tables from artefacts that follow the contracts (tolerant of missing training
+"""The report: figures and tables from the run's artefacts (artefacts.py models; tolerant of missing training
 metrics and unfamiliar columns). Through Snakemake, a real `snakemake --report` HTML made by rule `report`:
 tests/integration/test_last_rules.py."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from synthetic_run import TRAINING_METRICS, acceptance_report, write_synthetic_run
 
-from eagle3_workflow.contracts import AcceptanceReport
+from eagle3_workflow.artefacts import AcceptanceReport, load, write
 from eagle3_workflow.report.figures import plot_training, read_training_metrics
 from eagle3_workflow.report.pages import acceptance_page, html_table
 from eagle3_workflow.report.stage import ReportInputs, ReportOutputs, nested_report_command, summarize_run
@@ -56,7 +56,8 @@ def test_summarize_writes_every_figure_and_table(run_dir):
 
 def test_acceptance_report_round_trips_through_json(tmp_path):
     report = acceptance_report(mismatches=2)
-    again = AcceptanceReport.from_dict(dataclasses.asdict(report) | {"added_by_a_newer_writer": 1})
+    write(tmp_path / "acceptance.json", report)
+    again = load(AcceptanceReport, tmp_path / "acceptance.json")
     assert again == report
     assert again.trained.mismatches[0].found_text == " sits"
 
@@ -88,7 +89,7 @@ def test_missing_or_empty_metrics_give_a_figure_that_says_so(tmp_path):
 
 def test_tables_escape_what_they_show():
     assert "&lt;script&gt;" in html_table(["a"], [["<script>"]])
-    page = acceptance_page(dataclasses.replace(acceptance_report(), notes=["<b>loud</b>"]))
+    page = acceptance_page(acceptance_report().model_copy(update={"notes": ["<b>loud</b>"]}))
     assert "<b>loud</b>" not in page
 
 

@@ -5,7 +5,6 @@ Snakemake: tests/integration/test_target_check_rule.py."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import stat
 from pathlib import Path
@@ -149,11 +148,11 @@ def test_a_built_tiny_target_is_group_readable(tiny_targets):
 def test_an_atomic_json_write_follows_the_umask(tmp_path):
     import os
 
-    from eagle3_workflow.contracts import write_json_atomic
+    from eagle3_workflow.artefacts import CheckRow, write
 
     previous = os.umask(0o027)  # group may read, others may not
     try:
-        write_json_atomic(tmp_path / "a.json", {"x": 1})
+        write(tmp_path / "a.json", CheckRow(name="x", expected="1", found="1", passed=True))
     finally:
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o640
@@ -163,7 +162,7 @@ def test_safetensors_files_are_shared_as_the_umask_allows(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from eagle3_workflow.contracts import share_as_umask_allows
+    from eagle3_workflow.files import share_as_umask_allows
 
     (tmp_path / "files").mkdir()
     save_file({"hidden_states": torch.zeros(2, 2)}, str(tmp_path / "files" / "hs_0.safetensors"))
@@ -199,10 +198,12 @@ def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, t
     assert tokenizer.eos_token_id in stats.stop_token_ids
 
 
-def test_evaluation_sampling_carries_the_stop_set_to_the_measurement_process():
+def test_evaluation_sampling_carries_the_stop_set_to_the_measurement_process(tmp_path):
+    from eagle3_workflow.artefacts import load, write
     from eagle3_workflow.evaluation.measure import measured_sampling
     from eagle3_workflow.evaluation.protocol import MeasurementSpec
 
     spec = MeasurementSpec(engine={}, prompts=[[1]], max_tokens=4, timing_repeats=1, runs=[], stop_token_ids=[2, 7])
-    again = MeasurementSpec.from_dict(json.loads(json.dumps(dataclasses.asdict(spec))))  # as the child reads it
+    write(tmp_path / "spec.json", spec)
+    again = load(MeasurementSpec, tmp_path / "spec.json")  # as the child reads it
     assert measured_sampling(again)["stop_token_ids"] == [2, 7]

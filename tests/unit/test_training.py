@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from tiny_training import TRAIN, train_record
 
+from eagle3_workflow.artefacts import TrainingFingerprint, load
 from eagle3_workflow.cpu_train_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import first_traceback
@@ -200,14 +201,31 @@ def test_first_traceback_is_quoted_to_its_exception_line():
 # The work directory
 
 
+def made_from(lr: float) -> TrainingFingerprint:
+    return TrainingFingerprint(
+        settings={"lr": lr}, target_layer_ids=[2, 4, 5], target_config_sha256=None, target_weight_files={},
+        prepared_sha256={}, token_freq_sha256="f", validation_sha256="v", hidden_state_samples_sha256={},
+        speculators_version="0.9.0",
+    )  # fmt: skip
+
+
 def test_work_dir_is_kept_for_the_same_inputs_and_cleared_for_others(tmp_path):
     work = tmp_path / "train_work"
-    assert reconcile_work_dir(work, {"settings": {"lr": 1}}) is False
+    assert reconcile_work_dir(work, made_from(lr=1)) is False
     (work / "checkpoints" / "0").mkdir(parents=True)
-    assert reconcile_work_dir(work, {"settings": {"lr": 1}}) is True
+    assert reconcile_work_dir(work, made_from(lr=1)) is True
     assert (work / "checkpoints" / "0").is_dir()
-    assert reconcile_work_dir(work, {"settings": {"lr": 2}}) is False
+    assert reconcile_work_dir(work, made_from(lr=2)) is False
     assert not (work / "checkpoints").exists()
+    # a fingerprint that cannot be compared (cut short by a kill; or with an input this version does not know):
+    # the checkpoints belong to unknown inputs, so they go too
+    newer = made_from(lr=2).model_dump() | {"tokenizer_sha256": "t"}
+    for marker in ('{"settings": {"lr"', json.dumps(newer)):
+        (work / "checkpoints" / "0").mkdir(parents=True)
+        (work / "fingerprint.json").write_text(marker)
+        assert reconcile_work_dir(work, made_from(lr=2)) is False
+        assert not (work / "checkpoints").exists()
+        assert load(TrainingFingerprint, work / "fingerprint.json") == made_from(lr=2)
 
 
 def test_fingerprint_follows_the_data_the_target_weights_and_the_settings_that_matter(tmp_path):

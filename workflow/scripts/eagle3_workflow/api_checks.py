@@ -22,8 +22,8 @@ from typing import Any
 
 from packaging.version import Version
 
-from eagle3_workflow.contracts import ApiCompatReport, CheckRow, TargetInfo, check_table, write_json_atomic
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.artefacts import ApiCompatReport, CheckRow, TargetInfo, write
+from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.hidden_states import resolve_layer_ids
 
 log = logging.getLogger("eagle3.check_api")
@@ -70,8 +70,8 @@ def _row(name: str, expected: str, check: Callable[[], tuple[str, bool]]) -> Che
     try:
         found, passed = check()
     except Exception as exc:  # noqa: BLE001 - a broken surface is a FAIL row with its cause, never a crash
-        return CheckRow(name, expected, f"error: {exc!r}", False)
-    return CheckRow(name, expected, found, passed)
+        return CheckRow(name=name, expected=expected, found=f"error: {exc!r}", passed=False)
+    return CheckRow(name=name, expected=expected, found=found, passed=passed)
 
 
 def _signature_has(func: Any, params: list[str]) -> tuple[str, bool]:
@@ -483,6 +483,6 @@ def main(snakemake: Any) -> None:
                 f"{failure_advice(failed, capable)}"
             )
         log.info("API compatibility: all %d checks pass\n%s", len(report.checks), table)
-        write_json_atomic(snakemake.output.report, report)
+        write(snakemake.output.report, report)
 
     run_stage("check_api", snakemake.log[0], body)

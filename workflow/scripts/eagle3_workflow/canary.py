@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from eagle3_workflow.contracts import CanaryReport, CheckRow, check_table, read_json, write_json_atomic
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, LayerMatch, load, write
+from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
 from eagle3_workflow.hidden_states import hs_file
 from eagle3_workflow.vllm_server import VLLMServer
@@ -246,13 +246,13 @@ def convention_row(matches: list[SlotMatch], layers: int) -> CheckRow:
         found = "; ".join(
             f"id {m.claimed} is layer {m.best} (rel {m.best_rel:.3g}; vs its own layer {m.own_rel:.3g})" for m in wrong
         )
-        return CheckRow("layer-id convention", expected, f"WRONG LAYER: {found}", False)
+        return CheckRow(name="layer-id convention", expected=expected, found=f"WRONG LAYER: {found}", passed=False)
     weakest = min(matches, key=lambda m: m.margin)
     found = (
         f"ok; weakest margin {weakest.margin:.1f}x (id {weakest.claimed}: rel {weakest.best_rel:.3g}, "
         f"next nearest layer {weakest.runner_up} at {weakest.runner_up_rel:.3g})"
     )
-    return CheckRow("layer-id convention", expected, found, True)
+    return CheckRow(name="layer-id convention", expected=expected, found=found, passed=True)
 
 
 def compare_layers(
@@ -375,47 +375,42 @@ def build_checks(
 ) -> list[CheckRow]:
     bad_render = [f"sample {i}: {p}" for i, p in render_problems if p]
     checks = [
+        _check("shape [T, L, H]", f"[T, {len(layer_ids)}, {hidden_size}]", found.shape_ok, "mismatch"),
+        _check("dtype", "bf16/f16/f32", found.dtype_ok, "other"),
+        _check("finite", "no NaN/Inf", found.finite_ok, "NaN or Inf found"),
+        _check("non-degenerate", "every layer varies", found.varied_ok, "a constant layer"),
+        _check("token ids round-trip", "file token_ids == sent ids", found.ids_ok, "differ"),
         CheckRow(
-            "shape [T, L, H]", f"[T, {len(layer_ids)}, {hidden_size}]", _ok(found.shape_ok, "mismatch"), found.shape_ok
-        ),
-        CheckRow("dtype", "bf16/f16/f32", _ok(found.dtype_ok, "other"), found.dtype_ok),
-        CheckRow("finite", "no NaN/Inf", _ok(found.finite_ok, "NaN or Inf found"), found.finite_ok),
-        CheckRow("non-degenerate", "every layer varies", _ok(found.varied_ok, "a constant layer"), found.varied_ok),
-        CheckRow("token ids round-trip", "file token_ids == sent ids", _ok(found.ids_ok, "differ"), found.ids_ok),
-        CheckRow(
-            "server chat rendering",
-            "render endpoint ids == prepare_data ids",
-            f"{len(render_problems) - len(bad_render)}/{len(render_problems)} equal"
+            name="server chat rendering",
+            expected="render endpoint ids == prepare_data ids",
+            found=f"{len(render_problems) - len(bad_render)}/{len(render_problems)} equal"
             + (f"; {bad_render[0]}" if bad_render else ""),
-            not bad_render,
+            passed=not bad_render,
         ),
     ]
     if not with_reference:
-        checks.append(
-            CheckRow(
-                "self-consistency", "two extractions bit-identical", _ok(found.repeat_ok, "differ"), found.repeat_ok
-            )
-        )
+        checks.append(_check("self-consistency", "two extractions bit-identical", found.repeat_ok, "differ"))
         return checks
     if found.matches:
         checks.append(convention_row(found.matches, layer_ids[-1]))
     else:  # nothing could be compared (bad shape or NaN): those rows fail already; this one must not pass
-        checks.append(CheckRow("layer-id convention", "each id nearest to its own layer", "not compared", False))
+        checks.append(_check("layer-id convention", "each id nearest to its own layer", False, "not compared"))
     worst = max(found.max_rel.values()) if found.max_rel else float("inf")
     per_layer = json.dumps({k: round(v, 4) for k, v in found.max_rel.items()})
     checks.append(
         CheckRow(
-            "vs HF fp32 reference",
-            f"max rel error <= {tolerance}",
-            f"worst {worst:.4f} ({per_layer})",
-            worst <= tolerance,
+            name="vs HF fp32 reference",
+            expected=f"max rel error <= {tolerance}",
+            found=f"worst {worst:.4f} ({per_layer})",
+            passed=worst <= tolerance,
         )
     )
     return checks
 
 
-def _ok(passed: bool, otherwise: str) -> str:
-    return "ok" if passed else otherwise
+def _check(name: str, expected: str, passed: bool, otherwise: str) -> CheckRow:
+    """A row whose finding is "ok" when it passes, else `otherwise`."""
+    return CheckRow(name=name, expected=expected, found="ok" if passed else otherwise, passed=passed)
 
 
 def run_canary(
@@ -495,7 +490,9 @@ def _run_on_slice(
         samples=len(samples),
         server_ready_s=round(ready_s, 2),
         checks=checks,
-        layer_matches={str(m.claimed): dataclasses.asdict(m) | {"margin": round(m.margin, 3)} for m in found.matches},
+        layer_matches={
+            str(m.claimed): LayerMatch(**dataclasses.asdict(m), margin=round(m.margin, 3)) for m in found.matches
+        },
     )
 
 
@@ -558,8 +555,8 @@ def main(snakemake: Any) -> None:
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
         config = snakemake.params.settings
-        api = read_json(snakemake.input.api_compat)
-        if not api.get("passed"):
+        api = load(ApiCompatReport, snakemake.input.api_compat)
+        if not api.passed:
             raise StageError("api_compat.json says passed=false; the canary will not start")
         canary_cfg = config["canary"]
         samples, messages = pick_samples(
@@ -570,16 +567,16 @@ def main(snakemake: Any) -> None:
             work_dir=Path(snakemake.params.work_dir),
             samples=samples,
             messages=messages,
-            spec_factory=server_spec_factory(config, api["device"]),
+            spec_factory=server_spec_factory(config, api.device),
             server_log=Path(snakemake.log[0]),
             canary_layers=canary_cfg["num_layers"],
             tolerance=canary_cfg["relative_tolerance"],
             render_samples=canary_cfg["render_samples"],
             trust_remote_code=config["target"]["trust_remote_code"],
-            device=api["device"],
+            device=api.device,
             settings=client_settings(config),
         )
         refuse_or_log(report, log)
-        write_json_atomic(snakemake.output.report, report)
+        write(snakemake.output.report, report)
 
     run_stage("canary", snakemake.log[0], body)

@@ -23,14 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import (
+from eagle3_workflow.artefacts import (
+    ApiCompatReport,
+    CanaryReport,
     ExtractionManifest,
+    GreedyProbe,
     ProgressSnapshot,
-    process_umask,
-    read_json,
-    write_json_atomic,
+    load,
+    write,
 )
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files import process_umask
 from eagle3_workflow.hidden_states import (
     check_file,
     estimate_bytes,
@@ -166,7 +169,7 @@ class ProgressTracker:
     def write(self, message: str = "") -> None:
         snap = self.snapshot(message)
         if self.path is not None:
-            write_json_atomic(self.path, snap)
+            write(self.path, snap)
         width = 30
         filled = int(width * snap.samples_done / max(snap.samples_total, 1))
         eta = "?" if snap.eta_s is None else f"{snap.eta_s:.0f}s"
@@ -409,7 +412,7 @@ def extract_samples(
         raise
 
 
-def parse_greedy_probe(row: int, payload: dict[str, Any]) -> dict[str, Any]:
+def parse_greedy_probe(row: int, payload: dict[str, Any]) -> GreedyProbe:
     """The server's greedy next token and its top logprobs (token ids, via return_tokens_as_token_ids)."""
     choice = (payload.get("choices") or [{}])[0]
     logprobs = choice.get("logprobs") or {}
@@ -417,14 +420,14 @@ def parse_greedy_probe(row: int, payload: dict[str, Any]) -> dict[str, Any]:
     top = (logprobs.get("top_logprobs") or [{}])[0] or {}
     if not tokens or not str(tokens[0]).startswith("token_id:"):
         raise StageError(f"row {row}: greedy probe response has no token ids in logprobs: {json.dumps(payload)[:600]}")
-    return {
-        "row": row,
-        "token_id": int(str(tokens[0]).split(":", 1)[1]),
-        "top_logprobs": {str(k).split(":", 1)[1]: float(v) for k, v in top.items()},
-    }
+    return GreedyProbe(
+        row=row,
+        token_id=int(str(tokens[0]).split(":", 1)[1]),
+        top_logprobs={str(k).split(":", 1)[1]: float(v) for k, v in top.items()},
+    )
 
 
-def greedy_probes(server: VLLMServer, samples: list[Sample], timeout_s: float) -> list[dict[str, Any]]:
+def greedy_probes(server: VLLMServer, samples: list[Sample], timeout_s: float) -> list[GreedyProbe]:
     """One extra request per sample: the server's own greedy next token after the whole sample.
 
     validate_hidden_states applies the target's final norm and lm_head to the captured id N at the last
@@ -547,7 +550,7 @@ def _serve_and_extract(
     hidden_size: int,
     settings: ClientSettings,
     tracker: ProgressTracker,
-) -> tuple[int, float, list[dict[str, Any]], float]:
+) -> tuple[int, float, list[GreedyProbe], float]:
     """Start the server, extract `todo`, probe greedy tokens; the progress file says how it ended."""
     if scratch_dir.exists():
         shutil.rmtree(scratch_dir)  # leftovers of a killed run: never trusted
@@ -571,12 +574,12 @@ def _serve_and_extract(
     return bytes_written, ready_s, probes, client_started
 
 
-def server_spec_factory(config: dict[str, Any], api: dict[str, Any], target: str) -> Callable[[str], Any]:
+def server_spec_factory(config: dict[str, Any], api: ApiCompatReport, target: str) -> Callable[[str], Any]:
     """The extraction server for a storage folder, as the canary starts it (same builder)."""
     from eagle3_workflow.vllm_server import run_server_spec
 
     def spec_factory(storage_dir: str):
-        return run_server_spec(config, device=api["device"], model=target, layer_ids=api["layer_ids"],
+        return run_server_spec(config, device=api.device, model=target, layer_ids=api.layer_ids,
                                storage_dir=storage_dir, enable_render_endpoint=False)  # fmt: skip
 
     return spec_factory
@@ -602,9 +605,9 @@ def main(snakemake: Any) -> None:
     def body(log: logging.Logger) -> None:
         config = snakemake.params.settings
         extraction = config["extraction"]
-        api = read_json(snakemake.input.api_compat)
-        canary = read_json(snakemake.input.canary)
-        if not api.get("passed") or not canary.get("passed"):
+        api = load(ApiCompatReport, snakemake.input.api_compat)
+        canary = load(CanaryReport, snakemake.input.canary)
+        if not api.passed or not canary.passed:
             raise StageError(
                 "the gates did not pass (api_compat.json / canary.json say passed=false); extraction will not start"
             )
@@ -618,8 +621,8 @@ def main(snakemake: Any) -> None:
             progress_path=Path(snakemake.params.progress),
             server_spec_factory=server_spec_factory(config, api, str(snakemake.input.target)),
             server_log=Path(snakemake.log[0]),
-            layer_count=len(api["layer_ids"]),
-            hidden_size=api["target"]["hidden_size"],
+            layer_count=len(api.layer_ids),
+            hidden_size=api.target.hidden_size,
             settings=client_settings(extraction),
             disk_margin=extraction["disk_margin"],
             available_bytes_override=extraction["available_bytes_override"],
@@ -633,6 +636,6 @@ def main(snakemake: Any) -> None:
             human_bytes(manifest.bytes_written),
             manifest.tokens_per_s,
         )
-        write_json_atomic(snakemake.output.manifest, manifest)
+        write(snakemake.output.manifest, manifest)
 
     run_stage("extract_hidden_states", snakemake.log[0], body)

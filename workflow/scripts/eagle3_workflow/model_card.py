@@ -5,7 +5,7 @@ README.md generated from the run's artefacts: target, data and its size, trainin
 untrained, the `vllm serve` command that uses the draft, provenance. It runs after evaluate_draft because the card
 quotes the measured acceptance; draft/ itself stays untouched (evaluate_draft and a rerun read it).
 
-render_model_card() is pure (dicts in, Markdown out); package_draft() is the thin file adapter.
+render_model_card() is pure (artefact models in, Markdown out); package_draft() is the thin file adapter.
 """
 
 from __future__ import annotations
@@ -18,25 +18,38 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import published_directory
+from eagle3_workflow.artefacts import (
+    AcceptanceReport,
+    ApiCompatReport,
+    DataManifest,
+    Provenance,
+    RegenerationStats,
+    SmolLM2Build,
+    TargetInfo,
+    TrainingSummary,
+    load,
+)
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files import published_directory
+from eagle3_workflow.smollm2 import BUILD_RECORD
 
 CARD_NAME = "README.md"
 
 
 @dataclasses.dataclass
 class CardInputs:
-    """Everything the card says, as read from the run's artefacts (dicts: tolerant of older/newer fields)."""
+    """Everything the card says, as read from the run's artefacts."""
 
     run: str
     config: dict[str, Any]  # the sections target, regenerate, train, evaluate, vllm of the resolved config
-    target: dict[str, Any]  # checks/api_compat.json "target" (path, architecture, num_layers, ...)
-    manifest: dict[str, Any]  # data/manifest.json
-    training: dict[str, Any]  # draft/training.json
-    acceptance: dict[str, Any]  # eval/acceptance.json
-    provenance: dict[str, Any]  # provenance.json
+    target: TargetInfo  # checks/api_compat.json "target"
+    manifest: DataManifest  # data/manifest.json
+    training: TrainingSummary  # draft/training.json
+    acceptance: AcceptanceReport  # eval/acceptance.json
+    provenance: Provenance  # provenance.json
     draft_files: dict[str, str]  # file name -> sha256, of the published files (the card excluded)
-    regenerated: dict[str, Any] | None = None  # data/regenerated.stats.json when the data was self-distilled
+    regenerated: RegenerationStats | None = None  # data/regenerated.stats.json when the data was self-distilled
+    built_from: dict[str, Any] | None = None  # <target>/eagle3_build.json "source", for a target the workflow built
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -59,16 +72,15 @@ def _target_section(inputs: CardInputs) -> list[str]:
     target, cfg = inputs.target, inputs.config.get("target", {})
     build = cfg.get("build") or {}
     origin = cfg.get("path") or (f"built by the workflow (target.build.kind: {build.get('kind')})" if build else "n/a")
-    built_from = target.get("built_from")
     return [
         "## Target",
         "",
-        f"- model: `{target.get('path', 'n/a')}` ({origin})",
-        *([f"- built from: {built_from}"] if built_from else []),
-        f"- architecture: {target.get('architecture', 'n/a')}, {_fmt(target.get('num_layers'))} layers, hidden "
-        f"{_fmt(target.get('hidden_size'))}, vocabulary {_fmt(target.get('vocab_size'))}, "
+        f"- model: `{target.path}` ({origin})",
+        *([f"- built from: {inputs.built_from}"] if inputs.built_from else []),
+        f"- architecture: {target.architecture}, {_fmt(target.num_layers)} layers, hidden "
+        f"{_fmt(target.hidden_size)}, vocabulary {_fmt(target.vocab_size)}, "
         f"dtype {cfg.get('dtype', 'n/a')}",
-        f"- hidden states captured at vLLM layer ids {inputs.training.get('target_layer_ids', 'n/a')}",
+        f"- hidden states captured at vLLM layer ids {inputs.training.target_layer_ids}",
         "",
     ]
 
@@ -78,11 +90,11 @@ def _data_section(inputs: CardInputs) -> list[str]:
     lines = [
         "## Training data",
         "",
-        f"- conversations: {_fmt(manifest.get('records_kept'))} kept of {_fmt(manifest.get('records_read'))} read "
-        f"(dropped: {manifest.get('dropped') or 'none'}; truncated: {_fmt(manifest.get('truncated'))})",
-        f"- tokens: {_fmt(manifest.get('total_tokens'))} in all, {_fmt(manifest.get('assistant_tokens'))} of "
-        f"them assistant tokens (trained on); max sequence length {_fmt(manifest.get('max_seq_len'))}",
-        f"- sources: {', '.join(f'`{s}`' for s in manifest.get('sources') or []) or 'n/a'}",
+        f"- conversations: {_fmt(manifest.records_kept)} kept of {_fmt(manifest.records_read)} read "
+        f"(dropped: {manifest.dropped or 'none'}; truncated: {_fmt(manifest.truncated)})",
+        f"- tokens: {_fmt(manifest.total_tokens)} in all, {_fmt(manifest.assistant_tokens)} of "
+        f"them assistant tokens (trained on); max sequence length {_fmt(manifest.max_seq_len)}",
+        f"- sources: {', '.join(f'`{s}`' for s in manifest.sources) or 'n/a'}",
     ]
     if regen is not None or inputs.config.get("regenerate", {}).get("enabled"):
         settings = inputs.config.get("regenerate", {})
@@ -92,8 +104,8 @@ def _data_section(inputs: CardInputs) -> list[str]:
             f"{settings.get('prompt_files', [])} plus {settings.get('magpie_prompts', 0)} Magpie user turns asked of "
             "the target"
         )
-        if regen:
-            shown = {k: v for k, v in regen.items() if not isinstance(v, (list, dict))}
+        if regen is not None:
+            shown = {k: v for k, v in regen.model_dump().items() if not isinstance(v, (list, dict))}
             lines.append(f"- regeneration record: {shown}")
     return [*lines, ""]
 
@@ -105,17 +117,16 @@ def _training_section(inputs: CardInputs) -> list[str]:
         "",
         "| setting | value |",
         "|---|---|",
-        f"| trainer | speculators {_fmt(inputs.provenance.get('packages', {}).get('speculators'))} (its `cli.main`), {training.get('device', 'n/a')}, "
-        f"{_fmt(training.get('processes'))} process(es) |",
+        f"| trainer | speculators {_fmt(inputs.provenance.packages.get('speculators'))} (its `cli.main`), "
+        f"{training.device}, {_fmt(training.processes)} process(es) |",
         f"| draft | EAGLE-3, {train_cfg.get('draft_layers', 'n/a')} decoder layer(s), "
         f"{train_cfg.get('ttt_steps', 'n/a')} TTT steps |",
-        f"| draft vocabulary | {_fmt(training.get('draft_vocab_size', train_cfg.get('draft_vocab_size')))} tokens |",
+        f"| draft vocabulary | {_fmt(training.draft_vocab_size)} tokens |",
         f"| optimizer, lr | {train_cfg.get('optimizer', 'n/a')}, {train_cfg.get('lr', 'n/a')} |",
-        f"| epochs, steps | {_fmt(training.get('epochs', train_cfg.get('epochs')))}, {_fmt(training.get('steps'))} |",
+        f"| epochs, steps | {_fmt(training.epochs)}, {_fmt(training.steps)} |",
         f"| packed sequence length | {_fmt(train_cfg.get('total_seq_len'))} |",
-        f"| final loss train / validation | {_fmt(training.get('final_train_loss'))} / "
-        f"{_fmt(training.get('final_val_loss'))} |",
-        f"| final validation accuracy per position | {training.get('final_val_full_acc', 'n/a')} |",
+        f"| final loss train / validation | {_fmt(training.final_train_loss)} / {_fmt(training.final_val_loss)} |",
+        f"| final validation accuracy per position | {training.final_val_full_acc} |",
         f"| extra trainer arguments | {train_cfg.get('extra_args') or 'none'} |",
         "",
     ]
@@ -123,27 +134,23 @@ def _training_section(inputs: CardInputs) -> list[str]:
 
 def _acceptance_section(inputs: CardInputs) -> list[str]:
     acc = inputs.acceptance
-    k = acc.get("num_speculative_tokens", "n/a")
     rows = []
-    for label in ("trained", "untrained"):
-        result = acc.get(label) or {}
-        per_position = " / ".join(f"{p:.3f}" for p in result.get("per_position_acceptance") or [])
+    for result in (acc.trained, acc.untrained):
+        per_position = " / ".join(f"{p:.3f}" for p in result.per_position_acceptance)
         rows.append(
-            f"| {label} | **{_fmt(result.get('mean_acceptance_length'))}** | {per_position or 'n/a'} | "
-            f"{_fmt(result.get('num_drafts'))} | {_fmt(result.get('tokens_per_s'), 1)} | "
-            f"{_fmt(result.get('speedup'), 2)} |"
+            f"| {result.label} | **{_fmt(result.mean_acceptance_length)}** | {per_position or 'n/a'} | "
+            f"{_fmt(result.num_drafts)} | {_fmt(result.tokens_per_s, 1)} | {_fmt(result.speedup, 2)} |"
         )
-    rows.append(f"| no speculation | - | - | - | {_fmt(acc.get('no_speculation_tokens_per_s'), 1)} | 1.00 |")
-    trained = (acc.get("trained") or {}).get("mean_acceptance_length")
-    untrained = (acc.get("untrained") or {}).get("mean_acceptance_length")
+    rows.append(f"| no speculation | - | - | - | {_fmt(acc.no_speculation_tokens_per_s, 1)} | 1.00 |")
+    trained, untrained = acc.trained.mean_acceptance_length, acc.untrained.mean_acceptance_length
     ratio = f"{trained / untrained:.2f}x the untrained draft" if trained and untrained else "n/a"
-    lossless = "yes" if acc.get("lossless") else "NO"
+    lossless = "yes" if acc.lossless else "NO"
     return [
         "## Acceptance",
         "",
-        f"{_fmt(acc.get('num_prompts'))} prompts ({acc.get('prompt_source', 'n/a')}: {acc.get('prompt_detail', '')}), "
-        f"greedy, k = {k} speculative tokens, up to {_fmt(acc.get('max_tokens'))} new tokens, vLLM "
-        f"{acc.get('vllm_version', 'n/a')} on {acc.get('device', 'n/a')}. Mean acceptance length = tokens per "
+        f"{_fmt(acc.num_prompts)} prompts ({acc.prompt_source}: {acc.prompt_detail}), "
+        f"greedy, k = {acc.num_speculative_tokens} speculative tokens, up to {_fmt(acc.max_tokens)} new tokens, vLLM "
+        f"{acc.vllm_version} on {acc.device}. Mean acceptance length = tokens per "
         f"verification step including the bonus token (1 + accepted / drafts): trained {ratio}.",
         "",
         "| draft | mean acceptance length | acceptance per position | drafts | tokens/s | speedup |",
@@ -151,26 +158,25 @@ def _acceptance_section(inputs: CardInputs) -> list[str]:
         *rows,
         "",
         f"Lossless (speculative output identical to greedy decoding without speculation): {lossless} "
-        f"({_fmt(acc.get('lossless_mismatches'))} divergences at near-ties, logprob gap tolerance "
-        f"{acc.get('lossless_logprob_tolerance', 'n/a')}). "
-        f"The untrained draft: {acc.get('untrained_baseline', 'n/a')}.",
-        *[f"Note: {note}" for note in acc.get("notes") or []],
+        f"({_fmt(acc.lossless_mismatches)} divergences at near-ties, logprob gap tolerance "
+        f"{acc.lossless_logprob_tolerance}). "
+        f"The untrained draft: {acc.untrained_baseline}.",
+        *[f"Note: {note}" for note in acc.notes],
         "",
     ]
 
 
 def _provenance_section(inputs: CardInputs) -> list[str]:
     prov = inputs.provenance
-    packages = prov.get("packages") or {}
-    dirty = " (uncommitted changes)" if prov.get("git_dirty") else ""
+    dirty = " (uncommitted changes)" if prov.git_dirty else ""
     files = [f"| `{name}` | `{digest}` |" for name, digest in sorted(inputs.draft_files.items())]
     return [
         "## Provenance",
         "",
-        f"- workflow commit `{prov.get('git_commit', 'n/a')}`{dirty}, "
-        f"run `{inputs.run}`, host {prov.get('host', 'n/a')}, accelerators {prov.get('accelerators') or 'none'}",
-        f"- packages: {', '.join(f'{k} {v}' for k, v in sorted(packages.items())) or 'n/a'}",
-        f"- training command: `{' '.join(inputs.training.get('command') or []) or 'n/a'}`",
+        f"- workflow commit `{prov.git_commit}`{dirty}, "
+        f"run `{inputs.run}`, host {prov.host}, accelerators {prov.accelerators or 'none'}",
+        f"- packages: {', '.join(f'{k} {v}' for k, v in sorted(prov.packages.items())) or 'n/a'}",
+        f"- training command: `{' '.join(inputs.training.command) or 'n/a'}`",
         "",
         "| file | sha256 |",
         "|---|---|",
@@ -182,15 +188,14 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
 def render_model_card(inputs: CardInputs) -> str:
     """The README.md of the published draft (Markdown), from the run's artefacts only."""
     acc = inputs.acceptance
-    k = int(acc.get("num_speculative_tokens") or inputs.config.get("evaluate", {}).get("num_speculative_tokens", 3))
-    target_path = inputs.target.get("path") or inputs.config.get("target", {}).get("path") or "<target>"
-    trained = (acc.get("trained") or {}).get("mean_acceptance_length")
+    k = acc.num_speculative_tokens
+    target_path = inputs.target.path or inputs.config.get("target", {}).get("path") or "<target>"
     header = [
         f"# EAGLE-3 draft for `{Path(str(target_path)).name}` (run `{inputs.run}`)",
         "",
         f"A speculative-decoding draft model (EAGLE-3, speculators format) for the target below, trained by the "
-        f"gated EAGLE-3 workflow. Mean acceptance length {_fmt(trained)} at k = {k} on "
-        f"{_fmt(acc.get('num_prompts'))} {acc.get('prompt_source', 'evaluation')} prompts. Generated from the run's artefacts; do not edit by "
+        f"gated EAGLE-3 workflow. Mean acceptance length {_fmt(acc.trained.mean_acceptance_length)} at k = {k} on "
+        f"{_fmt(acc.num_prompts)} {acc.prompt_source} prompts. Generated from the run's artefacts; do not edit by "
         "hand (rerun rule `package_draft`).",
         "",
         "## Use it",
@@ -216,29 +221,10 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise StageError(f"cannot read {path} ({exc!r}); rerun the rule that writes it") from exc
-
-
-def target_facts(api_compat: dict[str, Any], target_dir: Path | None) -> dict[str, Any]:
-    """check_api's record of the target, else what the target's config.json says (older api_compat files)."""
-    build_record = Path(target_dir) / "eagle3_build.json" if target_dir else None
-    built_from = _read(build_record).get("source") if build_record and build_record.exists() else None
-    facts = {"built_from": built_from} if built_from else {}
-    if api_compat.get("target"):
-        return {**api_compat["target"], **facts}
-    if target_dir is None or not (Path(target_dir) / "config.json").exists():
-        return facts
-    config = _read(Path(target_dir) / "config.json")
-    return {
-        **facts,
-        "path": str(target_dir), "architecture": (config.get("architectures") or ["n/a"])[0],
-        "model_type": config.get("model_type"), "num_layers": config.get("num_hidden_layers"),
-        "hidden_size": config.get("hidden_size"), "vocab_size": config.get("vocab_size"),
-    }  # fmt: skip
+def built_from(target_dir: Path | None) -> dict[str, Any] | None:
+    """What a target the workflow built was made from (its build record), or None (no record: not built here)."""
+    record = Path(target_dir) / BUILD_RECORD if target_dir else None
+    return load(SmolLM2Build, record).source if record is not None and record.exists() else None
 
 
 def _link_or_copy(source: Path, dest: Path) -> None:
@@ -257,13 +243,14 @@ def package_draft(paths: dict[str, Path], config: dict[str, Any], run: str, out_
     files = sorted(p for p in draft.iterdir() if p.is_file() and p.name != CARD_NAME and not p.name.startswith("."))
     if not any(p.name == "config.json" for p in files):
         raise StageError(f"{draft} has no config.json: not a published draft; rerun train_draft")
-    training = _read(draft / "training.json") if (draft / "training.json").exists() else {}
     regenerated = paths.get("regenerated")
     inputs = CardInputs(
-        run=run, config=config, target=target_facts(_read(paths["api_compat"]), paths.get("target")),
-        manifest=_read(paths["manifest"]), training=training, acceptance=_read(paths["acceptance"]),
-        provenance=_read(paths["provenance"]), draft_files={p.name: sha256_of(p) for p in files},
-        regenerated=_read(regenerated) if regenerated and Path(regenerated).exists() else None,
+        run=run, config=config, target=load(ApiCompatReport, paths["api_compat"]).target,
+        manifest=load(DataManifest, paths["manifest"]), training=load(TrainingSummary, draft / "training.json"),
+        acceptance=load(AcceptanceReport, paths["acceptance"]), provenance=load(Provenance, paths["provenance"]),
+        draft_files={p.name: sha256_of(p) for p in files},
+        regenerated=load(RegenerationStats, regenerated) if regenerated and Path(regenerated).exists() else None,
+        built_from=built_from(paths.get("target")),
     )  # fmt: skip
     with published_directory(out_dir) as staging:
         for path in files:

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.artefacts import DataManifest, write
 from eagle3_workflow.chat import TemplateError, load_chat_tokenizer, normalize_messages, tokenize_conversation
-from eagle3_workflow.contracts import DataManifest, write_json_atomic
 from eagle3_workflow.errors import StageError, render_table
 
 log = logging.getLogger("eagle3.prepare")
@@ -367,6 +367,6 @@ def main(snakemake: Any) -> None:
             manifest.total_tokens,
             manifest.assistant_tokens,
         )
-        write_json_atomic(snakemake.output.manifest, manifest)
+        write(snakemake.output.manifest, manifest)
 
     run_stage("prepare_data", snakemake.log[0], body)

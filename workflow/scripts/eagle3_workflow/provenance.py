@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import write_json_atomic
+from eagle3_workflow.artefacts import Provenance, write
 
 PACKAGES = (
     "snakemake",
@@ -30,20 +29,6 @@ PACKAGES = (
     "datasets",
     "numpy",
 )
-
-
-@dataclasses.dataclass
-class Provenance:
-    run: str
-    created_unix: float
-    host: str
-    platform: str
-    python: str
-    git_commit: str
-    git_dirty: bool
-    packages: dict[str, str]
-    accelerators: list[str]
-    config: dict[str, Any]
 
 
 def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
@@ -102,7 +87,7 @@ def main(snakemake: Any) -> None:
 
     def body(log: logging.Logger) -> None:
         record = collect(json.loads(snakemake.params.config), snakemake.params.workflow_root)
-        write_json_atomic(snakemake.output[0], record)
+        write(snakemake.output[0], record)
         log.info("provenance: commit %s, host %s, packages %s", record.git_commit, record.host, record.packages)
 
     run_stage("record_provenance", snakemake.log[0], body)

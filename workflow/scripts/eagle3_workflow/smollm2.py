@@ -17,7 +17,6 @@ template) turn the answer into noise, so the check is deterministic (greedy) and
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.metadata
 import logging
@@ -26,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import share_as_umask_allows, write_json_atomic
+from eagle3_workflow.artefacts import GreedyAnswer, SmolLM2Build, write
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files import share_as_umask_allows
 
 log = logging.getLogger("eagle3.smollm2")
 
@@ -93,31 +93,6 @@ def gguf_has_output_head(path: Path) -> bool:
     from gguf import GGUFReader
 
     return any(tensor.name == "output.weight" for tensor in GGUFReader(str(path)).tensors)
-
-
-@dataclasses.dataclass
-class GreedyAnswer:
-    question: str
-    answer: str
-    expected: str
-    passed: bool
-
-
-@dataclasses.dataclass
-class SmolLM2Build:
-    """Written beside the weights as eagle3_build.json."""
-
-    source: dict[str, Any]
-    dtype: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    tensors_checked: int
-    max_relative_weight_error: float
-    greedy: GreedyAnswer
-    convert_s: float
-    verify_s: float
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "bfloat16") -> tuple[Any, dict[str, Any]]:
@@ -268,7 +243,7 @@ def build_smollm2_target(out_dir: Path, *, gguf_path: Path | None = None, dtype:
         convert_s=round(convert_s, 2),
         verify_s=round(verify_s, 2),
     )
-    write_json_atomic(out_dir / BUILD_RECORD, record)
+    write(out_dir / BUILD_RECORD, record)
     return record
 
 

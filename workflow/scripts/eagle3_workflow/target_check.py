@@ -10,14 +10,13 @@ the prompt. Writes checks/target_sanity.json; `regenerate_responses` takes it as
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.artefacts import SanityAnswer, TargetSanityReport, write
 from eagle3_workflow.chat import assistant_stop_set, load_chat_tokenizer
-from eagle3_workflow.contracts import write_json_atomic
 from eagle3_workflow.errors import StageError, render_table
 
 log = logging.getLogger("eagle3.check_target")
@@ -29,25 +28,6 @@ SANITY_PROMPTS = [
     "Name three colours of the rainbow.",
 ]
 MIN_ECHO_CHARS = 12  # an answer this short that appears in the prompt is a fragment, not necessarily an echo
-
-
-@dataclasses.dataclass
-class SanityAnswer:
-    prompt: str
-    answer: str
-    finish_reason: str | None
-    problem: str | None  # None when the answer is usable
-
-
-@dataclasses.dataclass
-class TargetSanityReport:
-    """checks/target_sanity.json."""
-
-    passed: bool
-    target: str
-    max_tokens: int
-    stop_token_ids: list[int]
-    answers: list[SanityAnswer]
 
 
 def _normalized(text: str) -> str:
@@ -70,7 +50,7 @@ def judge(
     target: str, max_tokens: int, stop_token_ids: list[int], answers: list[tuple[str, str, str | None]]
 ) -> TargetSanityReport:
     """The report for (prompt, answer, finish_reason) triples: passed only when every answer is usable."""
-    judged = [SanityAnswer(p, a, f, answer_problem(p, a)) for p, a, f in answers]
+    judged = [SanityAnswer(prompt=p, answer=a, finish_reason=f, problem=answer_problem(p, a)) for p, a, f in answers]
     return TargetSanityReport(
         passed=bool(judged) and all(a.problem is None for a in judged),
         target=target,
@@ -165,6 +145,6 @@ def main(snakemake: Any) -> None:
         if not report.passed:
             raise StageError(failure_message(report))
         log.info("the target answers its chat template sensibly (%d questions)", len(report.answers))
-        write_json_atomic(snakemake.output.report, report)
+        write(snakemake.output.report, report)
 
     run_stage("check_target", snakemake.log[0], body)

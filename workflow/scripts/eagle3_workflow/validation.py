@@ -16,7 +16,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import ValidationReport, read_json, write_json_atomic
+from eagle3_workflow.artefacts import (
+    ApiCompatReport,
+    ExtractionManifest,
+    GreedyCheck,
+    GreedyProbe,
+    ValidationReport,
+    load,
+    write,
+)
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.hidden_states import check_file, hs_file, human_bytes
 
@@ -57,7 +65,7 @@ def load_final_head(target_dir: Path) -> tuple[Any, Any, float]:
     return tensors["norm"], tensors["head"], float(text.get("rms_norm_eps", 1e-6))
 
 
-def greedy_check_row(last_state: Any, probe: dict[str, Any], norm: Any, head: Any, eps: float) -> dict[str, Any]:
+def greedy_check_row(last_state: Any, probe: GreedyProbe, norm: Any, head: Any, eps: float) -> GreedyCheck:
     """Recompute the next token from one captured last state; ok when it is the server's or a bf16 tie."""
     import torch
 
@@ -65,20 +73,20 @@ def greedy_check_row(last_state: Any, probe: dict[str, Any], norm: Any, head: An
     normed = state * torch.rsqrt(state.pow(2).mean() + eps) * norm
     logits = head @ normed
     ours = int(logits.argmax())
-    server = int(probe["token_id"])
+    server = probe.token_id
     gap = float(logits[ours] - logits[server])
     tolerance = TIE_RELATIVE * float(logits.abs().max())
-    return {
-        "row": probe["row"],
-        "server_token": server,
-        "recomputed_token": ours,
-        "logit_gap": round(gap, 4),
-        "tolerance": round(tolerance, 4),
-        "ok": gap <= tolerance,
-    }
+    return GreedyCheck(
+        row=probe.row,
+        server_token=server,
+        recomputed_token=ours,
+        logit_gap=round(gap, 4),
+        tolerance=round(tolerance, 4),
+        ok=gap <= tolerance,
+    )
 
 
-def greedy_cross_check(target_dir: Path, files_dir: Path, probes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def greedy_cross_check(target_dir: Path, files_dir: Path, probes: list[GreedyProbe]) -> list[GreedyCheck]:
     from safetensors import safe_open
 
     if not probes:
@@ -86,23 +94,19 @@ def greedy_cross_check(target_dir: Path, files_dir: Path, probes: list[dict[str,
     norm, head, eps = load_final_head(target_dir)
     rows = []
     for probe in probes:
-        with safe_open(str(hs_file(files_dir, probe["row"])), framework="pt") as handle:
+        with safe_open(str(hs_file(files_dir, probe.row)), framework="pt") as handle:
             last_state = handle.get_slice("hidden_states")[-1:, -1:, :].reshape(-1)  # last position, id N
         rows.append(greedy_check_row(last_state, probe, norm, head, eps))
     return rows
 
 
-def greedy_failure_message(rows: list[dict[str, Any]]) -> str:
+def greedy_failure_message(rows: list[GreedyCheck]) -> str:
     table = render_table(
         ["row", "server token", "from captured id N", "logit gap", "tolerance"],
-        [
-            (r["row"], r["server_token"], r["recomputed_token"], r["logit_gap"], r["tolerance"])
-            for r in rows
-            if not r["ok"]
-        ],
+        [(r.row, r.server_token, r.recomputed_token, r.logit_gap, r.tolerance) for r in rows if not r.ok],
     )
     return (
-        f"{sum(not r['ok'] for r in rows)} of {len(rows)} samples: the captured last state (id N) through the "
+        f"{sum(not r.ok for r in rows)} of {len(rows)} samples: the captured last state (id N) through the "
         f"target's final norm and lm_head does not give the server's own greedy next token:\n{table}\n"
         "The last captured layer is not the pre-norm output of the last decoder layer (a layer-id remap or a "
         "post-norm capture in this vLLM build). The hidden states are unusable for training; do not raise "
@@ -160,13 +164,13 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
-        api = read_json(snakemake.input.api_compat)
+        api = load(ApiCompatReport, snakemake.input.api_compat)
         max_bad = snakemake.params.settings["validation"]["max_bad_samples"]
         report = validate_files(
             load_prepared_input_ids(snakemake.input.prepared),
             Path(snakemake.params.files_dir),
-            layer_count=len(api["layer_ids"]),
-            hidden_size=api["target"]["hidden_size"],
+            layer_count=len(api.layer_ids),
+            hidden_size=api.target.hidden_size,
             max_bad_samples=max_bad,
         )
         log.info(
@@ -178,14 +182,14 @@ def main(snakemake: Any) -> None:
         )
         if not report.passed:
             raise StageError(failure_message(report, max_bad))
-        probes = [p for path in snakemake.input.manifests for p in read_json(path).get("greedy_probes", [])]
+        probes = [p for path in snakemake.input.manifests for p in load(ExtractionManifest, path).greedy_probes]
         report.greedy_check = greedy_cross_check(Path(snakemake.input.target), Path(snakemake.params.files_dir), probes)
         if not probes:
             log.warning("greedy-token cross-check: no probes in the replica manifests (nothing was extracted this run)")
-        elif not all(r["ok"] for r in report.greedy_check):
+        elif not all(r.ok for r in report.greedy_check):
             raise StageError(greedy_failure_message(report.greedy_check))
         else:
             log.info("greedy-token cross-check: %d/%d samples give the server's token", len(probes), len(probes))
-        write_json_atomic(snakemake.output.report, report)
+        write(snakemake.output.report, report)
 
     run_stage("validate_hidden_states", snakemake.log[0], body)

@@ -8,7 +8,7 @@ Which module owns what (pure modules import no vllm, torch or subprocess at modu
 - ``metrics``   acceptance from the spec-decode counters, one run's AcceptanceResult, the summary table (pure).
 - ``lossless``  the greedy comparison, its first divergences and the failure message with their table (pure).
 - ``baseline``  the untrained draft (torch, speculators).
-- ``protocol``  spec.json / result.json exchanged with the measurement process (pure).
+- ``protocol``  spec.json / result.json exchanged with the measurement process (artefacts.py models, pure).
 - ``launch``    the stage's side of a measurement process: engine kwargs, environment, ChildProcess.
 - ``measure``   the measurement process itself, the package's only ``-m`` entry; the only module importing vLLM.
 - ``stage``     evaluate_draft (the orchestration) and the Snakemake adapter ``main(snakemake)``.

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import read_json, write_json_atomic
+from eagle3_workflow.artefacts import load, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.protocol import LOG_PREFIX, MeasurementResult, MeasurementSpec
 from eagle3_workflow.vllm_server import offline_engine_kwargs
@@ -69,7 +69,7 @@ def run_measurement_process(
 
     work_dir.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
-    write_json_atomic(spec_path, spec)
+    write(spec_path, spec)
     result_path.unlink(missing_ok=True)
     cmd = [
         sys.executable,
@@ -101,4 +101,4 @@ def run_measurement_process(
     if code != 0 or not result_path.exists():
         raise StageError(child.failure_text(f"the measurement process ({labels}) exited with code {code}"))
     log.info("measurement process %s done in %.1f s", name, wall_s)
-    return MeasurementResult.from_dict(read_json(result_path)), wall_s
+    return load(MeasurementResult, result_path), wall_s

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from eagle3_workflow.contracts import LosslessMismatch
+from eagle3_workflow.artefacts import LosslessMismatch
 from eagle3_workflow.errors import render_table
 
 

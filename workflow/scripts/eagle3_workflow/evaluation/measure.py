@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from eagle3_workflow.contracts import read_json, write_json_atomic
+from eagle3_workflow.artefacts import load, write
 from eagle3_workflow.evaluation.protocol import (
     LOG_PREFIX,
     MeasurementResult,
@@ -73,7 +73,7 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
     progress_bar = engine_progress_bar()  # one marker per finished request: the parent's stall watch
     print(f"{LOG_PREFIX}vllm {vllm.__version__} imported in {import_s:.1f} s", flush=True)
     results = [measure_run(spec, run, progress_bar) for run in spec.runs]
-    return MeasurementResult(vllm.__version__, import_s, results)
+    return MeasurementResult(vllm_version=vllm.__version__, import_s=import_s, runs=results)
 
 
 def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any) -> RunResult:
@@ -164,8 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--result", required=True, help="where to write the MeasurementResult JSON")
     args = parser.parse_args(argv)
     try:
-        result = measure(MeasurementSpec.from_dict(read_json(args.spec)))
-        write_json_atomic(args.result, result)
+        result = measure(load(MeasurementSpec, args.spec))
+        write(args.result, result)
     except BaseException as exc:  # noqa: BLE001 - the parent quotes this from the log
         print(f"{LOG_PREFIX}measurement FAILED: {describe_exception(exc)}", file=sys.stderr, flush=True)
         return 1

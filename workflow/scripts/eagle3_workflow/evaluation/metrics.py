@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import AcceptanceReport, AcceptanceResult, LosslessMismatch
+from eagle3_workflow.artefacts import AcceptanceReport, AcceptanceResult, LosslessMismatch
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.evaluation.protocol import NO_SPECULATION, RunResult
 

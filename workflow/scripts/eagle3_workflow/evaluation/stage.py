@@ -17,15 +17,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.chat import StopSet, assistant_stop_set
-from eagle3_workflow.contracts import (
+from eagle3_workflow.artefacts import (
     AcceptanceReport,
     AcceptanceResult,
+    ApiCompatReport,
+    DraftConfig,
     LosslessMismatch,
     MeasurementProcess,
-    read_json,
-    write_json_atomic,
+    load,
+    write,
 )
+from eagle3_workflow.chat import StopSet, assistant_stop_set
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.launch import (
@@ -91,7 +93,7 @@ def evaluate_draft(
 
     k = settings.num_speculative_tokens
     runs = [
-        MeasurementRun(NO_SPECULATION, None),
+        MeasurementRun(label=NO_SPECULATION, speculative_config=None),
         eagle3_run("trained", draft, k),
         eagle3_run("untrained", untrained.path, k),
     ]
@@ -109,16 +111,16 @@ def evaluate_draft(
                           device=device, untrained_baseline=untrained.description, notes=notes)  # fmt: skip
     log.info("\n%s", summary_table(report))
     if not report.lossless:
-        write_json_atomic(work_dir / "acceptance_failed.json", report)
+        write(work_dir / "acceptance_failed.json", report)
         raise StageError(lossless_failure(mismatches, len(prompt_set.prompts), settings.lossless_logprob_tolerance))
     return report
 
 
 def check_eagle3_draft(draft: Path) -> None:
-    draft_config = read_json(draft / "config.json")
-    if draft_config.get("speculators_model_type") != "eagle3":
+    model_type = load(DraftConfig, draft / "config.json").speculators_model_type
+    if model_type != "eagle3":
         raise StageError(
-            f"{draft}/config.json has speculators_model_type {draft_config.get('speculators_model_type')!r}; "
+            f"{draft}/config.json has speculators_model_type {model_type!r}; "
             "this stage evaluates EAGLE-3 drafts ('eagle3')"
         )
 
@@ -288,8 +290,8 @@ def main(snakemake: Any) -> None:
         # the prompt file as Snakemake resolved it (a relative path may name the copy shipped with the workflow)
         prompt_files = list(snakemake.input.get("prompt_file", []))
         evaluate = settings["evaluate"] | ({"prompt_file": prompt_files[0]} if prompt_files else {})
-        api = read_json(snakemake.input.api_compat)
-        if not api.get("passed", False):
+        api = load(ApiCompatReport, snakemake.input.api_compat)
+        if not api.passed:
             raise StageError(f"{snakemake.input.api_compat} records failed API checks; rerun check_api and fix them")
         report = evaluate_draft(
             target=Path(snakemake.input.target),
@@ -303,6 +305,6 @@ def main(snakemake: Any) -> None:
             trust_remote_code=settings["target"]["trust_remote_code"],
             log_path=snakemake.log[0],
         )
-        write_json_atomic(snakemake.output.report, report)
+        write(snakemake.output.report, report)
 
     run_stage("evaluate_draft", snakemake.log[0], body)

@@ -13,7 +13,6 @@ tokens it will later be trained to predict after (no doubled BOS from vLLM's own
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -22,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.artefacts import RegenerationStats, write
 from eagle3_workflow.chat import StopSet, assistant_stop_set
-from eagle3_workflow.contracts import write_json_atomic
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.regenerate.magpie import MagpieResult, generate_magpie_prompts, user_turn_template
 from eagle3_workflow.regenerate.prompts import (
@@ -40,33 +39,6 @@ from eagle3_workflow.regenerate.prompts import (
 from eagle3_workflow.vllm_server import offline_engine_kwargs
 
 log = logging.getLogger("eagle3.regenerate")
-
-
-@dataclasses.dataclass
-class RegenerationStats:
-    """Written beside regenerated.jsonl: where every prompt went."""
-
-    target: str
-    prompts_read: dict[str, int]  # per prompt file
-    magpie_requested: int
-    magpie_generated: int  # kept after the filters
-    magpie_dropped: dict[str, int]  # empty | unfinished | too_short
-    magpie_prefix: str | None
-    duplicates_dropped: int
-    capped_by_max_prompts: int
-    too_long_dropped: int
-    answers_generated: int
-    empty_answers_dropped: int
-    truncated_answers: int  # kept, but cut at regenerate.max_tokens
-    conversations_written: int
-    prompt_tokens: int
-    generated_tokens: int
-    engine_ready_s: float
-    generate_s: float
-    generated_tokens_per_s: float
-    settings: dict[str, Any]
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # where answers end (eos + end-of-turn)
-    stop_strings: list[str] = dataclasses.field(default_factory=list)
 
 
 def regenerate(
@@ -305,7 +277,7 @@ def run_regeneration(
     stats.target = str(target)
     stats.engine_ready_s = round(ready_s, 2)
     write_jsonl_atomic(output, records)
-    write_json_atomic(stats_path, stats)
+    write(stats_path, stats)
     log.info(
         "wrote %d conversations to %s; %d tokens generated in %.1f s (%.0f tok/s)",
         stats.conversations_written,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import AcceptanceReport
+from eagle3_workflow.artefacts import AcceptanceReport, DataManifest, ExtractionManifest
 
 log = logging.getLogger("eagle3.report")
 
@@ -50,41 +50,41 @@ def _message(ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
-def plot_data(manifest: dict[str, Any], path: Path) -> None:
+def plot_data(manifest: DataManifest, path: Path) -> None:
     fig, (counts_ax, lengths_ax) = _figure(2)
-    dropped = manifest.get("dropped") or {}
+    dropped = manifest.dropped
     labels = ["kept"] + [f"dropped: {k}" for k in dropped]
-    values = [manifest.get("records_kept", 0)] + list(dropped.values())
+    values = [manifest.records_kept] + list(dropped.values())
     counts_ax.barh(labels[::-1], values[::-1], color=[BASELINE_COLOUR] * len(dropped) + [TRAINED_COLOUR])
     counts_ax.set_xlabel("records")
-    counts_ax.set_title(f"{manifest.get('records_read', '?')} records read, {manifest.get('truncated', 0)} truncated")
-    percentiles = manifest.get("length_percentiles") or {}
+    counts_ax.set_title(f"{manifest.records_read} records read, {manifest.truncated} truncated")
+    percentiles = manifest.length_percentiles
     if percentiles:
         names = list(percentiles)
         lengths_ax.bar(names, [percentiles[n] for n in names], color=TRAINED_COLOUR)
         lengths_ax.set_ylabel("tokens per sample")
         lengths_ax.set_title(
-            f"{manifest.get('total_tokens', 0):,} tokens, {manifest.get('assistant_tokens', 0):,} trained on "
-            f"(max_seq_len {manifest.get('max_seq_len', '?')})"
+            f"{manifest.total_tokens:,} tokens, {manifest.assistant_tokens:,} trained on "
+            f"(max_seq_len {manifest.max_seq_len})"
         )
     else:
         _message(lengths_ax, "no length statistics in data/manifest.json")
     _save(fig, path)
 
 
-def plot_extraction(manifests: Sequence[dict[str, Any]], path: Path) -> None:
+def plot_extraction(manifests: Sequence[ExtractionManifest], path: Path) -> None:
     fig, (speed_ax, samples_ax) = _figure(2)
     if not manifests:
         _message(speed_ax, "no extraction manifests")
         _message(samples_ax, "")
         _save(fig, path)
         return
-    names = [f"replica {m.get('replica', i)}" for i, m in enumerate(manifests)]
-    speed_ax.bar(names, [m.get("tokens_per_s", 0.0) for m in manifests], color=TRAINED_COLOUR)
+    names = [f"replica {m.replica}" for m in manifests]
+    speed_ax.bar(names, [m.tokens_per_s for m in manifests], color=TRAINED_COLOUR)
     speed_ax.set_ylabel("tokens / s")
     speed_ax.set_title("extraction throughput")
-    extracted = [m.get("samples_extracted", 0) for m in manifests]
-    reused = [m.get("samples_reused", 0) for m in manifests]
+    extracted = [m.samples_extracted for m in manifests]
+    reused = [m.samples_reused for m in manifests]
     samples_ax.bar(names, extracted, label="extracted", color=TRAINED_COLOUR)
     samples_ax.bar(names, reused, bottom=extracted, label="reused (resume)", color=UNTRAINED_COLOUR)
     samples_ax.set_ylabel("samples")

@@ -8,7 +8,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from eagle3_workflow.contracts import AcceptanceReport
+from eagle3_workflow.artefacts import (
+    AcceptanceReport,
+    ApiCompatReport,
+    CanaryReport,
+    DataManifest,
+    ExtractionManifest,
+    Provenance,
+    TrainingSummary,
+    ValidationReport,
+)
 
 PAGE_STYLE = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; font-size: 14px; margin: 1em; }
@@ -50,54 +59,51 @@ def html_page(title: str, sections: Sequence[tuple[str, str]]) -> str:
     )
 
 
-def data_page(manifest: dict[str, Any]) -> str:
+def data_page(manifest: DataManifest) -> str:
     scalars = [
-        (key, value) for key, value in manifest.items() if not isinstance(value, dict | list) and value is not None
+        (key, value)
+        for key, value in manifest.model_dump().items()
+        if not isinstance(value, dict | list) and value is not None
     ]
     sections = [("Counts", key_value_table(scalars))]
-    if manifest.get("dropped"):
+    if manifest.dropped:
         sections.append(
-            ("Dropped records by reason", html_table(["reason", "records"], list(manifest["dropped"].items())))
+            ("Dropped records by reason", html_table(["reason", "records"], list(manifest.dropped.items())))
         )
-    if manifest.get("length_percentiles"):
-        sections.append(("Sequence length (tokens)", key_value_table(list(manifest["length_percentiles"].items()))))
-    if manifest.get("sources"):
-        sections.append(("Sources", html_table(["path"], [[s] for s in manifest["sources"]])))
+    if manifest.length_percentiles:
+        sections.append(("Sequence length (tokens)", key_value_table(list(manifest.length_percentiles.items()))))
+    if manifest.sources:
+        sections.append(("Sources", html_table(["path"], [[s] for s in manifest.sources])))
     return html_page("Prepared data (data/manifest.json)", sections)
 
 
-def _checks(report: dict[str, Any]) -> str:
-    rows = [
-        (c.get("name", ""), c.get("expected", ""), c.get("found", ""), bool(c.get("passed")), c.get("detail", ""))
-        for c in report.get("checks") or []
-    ]
+def _checks(report: ApiCompatReport | CanaryReport) -> str:
+    rows = [(c.name, c.expected, c.found, c.passed, c.detail) for c in report.checks]
     return html_table(["check", "expected", "found", "pass", "detail"], rows) if rows else "<p>no checks recorded</p>"
 
 
-def gates_page(api_compat: dict[str, Any], canary: dict[str, Any], validation: dict[str, Any]) -> str:
-    versions = [(k, api_compat[k]) for k in api_compat if k.endswith("_version") or k in ("device", "layer_ids")]
+def gates_page(api_compat: ApiCompatReport, canary: CanaryReport, validation: ValidationReport) -> str:
+    versions = [
+        (k, v) for k, v in api_compat.model_dump().items() if k.endswith("_version") or k in ("device", "layer_ids")
+    ]
     canary_errors = [
-        (
-            layer,
-            canary.get("per_layer_max_rel_error", {}).get(layer),
-            (canary.get("per_layer_mean_rel_error") or {}).get(layer),
-        )
-        for layer in canary.get("per_layer_max_rel_error") or {}
+        (layer, max_rel, canary.per_layer_mean_rel_error.get(layer))
+        for layer, max_rel in canary.per_layer_max_rel_error.items()
     ]
     validation_rows = [
         (k, v if not isinstance(v, list | dict) else (len(v) if k != "files_dir" else ", ".join(map(str, v))))
-        for k, v in validation.items()
+        for k, v in validation.model_dump().items()
     ]
     return html_page(
         "Gates",
         [
             (
-                f"check_api: {'PASS' if api_compat.get('passed') else 'FAIL'}",
+                f"check_api: {'PASS' if api_compat.passed else 'FAIL'}",
                 key_value_table(versions) + _checks(api_compat),
             ),
             (
-                f"canary: {'PASS' if canary.get('passed') else 'FAIL'} ({canary.get('canary_layers', '?')} layers vs "
-                f"{canary.get('reference', 'reference')}, tolerance {canary.get('tolerance', '?')})",
+                f"canary: {'PASS' if canary.passed else 'FAIL'} ({canary.canary_layers} layers vs "
+                f"{canary.reference}, tolerance {canary.tolerance})",
                 html_table(["layer id", "max relative error", "mean relative error"], canary_errors) + _checks(canary),
             ),
             ("validate_hidden_states", key_value_table(validation_rows)),
@@ -105,7 +111,7 @@ def gates_page(api_compat: dict[str, Any], canary: dict[str, Any], validation: d
     )
 
 
-def extraction_page(manifests: Sequence[dict[str, Any]]) -> str:
+def extraction_page(manifests: Sequence[ExtractionManifest]) -> str:
     columns = [
         "replica",
         "samples_total",
@@ -117,9 +123,9 @@ def extraction_page(manifests: Sequence[dict[str, Any]]) -> str:
         "server_ready_s",
         "tokens_per_s",
     ]
-    rows = [[m.get(c, "") for c in columns] for m in manifests]
-    total_tokens = sum(int(m.get("tokens", 0) or 0) for m in manifests)
-    total_wall = max((float(m.get("wall_s", 0) or 0) for m in manifests), default=0.0)
+    rows = [[getattr(m, c) for c in columns] for m in manifests]
+    total_tokens = sum(m.tokens for m in manifests)
+    total_wall = max((m.wall_s for m in manifests), default=0.0)
     totals = key_value_table(
         [
             ("replicas", len(manifests)),
@@ -230,43 +236,43 @@ def _greedy_divergences(report: AcceptanceReport) -> list[tuple[Any, ...]]:
     ]
 
 
-def provenance_page(provenance: dict[str, Any]) -> str:
-    created = provenance.get("created_unix")
+def provenance_page(provenance: Provenance) -> str:
+    created = provenance.created_unix
     facts = [
-        ("run", provenance.get("run", "")),
+        ("run", provenance.run),
         ("created", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created)) if created else ""),
-        ("git commit", provenance.get("git_commit", "")),
-        ("uncommitted changes", "yes" if provenance.get("git_dirty") else "no"),
-        ("host", provenance.get("host", "")),
-        ("platform", provenance.get("platform", "")),
-        ("python", provenance.get("python", "")),
-        ("accelerators", ", ".join(provenance.get("accelerators") or []) or "none"),
+        ("git commit", provenance.git_commit),
+        ("uncommitted changes", "yes" if provenance.git_dirty else "no"),
+        ("host", provenance.host),
+        ("platform", provenance.platform),
+        ("python", provenance.python),
+        ("accelerators", ", ".join(provenance.accelerators) or "none"),
     ]
-    packages = html_table(["package", "version"], sorted((provenance.get("packages") or {}).items()))
-    config = f"<pre>{html.escape(json.dumps(provenance.get('config', {}), indent=2, sort_keys=True))}</pre>"
+    packages = html_table(["package", "version"], sorted(provenance.packages.items()))
+    config = f"<pre>{html.escape(json.dumps(provenance.config, indent=2, sort_keys=True))}</pre>"
     return html_page(
         "Provenance", [("Run", key_value_table(facts)), ("Packages", packages), ("Resolved config", config)]
     )
 
 
 def summary_page(
-    provenance: dict[str, Any],
-    manifest: dict[str, Any],
-    extraction: Sequence[dict[str, Any]],
-    training: dict[str, Any],
+    provenance: Provenance,
+    manifest: DataManifest,
+    extraction: Sequence[ExtractionManifest],
+    training: TrainingSummary,
     metrics: Any | None,
     acceptance: AcceptanceReport,
 ) -> str:
-    final_loss = training.get("final_train_loss")
+    final_loss = training.final_train_loss
     if final_loss is None and metrics is not None and "loss" in metrics.columns and metrics["loss"].notna().any():
         final_loss = float(metrics["loss"].dropna().iloc[-1])
     rows = [
-        ("run", provenance.get("run", "")),
-        ("git commit", provenance.get("git_commit", "") + (" (dirty)" if provenance.get("git_dirty") else "")),
-        ("records kept / read", f"{manifest.get('records_kept', '?')} / {manifest.get('records_read', '?')}"),
-        ("tokens extracted", sum(int(m.get("tokens", 0) or 0) for m in extraction)),
+        ("run", provenance.run),
+        ("git commit", provenance.git_commit + (" (dirty)" if provenance.git_dirty else "")),
+        ("records kept / read", f"{manifest.records_kept} / {manifest.records_read}"),
+        ("tokens extracted", sum(m.tokens for m in extraction)),
         ("final training loss", final_loss if final_loss is not None else "n/a"),
-        ("final validation loss", training.get("final_val_loss", "n/a") if training else "n/a"),
+        ("final validation loss", training.final_val_loss),
         ("acceptance length, trained draft", acceptance.trained.mean_acceptance_length),
         ("acceptance length, untrained draft", acceptance.untrained.mean_acceptance_length),
         ("speedup, trained draft", f"x{acceptance.trained.speedup:.2f} on {acceptance.device}"),

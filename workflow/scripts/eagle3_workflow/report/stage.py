@@ -28,8 +28,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import AcceptanceReport, read_json, write_json_atomic
+from eagle3_workflow.artefacts import (
+    AcceptanceReport,
+    ApiCompatReport,
+    CanaryReport,
+    DataManifest,
+    ExtractionManifest,
+    Provenance,
+    TrainingSummary,
+    ValidationReport,
+    load,
+)
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files import write_text_atomic
 from eagle3_workflow.report.figures import (
     plot_acceptance,
     plot_data,
@@ -84,20 +95,22 @@ def _write(path: Path, text: str) -> None:
 
 def summarize_run(inputs: ReportInputs, outputs: ReportOutputs) -> None:
     """Write every figure and table of the report from the artefacts."""
-    provenance = read_json(inputs.provenance)
-    manifest = read_json(inputs.manifest)
-    extraction = [read_json(p) for p in inputs.extraction]
-    acceptance = AcceptanceReport.from_dict(read_json(inputs.acceptance))
+    provenance = load(Provenance, inputs.provenance)
+    manifest = load(DataManifest, inputs.manifest)
+    extraction = [load(ExtractionManifest, p) for p in inputs.extraction]
+    acceptance = load(AcceptanceReport, inputs.acceptance)
     metrics_path = inputs.draft / "metrics.csv"
     metrics = read_training_metrics(metrics_path)
-    training_json = inputs.draft / "training.json"
-    training = read_json(training_json) if training_json.exists() else {}
+    training = load(TrainingSummary, inputs.draft / "training.json")
+    gates = (
+        load(ApiCompatReport, inputs.api_compat),
+        load(CanaryReport, inputs.canary),
+        load(ValidationReport, inputs.validation),
+    )
 
     plot_data(manifest, outputs.data)
     _write(outputs.data_table, data_page(manifest))
-    _write(
-        outputs.gates, gates_page(read_json(inputs.api_compat), read_json(inputs.canary), read_json(inputs.validation))
-    )
+    _write(outputs.gates, gates_page(*gates))
     plot_extraction(extraction, outputs.extraction)
     _write(outputs.extraction_table, extraction_page(extraction))
     plot_training(metrics, outputs.training, source=str(metrics_path))
@@ -127,7 +140,7 @@ def nested_report_command(
 def build_report(snakefile: str, config: dict[str, Any], html_path: Path, work_dir: Path, log_path: str | None) -> None:
     """Run Snakemake's report on this workflow, with the outer run's resolved config."""
     config_path = work_dir / "resolved_config.json"
-    write_json_atomic(config_path, config)
+    write_text_atomic(config_path, json.dumps(config, indent=2, default=str) + "\n")
     cmd = nested_report_command(snakefile, config_path, html_path)
     log.info("building the Snakemake report: %s", " ".join(cmd))
     started = time.perf_counter()

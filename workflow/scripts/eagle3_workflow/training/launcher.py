@@ -9,11 +9,12 @@ import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from eagle3_workflow.artefacts import CheckpointInfo
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
 from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
 from eagle3_workflow.training.command import TrainDevice
-from eagle3_workflow.training.workdir import CheckpointInfo, attempt_files, latest_checkpoint
+from eagle3_workflow.training.workdir import attempt_files, latest_checkpoint
 
 log = logging.getLogger("eagle3.training")
 

@@ -3,38 +3,16 @@ the EAGLE-3 draft vLLM expects, all or nothing."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_workflow.contracts import published_directory, read_json, write_json_atomic
+from eagle3_workflow.artefacts import DraftConfig, TrainingSummary, load, write
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.training.workdir import CheckpointInfo
+from eagle3_workflow.files import published_directory
 
 # Files of a checkpoint that only serve resuming; the rest (config, weights, provenance) goes to draft/
 RESUME_ONLY_FILES = {"optimizer_state_dict.pt", "scheduler_state_dict.pt", "training_state.json"}
-
-
-@dataclasses.dataclass
-class TrainingSummary:
-    """draft/training.json: how the draft in draft/ was made."""
-
-    device: str
-    processes: int
-    command: list[str]
-    attempts: int
-    resumed_from: CheckpointInfo | None
-    final_checkpoint: CheckpointInfo
-    epochs: int
-    steps: int
-    wall_s: float  # this attempt, stage start to end
-    target_layer_ids: list[int]
-    draft_vocab_size: int
-    vocab_mapping_sha256: dict[str, str]
-    final_train_loss: float | None
-    final_val_loss: float | None
-    final_val_full_acc: list[float]
 
 
 def publish_draft(checkpoint: Path, out_dir: Path, metrics, summary: TrainingSummary) -> None:
@@ -44,7 +22,7 @@ def publish_draft(checkpoint: Path, out_dir: Path, metrics, summary: TrainingSum
             if item.is_file() and item.name not in RESUME_ONLY_FILES:
                 shutil.copy2(item, staging / item.name)
         metrics.to_csv(staging / "metrics.csv", index=False)
-        write_json_atomic(staging / "training.json", summary)
+        write(staging / "training.json", summary)
         verify_draft(staging, draft_vocab_size=summary.draft_vocab_size, target_layer_ids=summary.target_layer_ids)
 
 
@@ -53,15 +31,15 @@ def verify_draft(out_dir: Path, *, draft_vocab_size: int, target_layer_ids: Sequ
     import torch
     from safetensors import safe_open
 
-    config = read_json(out_dir / "config.json")
+    config = load(DraftConfig, out_dir / "config.json")
     problems = []
-    if config.get("speculators_model_type") != "eagle3":
-        problems.append(f"speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'")
-    if config.get("draft_vocab_size") != draft_vocab_size:
-        problems.append(f"draft_vocab_size is {config.get('draft_vocab_size')}, expected {draft_vocab_size}")
-    if list(config.get("eagle_aux_hidden_state_layer_ids") or []) != list(target_layer_ids):
+    if config.speculators_model_type != "eagle3":
+        problems.append(f"speculators_model_type is {config.speculators_model_type!r}, expected 'eagle3'")
+    if config.draft_vocab_size != draft_vocab_size:
+        problems.append(f"draft_vocab_size is {config.draft_vocab_size}, expected {draft_vocab_size}")
+    if list(config.eagle_aux_hidden_state_layer_ids or []) != list(target_layer_ids):
         problems.append(
-            f"eagle_aux_hidden_state_layer_ids is {config.get('eagle_aux_hidden_state_layer_ids')}, expected "
+            f"eagle_aux_hidden_state_layer_ids is {config.eagle_aux_hidden_state_layer_ids}, expected "
             f"{list(target_layer_ids)}"
         )
     with safe_open(out_dir / "model.safetensors", framework="pt") as handle:

@@ -10,14 +10,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.contracts import read_json
+from eagle3_workflow.artefacts import ApiCompatReport, CheckpointInfo, TrainingSummary, ValidationReport, load
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.training.command import TrainDevice, TrainPaths, TrainSettings, build_train_command, resolve_device
 from eagle3_workflow.training.launcher import run_attempt, trainer_env
 from eagle3_workflow.training.metrics import attempt_metrics, final_metrics, metrics_table
-from eagle3_workflow.training.publish import TrainingSummary, publish_draft
+from eagle3_workflow.training.publish import publish_draft
 from eagle3_workflow.training.workdir import (
-    CheckpointInfo,
     drop_incomplete_checkpoints,
     ensure_vocab_mapping,
     latest_checkpoint,
@@ -36,13 +35,13 @@ def _check_inputs(
     *,
     prepared: Path,
     files_dir: Path,
-    api_compat: dict[str, Any],
-    validation: dict[str, Any],
+    api_compat: ApiCompatReport,
+    validation: ValidationReport,
 ) -> tuple[list[int], str, int]:
     """Target layer ids, the on-missing policy and the number of rows, or StageError naming what to fix."""
     import datasets
 
-    layer_ids = [int(i) for i in api_compat.get("layer_ids") or []]
+    layer_ids = list(api_compat.layer_ids)
     if len(layer_ids) < 2:
         raise StageError(f"api_compat.json lists layer_ids {layer_ids}: need the draft's ids plus the verifier's last")
     target_layer_ids = layer_ids[:-1]
@@ -51,12 +50,11 @@ def _check_inputs(
             f"target layer ids {target_layer_ids} (api_compat layer_ids minus the last) contain duplicates; "
             "set hidden_states.layer_ids to distinct ids"
         )
-    if validation.get("passed") is False:
+    if not validation.passed:
         raise StageError("hidden_states/validation.json says the hidden states did not pass validation")
-    layer_count = validation.get("layer_count")
-    if layer_count is not None and int(layer_count) != len(layer_ids):
+    if validation.layer_count != len(layer_ids):
         raise StageError(
-            f"the hidden-state files hold {layer_count} layers but api_compat.json lists {len(layer_ids)} layer ids "
+            f"the hidden-state files hold {validation.layer_count} layers but api_compat.json lists {len(layer_ids)} layer ids "
             f"{layer_ids}; rerun extract_hidden_states with the current configuration"
         )
     rows = len(datasets.load_from_disk(str(prepared)))
@@ -66,7 +64,7 @@ def _check_inputs(
             f"train.train_data_ratio={settings.train_data_ratio} splits {rows} prepared rows into {train_rows} for "
             f"training and {rows - train_rows} for validation; both need at least one row"
         )
-    tolerated = list(validation.get("missing") or []) + list((validation.get("bad") or {}).keys())
+    tolerated = [*validation.missing, *validation.bad]
     missing = [row for row in range(rows) if not (files_dir / f"hs_{row}.safetensors").exists()]
     if missing and not tolerated:
         raise StageError(
@@ -241,8 +239,8 @@ def train_draft(
         settings,
         prepared=sources.prepared,
         files_dir=sources.files_dir,
-        api_compat=read_json(api_compat),
-        validation=read_json(validation),
+        api_compat=load(ApiCompatReport, api_compat),
+        validation=load(ValidationReport, validation),
     )
     paths, mapping_sha, resumed_from = _prepare_work_dir(
         settings, sources, rows=rows, layer_ids=layer_ids, trust_remote_code=trust_remote_code

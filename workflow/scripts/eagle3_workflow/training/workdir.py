@@ -15,9 +15,8 @@ import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from eagle3_workflow.contracts import read_json, write_json_atomic
+from eagle3_workflow.artefacts import ArtefactError, CheckpointInfo, TrainingFingerprint, load, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.training.command import TrainPaths, TrainSettings
 
@@ -25,18 +24,6 @@ log = logging.getLogger("eagle3.training")
 
 # Train settings that may change between a kill and the rerun without invalidating the checkpoints
 RESUME_NEUTRAL_SETTINGS = {"gpus", "num_workers", "runtime_minutes", "checkpoint_freq"}
-
-
-@dataclasses.dataclass
-class CheckpointInfo:
-    epoch: int
-    local_step: int
-    global_step: int
-    path: str
-
-    def ends_training(self, epochs: int) -> bool:
-        """Saved at the end of the last epoch: the trainer has nothing left to do."""
-        return self.epoch == epochs - 1 and self.local_step == 0
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -57,7 +44,7 @@ def training_fingerprint(
     files_dir: Path,
     rows: int,
     target_layer_ids: Sequence[int],
-) -> dict[str, Any]:
+) -> TrainingFingerprint:
     """What the checkpoints depend on, cheap to compute at any scale.
 
     Content hashes of the small inputs (so an upstream rerun that reproduces the same data keeps the checkpoints),
@@ -70,45 +57,48 @@ def training_fingerprint(
     config_path = target / "config.json"
     weights = sorted(p for p in target.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
     samples = [files_dir / f"hs_{row}.safetensors" for row in sorted({0, 1, rows // 2, rows - 1}) if row >= 0]
-    return {
-        "settings": relevant,
-        "target_layer_ids": list(target_layer_ids),
-        "target_config_sha256": sha256_file(config_path) if config_path.exists() else None,
-        "target_weight_files": {p.name: p.stat().st_size for p in weights},
-        "prepared_sha256": {p.name: sha256_file(p) for p in sorted(prepared.iterdir()) if p.is_file()},
-        "token_freq_sha256": sha256_file(token_freq),
-        "validation_sha256": sha256_file(validation),
-        "hidden_state_samples_sha256": {p.name: sha256_file(p) for p in samples if p.exists()},
+    return TrainingFingerprint(
+        settings=relevant,
+        target_layer_ids=list(target_layer_ids),
+        target_config_sha256=sha256_file(config_path) if config_path.exists() else None,
+        target_weight_files={p.name: p.stat().st_size for p in weights},
+        prepared_sha256={p.name: sha256_file(p) for p in sorted(prepared.iterdir()) if p.is_file()},
+        token_freq_sha256=sha256_file(token_freq),
+        validation_sha256=sha256_file(validation),
+        hidden_state_samples_sha256={p.name: sha256_file(p) for p in samples if p.exists()},
         # speculators 0.9.0 has no __version__: the installed distribution's metadata says it
-        "speculators_version": importlib.metadata.version("speculators"),
-    }
+        speculators_version=importlib.metadata.version("speculators"),
+    )
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+def _differences(old: TrainingFingerprint, new: TrainingFingerprint) -> list[str]:
+    before, after = old.model_dump(), new.model_dump()
+    return sorted(k for k in after if before[k] != after[k])
 
 
-def reconcile_work_dir(work_dir: Path, fingerprint: dict[str, Any]) -> bool:
+def reconcile_work_dir(work_dir: Path, fingerprint: TrainingFingerprint) -> bool:
     """Keep ``work_dir`` when it was made from the same inputs, else clear it. True when it was kept."""
     marker = work_dir / "fingerprint.json"
     if marker.exists():
         try:
-            previous = read_json(marker)
-        except (OSError, json.JSONDecodeError) as exc:
-            previous = {"unreadable": repr(exc)}
+            previous = load(TrainingFingerprint, marker)
+        except ArtefactError as exc:  # unreadable, or written by another version of the workflow
+            log.warning("train_work %s: its fingerprint cannot be compared, clearing it (%s)", work_dir, exc)
+            previous = None
         if previous == fingerprint:
             return True
-        log.warning(
-            "train_work %s was made from other inputs (differs in: %s): clearing it, training starts from scratch",
-            work_dir,
-            ", ".join(_differences(previous, fingerprint)),
-        )
+        if previous is not None:
+            log.warning(
+                "train_work %s was made from other inputs (differs in: %s): clearing it, training starts from scratch",
+                work_dir,
+                ", ".join(_differences(previous, fingerprint)),
+            )
         shutil.rmtree(work_dir)
     elif work_dir.exists() and any(work_dir.iterdir()):
         log.warning("train_work %s has no fingerprint.json: clearing it, training starts from scratch", work_dir)
         shutil.rmtree(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(marker, fingerprint)
+    write(marker, fingerprint)
     return False
 
 

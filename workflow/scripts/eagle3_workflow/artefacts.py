@@ -1,0 +1,494 @@
+"""The artefacts stages hand to each other: one pydantic model per JSON file, `write` (atomic) and `load` (checked).
+
+A stage writes its artefact with ``write(path, Model(...))`` and the next stage (or the report, or the model card)
+reads it with ``load(Model, path)``: a missing key, a value of the wrong type or a file that is not JSON fails
+there, with one message that names the file, every bad field and the rule to rerun, instead of a ``KeyError``
+(or a silent ``.get()`` default) three functions later. Keys a newer writer added are ignored. Field order is the
+order in the file; every model's JSON is what the dataclasses it replaced wrote, key for key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.files import write_text_atomic
+
+MAX_LISTED_PROBLEMS = 8
+
+
+class Artefact(BaseModel):
+    """A JSON file this workflow writes; `written_by` names the rule that writes it (the fix when it is bad)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    written_by: ClassVar[str] = ""
+
+
+A = TypeVar("A", bound=Artefact)
+
+
+class ArtefactError(StageError):
+    """An artefact is missing, unreadable, not JSON, or not what its model says."""
+
+
+def _fix(model: type[Artefact]) -> str:
+    if model.written_by:
+        return f"Rerun the rule that writes it: snakemake --forcerun {model.written_by} (with the run's --configfile)"
+    return "Rerun the stage that writes it."
+
+
+def _problem(error: Any) -> str:
+    where = ".".join(str(part) for part in error["loc"]) or "(the whole file)"
+    if error["type"] == "missing":
+        return f"{where}: missing"
+    found = repr(error["input"])
+    found = found if len(found) <= 60 else found[:57] + "..."
+    return f"{where}: {error['msg']} (found {found})"
+
+
+def validation_problems(exc: ValidationError) -> str:
+    """One short line per bad field (pydantic's loc and msg), the first few of them."""
+    errors = exc.errors(include_url=False)
+    lines = [f"  {_problem(e)}" for e in errors[:MAX_LISTED_PROBLEMS]]
+    if len(errors) > MAX_LISTED_PROBLEMS:
+        lines.append(f"  ... and {len(errors) - MAX_LISTED_PROBLEMS} more")
+    return "\n".join(lines)
+
+
+def load(model: type[A], path: str | Path) -> A:
+    """Read and check one artefact; ArtefactError names the file, each bad field and the rule to rerun."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArtefactError(f"cannot read {path} ({exc!r}). {_fix(model)}") from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ArtefactError(f"{path} is not JSON ({exc!r}; cut short?). {_fix(model)}") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = validation_problems(exc)  # not chained: pydantic's own dump (with URLs) would bury these lines
+        raise ArtefactError(f"{path} is not a valid {model.__name__}:\n{problems}\n{_fix(model)}") from None
+
+
+def write(path: str | Path, artefact: Artefact) -> None:
+    """The one writer: JSON (indent 2, keys in field order), atomically, as readable as the umask allows."""
+    write_text_atomic(path, json.dumps(artefact.model_dump(), indent=2, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------------------------- gates: check_api
+
+
+class CheckRow(Artefact):
+    """One line of a gate's table."""
+
+    name: str
+    expected: str
+    found: str
+    passed: bool
+    detail: str = ""
+
+
+class TargetInfo(Artefact):
+    path: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+class ApiCompatReport(Artefact):
+    """checks/api_compat.json."""
+
+    written_by: ClassVar[str] = "check_api"
+
+    passed: bool
+    vllm_version: str
+    speculators_version: str
+    transformers_version: str
+    torch_version: str
+    device: str
+    layer_ids: list[int]
+    checks: list[CheckRow]
+    target: TargetInfo
+
+
+# ----------------------------------------------------------------------------- target: build record, sanity check
+
+
+class GreedyAnswer(Artefact):
+    question: str
+    answer: str
+    expected: str
+    passed: bool
+
+
+class SmolLM2Build(Artefact):
+    """<target>/eagle3_build.json, beside the weights of a target built from the SmolLM2 GGUF."""
+
+    written_by: ClassVar[str] = "build_smollm2_target"
+
+    source: dict[str, Any]  # the GGUF: path, sha256, package version
+    dtype: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    tensors_checked: int
+    max_relative_weight_error: float
+    greedy: GreedyAnswer
+    convert_s: float
+    verify_s: float
+
+
+class SanityAnswer(Artefact):
+    prompt: str
+    answer: str
+    finish_reason: str | None
+    problem: str | None  # None when the answer is usable
+
+
+class TargetSanityReport(Artefact):
+    """checks/target_sanity.json."""
+
+    written_by: ClassVar[str] = "check_target"
+
+    passed: bool
+    target: str
+    max_tokens: int
+    stop_token_ids: list[int]
+    answers: list[SanityAnswer]
+
+
+# ------------------------------------------------------------------------------------- data: regenerate, prepare
+
+
+class RegenerationStats(Artefact):
+    """data/regenerated.stats.json, beside regenerated.jsonl: where every prompt went."""
+
+    written_by: ClassVar[str] = "regenerate_responses"
+
+    target: str
+    prompts_read: dict[str, int]  # per prompt file
+    magpie_requested: int
+    magpie_generated: int  # kept after the filters
+    magpie_dropped: dict[str, int]  # empty | unfinished | too_short
+    magpie_prefix: str | None
+    duplicates_dropped: int
+    capped_by_max_prompts: int
+    too_long_dropped: int
+    answers_generated: int
+    empty_answers_dropped: int
+    truncated_answers: int  # kept, but cut at regenerate.max_tokens
+    conversations_written: int
+    prompt_tokens: int
+    generated_tokens: int
+    engine_ready_s: float
+    generate_s: float
+    generated_tokens_per_s: float
+    settings: dict[str, Any]
+    stop_token_ids: list[int] = Field(default_factory=list)  # where answers end (eos + end-of-turn)
+    stop_strings: list[str] = Field(default_factory=list)
+
+
+class DataManifest(Artefact):
+    """data/manifest.json."""
+
+    written_by: ClassVar[str] = "prepare_data"
+
+    records_read: int
+    records_kept: int
+    dropped: dict[str, int]
+    truncated: int
+    total_tokens: int
+    assistant_tokens: int
+    length_percentiles: dict[str, float]
+    sources: list[str]
+    max_seq_len: int
+    prepared_dir: str
+    token_freq_path: str
+
+
+# ---------------------------------------------------------------------------------------------- gates: canary
+
+
+class LayerMatch(Artefact):
+    """One captured id: the reference layer nearest to its slot (of all 0..K and post-norm), the runner-up, the
+    relative distances and their ratio (margin); the `layer-id convention` row fails when best != the id."""
+
+    claimed: int
+    best: str
+    best_rel: float
+    runner_up: str
+    runner_up_rel: float
+    own_rel: float
+    margin: float
+
+
+class CanaryReport(Artefact):
+    """checks/canary.json."""
+
+    written_by: ClassVar[str] = "canary"
+
+    passed: bool
+    device: str
+    canary_layers: int
+    canary_layer_ids: list[int]
+    reference: str
+    tolerance: float
+    per_layer_max_rel_error: dict[str, float]
+    per_layer_mean_rel_error: dict[str, float]
+    samples: int
+    server_ready_s: float
+    checks: list[CheckRow]
+    layer_matches: dict[str, LayerMatch] = Field(default_factory=dict)  # by captured id
+
+
+# -------------------------------------------------------------------------------------- extraction, validation
+
+
+class GreedyProbe(Artefact):
+    """The server's greedy next token after one sample (token ids as strings in top_logprobs, as vLLM says them)."""
+
+    row: int
+    token_id: int
+    top_logprobs: dict[str, float]
+
+
+class ExtractionManifest(Artefact):
+    """hidden_states/replica_<r>.json."""
+
+    written_by: ClassVar[str] = "extract_hidden_states"
+
+    replica: int
+    replicas: int
+    samples_total: int
+    samples_extracted: int
+    samples_reused: int
+    tokens: int
+    bytes_written: int
+    wall_s: float
+    server_ready_s: float
+    tokens_per_s: float
+    files_dir: str
+    rows: list[int]
+    # the server's greedy next token (+ top logprobs) after a few samples; validate_hidden_states recomputes it
+    # from the captured last state through the target's final norm and lm_head
+    greedy_probes: list[GreedyProbe] = Field(default_factory=list)
+
+
+class ProgressSnapshot(Artefact):
+    """hidden_states/progress_replica_<r>.json, rewritten every few seconds while a replica runs."""
+
+    written_by: ClassVar[str] = "extract_hidden_states"
+
+    state: Literal["starting", "running", "done", "failed", "stalled"]  # stalled: server alive, no sample finished
+    replica: int
+    samples_done: int
+    samples_total: int
+    tokens_done: int
+    tokens_per_s: float
+    eta_s: float | None
+    updated_unix: float
+    message: str = ""
+
+
+class GreedyCheck(Artefact):
+    """One probe recomputed from the captured id N through the target's final norm and lm_head."""
+
+    row: int
+    server_token: int
+    recomputed_token: int
+    logit_gap: float
+    tolerance: float
+    ok: bool
+
+
+class ValidationReport(Artefact):
+    """hidden_states/validation.json."""
+
+    written_by: ClassVar[str] = "validate_hidden_states"
+
+    passed: bool
+    samples_expected: int
+    samples_valid: int
+    missing: list[int]
+    bad: dict[str, str]
+    tokens: int
+    bytes: int
+    layer_count: int
+    hidden_size: int
+    files_dir: list[str]
+    greedy_check: list[GreedyCheck] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------------ training
+
+
+class CheckpointInfo(Artefact):
+    epoch: int
+    local_step: int
+    global_step: int
+    path: str
+
+    def ends_training(self, epochs: int) -> bool:
+        """Saved at the end of the last epoch: the trainer has nothing left to do."""
+        return self.epoch == epochs - 1 and self.local_step == 0
+
+
+class TrainingSummary(Artefact):
+    """draft/training.json: how the draft in draft/ was made."""
+
+    written_by: ClassVar[str] = "train_draft"
+
+    device: str
+    processes: int
+    command: list[str]
+    attempts: int
+    resumed_from: CheckpointInfo | None
+    final_checkpoint: CheckpointInfo
+    epochs: int
+    steps: int
+    wall_s: float  # this attempt, stage start to end
+    target_layer_ids: list[int]
+    draft_vocab_size: int
+    vocab_mapping_sha256: dict[str, str]
+    final_train_loss: float | None
+    final_val_loss: float | None
+    final_val_full_acc: list[float]
+
+
+class TrainingFingerprint(Artefact):
+    """train_work/fingerprint.json: what the checkpoints in train_work/ were made from. Every key counts (a key
+    this version does not know means other inputs), so unknown keys are refused here, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    written_by: ClassVar[str] = "train_draft"
+
+    settings: dict[str, Any]
+    target_layer_ids: list[int]
+    target_config_sha256: str | None
+    target_weight_files: dict[str, int]
+    prepared_sha256: dict[str, str]
+    token_freq_sha256: str
+    validation_sha256: str
+    hidden_state_samples_sha256: dict[str, str]
+    speculators_version: str
+
+
+class DraftConfig(Artefact):
+    """The keys of a speculators draft's config.json (draft/, written by speculators' save) this workflow checks;
+    the rest of the file is speculators' business. Optional here so that a wrong value is reported as such."""
+
+    written_by: ClassVar[str] = "train_draft"
+
+    speculators_model_type: str
+    draft_vocab_size: int | None = None
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+
+class LosslessMismatch(Artefact):
+    """The first generated token where a speculative run's greedy output differs from the run without
+    speculation (one per prompt that differs)."""
+
+    prompt_index: int
+    origin: str
+    position: int  # index into the generated tokens
+    expected_token: int | None  # None: the run without speculation stopped here
+    found_token: int | None  # None: the speculative run stopped here
+    logprob_gap: float | None  # reference logprob(expected) - logprob(found); None: found not in its top-k
+    tolerated: bool  # a numerical near-tie within evaluate.lossless_logprob_tolerance
+    context: str  # the generated text just before the divergence
+    expected_text: str
+    found_text: str
+
+
+class AcceptanceResult(Artefact):
+    """One draft served by vLLM on the evaluation prompts (greedy), from vLLM's spec-decode counters."""
+
+    label: str  # trained | untrained
+    draft_path: str
+    mean_acceptance_length: float  # tokens per verification step incl. the bonus token = 1 + accepted / drafts
+    per_position_acceptance: list[float]  # accepted at draft position i / drafts
+    num_drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    tokens_per_s: float
+    accepted_per_position: list[int]
+    draft_acceptance_rate: float  # accepted / draft tokens
+    generated_tokens: int
+    generate_s: float
+    speedup: float  # tokens_per_s / tokens_per_s without speculation, same prompts, same process
+    engine_start_s: float
+    lossless: bool
+    mismatches: list[LosslessMismatch]
+
+
+class MeasurementProcess(Artefact):
+    """One process that started vLLM engines for the evaluation (CPU: one for all; GPU: one per engine)."""
+
+    runs: list[str]
+    wall_s: float  # the whole process: vLLM import, engine starts, generation, teardown
+    vllm_import_s: float
+    engine_start_s: dict[str, float]
+    load_1m: float  # host load average when it ended (CPU timings on a shared host are noisy)
+
+
+class AcceptanceReport(Artefact):
+    """eval/acceptance.json. Written only when every speculative run was lossless."""
+
+    written_by: ClassVar[str] = "evaluate_draft"
+
+    num_prompts: int
+    prompt_source: str
+    num_speculative_tokens: int
+    max_tokens: int
+    trained: AcceptanceResult
+    untrained: AcceptanceResult
+    no_speculation_tokens_per_s: float
+    lossless: bool
+    lossless_mismatches: int  # mismatches counted over both drafts (tolerated near-ties included)
+    num_prompts_requested: int
+    prompt_detail: str  # where the prompts came from (rows, file, package)
+    device: str
+    vllm_version: str
+    no_speculation_generated_tokens: int
+    no_speculation_generate_s: float
+    no_speculation_engine_start_s: float
+    lossless_logprob_tolerance: float
+    untrained_baseline: str  # how the untrained draft was built, and whether its frozen tensors match
+    processes: list[MeasurementProcess]
+    notes: list[str]
+    stop_token_ids: list[int] = Field(default_factory=list)  # where answers ended (eos + end-of-turn)
+    stop_strings: list[str] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------- provenance
+
+
+class Provenance(Artefact):
+    """results/<run>/provenance.json."""
+
+    written_by: ClassVar[str] = "record_provenance"
+
+    run: str
+    created_unix: float
+    host: str
+    platform: str
+    python: str
+    git_commit: str
+    git_dirty: bool
+    packages: dict[str, str]
+    accelerators: list[str]
+    config: dict[str, Any]
