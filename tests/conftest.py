@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagle3_workflow.settings import DataPreparation, TinyShape, view_of, with_schema_defaults
+
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 SNAKEMAKE = str(VENV_BIN / "snakemake")
@@ -34,6 +36,26 @@ def tiny_config(run: str = "t", **overrides: dict) -> dict:
         else:
             config[section] = values
     return config
+
+
+def validated(config: dict) -> dict:
+    """A copy of `config` as the rules see it: checked by the schema, every default filled."""
+    from eagle3_workflow.config_errors import validate_config
+    from eagle3_workflow.settings import SCHEMA_PATH
+
+    config = copy.deepcopy(config)
+    validate_config(config, SCHEMA_PATH)
+    return config
+
+
+def preparation(**values) -> DataPreparation:
+    """The data settings prepare_data reads, setting `values`: the schema's defaults elsewhere."""
+    return view_of(DataPreparation, with_schema_defaults(data=values)["data"])
+
+
+def tiny_settings(model, **overrides: dict):
+    """`model` of the tiny preset (tiny_config(**overrides)) as the rules validate it."""
+    return view_of(model, validated(tiny_config(**overrides)))
 
 
 def run_workflow(
@@ -99,7 +121,9 @@ def tiny_targets(tmp_path_factory):
     def get(arch: str = "llama", num_layers: int = 8) -> Path:
         key = f"{arch}-{num_layers}"
         if key not in built:
-            built[key] = build_tiny_target(root / key, [TINY_DATA, SEED_PROMPTS], arch=arch, num_layers=num_layers)
+            build = {"kind": "tiny", "arch": arch, "num_layers": num_layers}
+            shape = view_of(TinyShape, with_schema_defaults(target={"build": build})["target"]["build"])
+            built[key] = build_tiny_target(root / key, [TINY_DATA, SEED_PROMPTS], shape)
         return built[key]
 
     return get

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_DATA, run_workflow, tiny_config
+from conftest import TINY_DATA, preparation, run_workflow, tiny_config, tiny_settings
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
 from eagle3_workflow.contracts import AcceptanceReport, read_json
@@ -40,9 +40,14 @@ from eagle3_workflow.evaluation.prompts import (
     select_prompts,
 )
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec, eagle3_run
-from eagle3_workflow.evaluation.settings import EvaluationSettings
+from eagle3_workflow.settings import EvaluationSettings, ServingStage, view_of, with_schema_defaults
 
-VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
+VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)
+
+
+def evaluation(**values) -> EvaluationSettings:
+    """The evaluate settings setting `values`, the schema's defaults elsewhere."""
+    return view_of(EvaluationSettings, with_schema_defaults(evaluate=values)["evaluate"])
 
 
 def counter(name: str, value: int, engine: str = "0") -> dict:
@@ -151,14 +156,14 @@ def prepared(tiny_targets, tmp_path_factory):
 
     target = tiny_targets("llama")
     out = tmp_path_factory.mktemp("prepared")
-    result = prepare_conversations([(TINY_DATA, "sharegpt")], AutoTokenizer.from_pretrained(target), max_seq_len=256,
-                                   max_samples=64)  # fmt: skip
+    result = prepare_conversations([(TINY_DATA, "sharegpt")], AutoTokenizer.from_pretrained(target), preparation(max_seq_len=256,
+                                   max_samples=64))  # fmt: skip
     write_prepared(result, out / "prepared", out / "token_freq.pt")
     return {"target": target, "prepared": out / "prepared", "token_freq": token_frequencies(result.samples)}
 
 
 def test_heldout_prompts_render_with_the_chat_template_and_say_when_short(prepared, tiny_tokenizer):
-    settings = EvaluationSettings(prompts="heldout", num_prompts=10, max_tokens=32)
+    settings = evaluation(prompts="heldout", num_prompts=10, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.9,
                               max_model_len=512)  # fmt: skip
     assert len(prompt_set.prompts) == 7  # rows 57..63 of 64
@@ -169,7 +174,7 @@ def test_heldout_prompts_render_with_the_chat_template_and_say_when_short(prepar
 
 
 def test_humaneval_prompts_come_from_the_package(tiny_tokenizer, tmp_path):
-    settings = EvaluationSettings(prompts="humaneval", num_prompts=3, max_tokens=32)
+    settings = evaluation(prompts="humaneval", num_prompts=3, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=tmp_path, train_data_ratio=0.9,
                               max_model_len=4096)  # fmt: skip
     assert [p.origin for p in prompt_set.prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
@@ -178,7 +183,7 @@ def test_humaneval_prompts_come_from_the_package(tiny_tokenizer, tmp_path):
 
 def test_no_heldout_rows_fails_with_the_fix(prepared, tiny_tokenizer):
     with pytest.raises(StageError, match="train.train_data_ratio"):
-        load_prompts(EvaluationSettings(max_tokens=32), tiny_tokenizer, prepared_dir=prepared["prepared"],
+        load_prompts(evaluation(max_tokens=32), tiny_tokenizer, prepared_dir=prepared["prepared"],
                      train_data_ratio=1.0, max_model_len=512)  # fmt: skip
 
 
@@ -223,10 +228,10 @@ def test_lossless_failure_shows_the_first_real_mismatch_readably():
 def test_engine_kwargs_follow_the_vllm_config_and_device():
     cpu = measurement_engine_kwargs(VLLM_SETTINGS, target="/t", dtype="bfloat16", trust_remote_code=False, seed=0, device="cpu",
                         tensor_parallel_size=1, in_process=True)  # fmt: skip
-    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS["kv_cache_memory_bytes"] and cpu["enforce_eager"]
+    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS.kv_cache_memory_bytes and cpu["enforce_eager"]
     assert cpu["distributed_executor_backend"] == "uni" and cpu["disable_log_stats"] is False
     assert "gpu_memory_utilization" not in cpu
-    gpu = measurement_engine_kwargs(VLLM_SETTINGS | {"kv_cache_memory_bytes": None}, target="/t", dtype="bfloat16",
+    gpu = measurement_engine_kwargs(VLLM_SETTINGS.model_copy(update={"kv_cache_memory_bytes": None}), target="/t", dtype="bfloat16",
                         trust_remote_code=True, seed=0, device="cuda", tensor_parallel_size=8, in_process=False)  # fmt: skip
     assert gpu["gpu_memory_utilization"] == 0.85 and gpu["tensor_parallel_size"] == 8 and gpu["trust_remote_code"]
     assert "distributed_executor_backend" not in gpu and "kv_cache_memory_bytes" not in gpu
@@ -264,7 +269,7 @@ def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
 @pytest.mark.parametrize(
     ("modules", "absent"),
     [
-        (["prompts", "metrics", "lossless", "protocol", "settings"], ["vllm", "torch", "subprocess"]),
+        (["prompts", "metrics", "lossless", "protocol"], ["vllm", "torch", "subprocess"]),
         (["stage", "launch", "baseline", "measure"], ["vllm", "torch"]),  # vLLM re-imports the stage as __main__
     ],
 )
@@ -341,7 +346,7 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
     """An untrained EAGLE-3 draft accepts nothing, which leaves the accept path untested: vLLM's n-gram
     proposer (prompt lookup) gets real acceptances on the tiny target's repetitive greedy text, through the same
     measurement process, counters and lossless diff."""
-    settings = EvaluationSettings(prompts="heldout", num_prompts=4, max_tokens=32)
+    settings = evaluation(prompts="heldout", num_prompts=4, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
                               max_model_len=512)  # fmt: skip
     engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16", trust_remote_code=False,

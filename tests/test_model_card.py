@@ -14,8 +14,9 @@ from synthetic_run import acceptance_report, write_synthetic_run
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.model_card import CARD_NAME, CardInputs, package_draft, render_model_card, sha256_of
+from eagle3_workflow.settings import PackageDraftStage, view_of, with_schema_defaults
 
-CONFIG = {
+SECTIONS = {
     "target": {"path": None, "build": {"kind": "smollm2"}, "dtype": "bfloat16"},
     "regenerate": {"enabled": True, "prompt_files": ["config/data/smollm2_prompts.txt"], "magpie_prompts": 16000,
                    "max_tokens": 384, "temperature": 0.0},
@@ -24,6 +25,7 @@ CONFIG = {
     "evaluate": {"num_speculative_tokens": 3},
     "vllm": {"device": "cuda"},
 }  # fmt: skip
+CONFIG = view_of(PackageDraftStage, with_schema_defaults(run="t", **SECTIONS))  # the stage's settings
 
 
 @pytest.fixture
@@ -57,7 +59,7 @@ def serve_line(card: str) -> list[str]:
 
 
 def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
-    published = package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+    published = package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     card = (published / CARD_NAME).read_text()
     # acceptance trained vs untrained (synthetic: 1 + (70+50+30)/100 and 1 + 1/100), k and the ratio
     assert "| trained | **2.500** | 0.700 / 0.500 / 0.300 |" in card
@@ -80,7 +82,7 @@ def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
 
 
 def test_published_folder_holds_the_draft_files_unchanged(run_dir):
-    published = package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+    published = package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     draft_files = sorted(p.name for p in (run_dir / "draft").iterdir())
     assert sorted(p.name for p in published.iterdir()) == sorted([*draft_files, CARD_NAME])
     for name in draft_files:
@@ -88,20 +90,20 @@ def test_published_folder_holds_the_draft_files_unchanged(run_dir):
     assert not (run_dir / "draft" / CARD_NAME).exists(), "draft/ itself is left as train_draft wrote it"
     # a rerun replaces the folder (no stale files)
     (published / "stale.bin").write_bytes(b"x")
-    package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+    package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     assert not (run_dir / "published_draft" / "stale.bin").exists()
 
 
 def test_a_folder_without_config_json_is_refused(run_dir):
     (run_dir / "draft" / "config.json").unlink()
     with pytest.raises(StageError, match="rerun train_draft"):
-        package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+        package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     assert not (run_dir / "published_draft").exists()
 
 
 def test_render_tolerates_missing_fields_and_says_n_a():
     card = render_model_card(
-        CardInputs(run="r", config={}, target={}, manifest={}, training={}, acceptance={}, provenance={},
+        CardInputs(settings=view_of(PackageDraftStage, with_schema_defaults(run="r")), target={}, manifest={}, training={}, acceptance={}, provenance={},
                    draft_files={})
     )  # fmt: skip
     assert card.startswith("# EAGLE-3 draft") and "n/a" in card and "Lossless" in card

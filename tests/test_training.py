@@ -22,11 +22,11 @@ from eagle3_workflow.contracts import process_umask
 from eagle3_workflow.cpu_train_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import first_traceback
+from eagle3_workflow.settings import TrainSettings, with_schema_defaults
 from eagle3_workflow.training.command import (
     TRAINER_FIELDS_USED,
     TrainDevice,
     TrainPaths,
-    TrainSettings,
     build_train_command,
     resolve_device,
 )
@@ -54,6 +54,11 @@ TRAIN = {
     "num_workers": 0,
     "seed": 0,
 }
+
+
+def train_settings(values: dict) -> TrainSettings:
+    """The train section setting `values`, the schema's defaults elsewhere."""
+    return TrainSettings.model_validate(with_schema_defaults(train=values)["train"])
 
 
 def sha256(path: Path) -> str:
@@ -94,7 +99,7 @@ def write_hidden_states(target: Path, prepared: Path, files_dir: Path, layer_ids
 @pytest.fixture(scope="module")
 def train_inputs(tiny_targets, tmp_path_factory):
     """target, prepared/, token_freq.pt, hidden-state files, api_compat.json and validation.json."""
-    from conftest import TINY_DATA
+    from conftest import TINY_DATA, preparation
     from transformers import AutoTokenizer
 
     from eagle3_workflow.prepare import prepare_conversations, write_prepared
@@ -102,7 +107,7 @@ def train_inputs(tiny_targets, tmp_path_factory):
     root = tmp_path_factory.mktemp("train_inputs")
     target = tiny_targets("llama", NUM_LAYERS)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    result = prepare_conversations([(TINY_DATA, "sharegpt")], tokenizer, max_seq_len=256, max_samples=24)
+    result = prepare_conversations([(TINY_DATA, "sharegpt")], tokenizer, preparation(max_seq_len=256, max_samples=24))
     write_prepared(result, root / "prepared", root / "token_freq.pt")
     rows, hidden_size = write_hidden_states(target, root / "prepared", root / "files", LAYER_IDS)
     (root / "api_compat.json").write_text(json.dumps({"passed": True, "layer_ids": LAYER_IDS}))
@@ -130,8 +135,10 @@ def train_inputs(tiny_targets, tmp_path_factory):
 
 
 def run_training(inputs: dict, tmp: Path, **train_overrides) -> object:
-    settings = TrainSettings.from_config({**TRAIN, **train_overrides})
-    return train_draft(settings, **inputs, work_dir=tmp / "train_work", out_dir=tmp / "draft", cpu_threads=2)
+    settings = train_settings({**TRAIN, **train_overrides})
+    return train_draft(
+        settings, **inputs, work_dir=tmp / "train_work", out_dir=tmp / "draft", trust_remote_code=False, cpu_threads=2
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,7 +160,7 @@ def value_of(command: list[str], flag: str) -> list[str]:
 
 
 def test_cpu_command_maps_the_config_and_uses_the_shim():
-    settings = TrainSettings.from_config(
+    settings = train_settings(
         {
             **TRAIN,
             "draft_vocab_size": 512,
@@ -163,7 +170,9 @@ def test_cpu_command_maps_the_config_and_uses_the_shim():
             "extra_args": ["--log-freq", "2"],
         }
     )
-    command = build_train_command(settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5], python="py")
+    command = build_train_command(
+        settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5], python="py", trust_remote_code=False
+    )
     assert command[:3] == ["py", "-m", "eagle3_workflow.trainer_entry"]
     assert value_of(command, "--target-layer-ids") == ["2", "4", "5"]
     assert value_of(command, "--num-layers") == ["2"]
@@ -187,8 +196,10 @@ def test_cpu_command_maps_the_config_and_uses_the_shim():
 
 
 def test_gpu_commands_use_speculators_defaults_and_torchrun_for_several_gpus():
-    settings = TrainSettings.from_config({**TRAIN, "gpus": 8})
-    single = build_train_command(settings, paths(), TrainDevice("cuda", 1), target_layer_ids=[2, 4, 5], python="py")
+    settings = train_settings({**TRAIN, "gpus": 8})
+    single = build_train_command(
+        settings, paths(), TrainDevice("cuda", 1), target_layer_ids=[2, 4, 5], python="py", trust_remote_code=False
+    )
     assert single[:3] == ["py", "-m", "eagle3_workflow.trainer_entry"]
     assert "--draft-attn-impl" not in single and "--loss-implementation" not in single  # flex + fused
     multi = build_train_command(
@@ -211,8 +222,10 @@ def test_command_resolves_in_speculators_own_config():
     """Every flag exists in the installed speculators and lands in the field we mean."""
     from speculators.train.config import TrainConfig
 
-    settings = TrainSettings.from_config({**TRAIN, "checkpoint_freq": 0.5})
-    command = build_train_command(settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5])
+    settings = train_settings({**TRAIN, "checkpoint_freq": 0.5})
+    command = build_train_command(
+        settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5], trust_remote_code=False
+    )
     flat = TrainConfig.resolve(command[3:]).flatten()
     assert flat["target_layer_ids"] == [2, 4, 5]
     assert flat["draft_vocab_size"] == 256 and flat["epochs"] == 2 and flat["lr"] == 0.003
@@ -408,7 +421,7 @@ def test_fingerprint_follows_the_data_the_target_weights_and_the_settings_that_m
 
     def fingerprint(**train):
         return training_fingerprint(
-            TrainSettings.from_config({**TRAIN, **train}), target=tmp_path / "target", prepared=tmp_path / "prepared",
+            train_settings({**TRAIN, **train}), target=tmp_path / "target", prepared=tmp_path / "prepared",
             token_freq=tmp_path / "token_freq.pt", validation=tmp_path / "validation.json",
             files_dir=tmp_path / "files", rows=2, target_layer_ids=[2, 4, 5],
         )  # fmt: skip
@@ -515,11 +528,12 @@ KILL_RUN = r"""
 import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.training.command import TrainSettings
+from eagle3_workflow.settings import TrainSettings, with_schema_defaults
 from eagle3_workflow.training.stage import train_draft
 spec = json.loads(sys.argv[1])
 paths = {k: Path(v) for k, v in spec["paths"].items()}
-run_stage("train_draft", None, lambda log: train_draft(TrainSettings.from_config(spec["train"]), **paths, cpu_threads=2),
+settings = TrainSettings.model_validate(with_schema_defaults(train=spec["train"])["train"])
+run_stage("train_draft", None, lambda log: train_draft(settings, **paths, trust_remote_code=False, cpu_threads=2),
           resumes="the rerun resumes from the last checkpoint")
 """
 
@@ -574,10 +588,11 @@ def test_killed_training_resumes_from_its_checkpoint_with_the_same_vocab_mapping
     assert not (tmp_path / "draft").exists()
 
     summary = train_draft(
-        TrainSettings.from_config(train),
+        train_settings(train),
         **train_inputs,
         work_dir=tmp_path / "train_work",
         out_dir=tmp_path / "draft",
+        trust_remote_code=False,
         cpu_threads=2,
     )
     assert summary.resumed_from is not None and summary.resumed_from.epoch == 0

@@ -19,7 +19,8 @@ from typing import Any
 
 from eagle3_workflow.contracts import read_json, write_json_atomic
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.training.command import TrainPaths, TrainSettings
+from eagle3_workflow.settings import TrainSettings
+from eagle3_workflow.training.command import TrainPaths
 
 log = logging.getLogger("eagle3.training")
 
@@ -65,8 +66,7 @@ def training_fingerprint(
     names and sizes of the target's weight files.
     """
 
-    relevant = {k: v for k, v in dataclasses.asdict(settings).items() if k not in RESUME_NEUTRAL_SETTINGS}
-    relevant["extra_args"] = list(settings.extra_args)
+    relevant = settings.model_dump(mode="json", exclude=RESUME_NEUTRAL_SETTINGS)
     config_path = target / "config.json"
     weights = sorted(p for p in target.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
     samples = [files_dir / f"hs_{row}.safetensors" for row in sorted({0, 1, rows // 2, rows - 1}) if row >= 0]
