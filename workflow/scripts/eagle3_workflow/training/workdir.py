@@ -136,7 +136,7 @@ def stage_training_data(data_dir: Path, *, prepared: Path, token_freq: Path, fil
     _relative_symlink(data_dir / "hidden_states", files_dir)
 
 
-def target_vocab_size(target: Path, trust_remote_code: bool = False) -> int:
+def target_vocab_size(target: Path, trust_remote_code: bool) -> int:
     from speculators.train.vocab_mapping import get_target_vocab_size
 
     return int(get_target_vocab_size(None, str(target), trust_remote_code=trust_remote_code))
