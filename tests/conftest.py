@@ -20,6 +20,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagle3_workflow.settings import (
+    DataPreparation,
+    EvaluationSettings,
+    RegenerateSettings,
+    TinyShape,
+    TrainSettings,
+    view_of,
+    with_schema_defaults,
+)
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 VENV_BIN = Path(sys.executable).parent
@@ -44,7 +54,7 @@ def tiny_config(run: str = "t", **overrides: dict) -> dict:
     return config
 
 
-# regenerate.* of the tiny runs, plus the max_model_len that regenerate() takes beside it
+# regenerate.* of the tiny runs (regenerate() takes max_model_len beside them)
 REGENERATE_SETTINGS = {
     "magpie_prompts": 0,
     "magpie_max_tokens": 16,
@@ -54,24 +64,7 @@ REGENERATE_SETTINGS = {
     "max_tokens": 8,
     "temperature": 0.0,
     "seed": 0,
-    "max_model_len": 512,
 }
-
-
-def regeneration_config(dtype: str = "bfloat16", stall_timeout_s: float = 600, **regenerate) -> dict:
-    """The config sections regenerate_responses' engine process reads (regenerate.stage.run_subprocess), for vLLM
-    on this CPU; keyword arguments override regenerate.*."""
-    vllm = tiny_config()["vllm"] | {
-        "gpu_memory_utilization": 0.85,
-        "extra_args": [],
-        "stall_timeout_s": stall_timeout_s,
-    }
-    return {
-        "target": {"dtype": dtype, "trust_remote_code": False},
-        "vllm": vllm,
-        "extraction": {"tensor_parallel_size": 1},
-        "regenerate": REGENERATE_SETTINGS | regenerate,
-    }
 
 
 # Site settings of whoever runs the tests must not shape a plan: every SNAKEMAKE_SLURM_* that profiles/slurm reads
@@ -120,6 +113,43 @@ def workflow_env(env: dict | None = None) -> dict[str, str]:
     full_env = {name: value for name, value in {**os.environ, **(env or {})}.items() if value is not None}
     full_env["PATH"] = f"{VENV_BIN}{os.pathsep}{full_env.get('PATH', '')}"
     return full_env
+
+
+def validated(config: dict) -> dict:
+    """A copy of `config` as the rules see it: checked by the schema, every default filled."""
+    from eagle3_workflow.config_errors import validate_config
+    from eagle3_workflow.settings import SCHEMA_PATH
+
+    config = copy.deepcopy(config)
+    validate_config(config, SCHEMA_PATH)
+    return config
+
+
+def preparation(**values) -> DataPreparation:
+    """The data settings prepare_data reads, setting `values`: the schema's defaults elsewhere."""
+    return view_of(DataPreparation, with_schema_defaults(data=values)["data"])
+
+
+def tiny_settings(model, **overrides: dict):
+    """`model` of the tiny preset (tiny_config(**overrides)) as the rules validate it."""
+    return view_of(model, validated(tiny_config(**overrides)))
+
+
+def regenerate_settings(**overrides) -> RegenerateSettings:
+    """REGENERATE_SETTINGS with `overrides`, the schema's defaults for the rest of the section."""
+    return RegenerateSettings.model_validate(
+        with_schema_defaults(regenerate={**REGENERATE_SETTINGS, **overrides})["regenerate"]
+    )
+
+
+def evaluation(**values) -> EvaluationSettings:
+    """The evaluate settings setting `values`, the schema's defaults elsewhere."""
+    return view_of(EvaluationSettings, with_schema_defaults(evaluate=values)["evaluate"])
+
+
+def train_settings(values: dict) -> TrainSettings:
+    """The train section setting `values`, the schema's defaults elsewhere."""
+    return TrainSettings.model_validate(with_schema_defaults(train=values)["train"])
 
 
 def run_workflow(
@@ -227,7 +257,9 @@ def tiny_targets(tmp_path_factory):
     def get(arch: str = "llama", num_layers: int = 8) -> Path:
         key = f"{arch}-{num_layers}"
         if key not in built:
-            built[key] = build_tiny_target(root / key, [TINY_DATA, SEED_PROMPTS], arch=arch, num_layers=num_layers)
+            build = {"kind": "tiny", "arch": arch, "num_layers": num_layers}
+            shape = view_of(TinyShape, with_schema_defaults(target={"build": build})["target"]["build"])
+            built[key] = build_tiny_target(root / key, [TINY_DATA, SEED_PROMPTS], shape)
         return built[key]
 
     return get
@@ -250,8 +282,8 @@ def prepared(tiny_targets, tmp_path_factory):
 
     target = tiny_targets("llama")
     out = tmp_path_factory.mktemp("prepared")
-    result = prepare_conversations([(TINY_DATA, "sharegpt")], AutoTokenizer.from_pretrained(target), max_seq_len=256,
-                                   max_samples=64)  # fmt: skip
+    result = prepare_conversations([(TINY_DATA, "sharegpt")], AutoTokenizer.from_pretrained(target),
+                                   preparation(max_seq_len=256, max_samples=64))  # fmt: skip
     write_prepared(result, out / "prepared", out / "token_freq.pt")
     return {"target": target, "prepared": out / "prepared", "token_freq": token_frequencies(result.samples)}
 

@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
-from eagle3_workflow.extraction import ClientSettings, extract_replica, load_prepared_input_ids  # noqa: E402
+from eagle3_workflow.extraction import client_settings, extract_replica, load_prepared_input_ids  # noqa: E402
+from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402
 from eagle3_workflow.vllm_server import ServerSpec, VLLMServer, hidden_states_server_spec  # noqa: E402
 
 
@@ -78,9 +79,9 @@ def main() -> None:
     count = min(args.samples or len(all_ids), len(all_ids))
     prompts = all_ids[:count]
     tokens = sum(map(len, prompts))
-    extraction = config["extraction"]
+    # the extraction stage's settings, as its rule passes them
+    stage = view_of(ExtractHiddenStatesStage, config)
     device = api.device
-    tp = extraction["tensor_parallel_size"] if device == "cuda" else 1
     work = Path(tempfile.mkdtemp(prefix="bench-extraction-"))
     subset = work / "prepared"
     import datasets
@@ -89,14 +90,11 @@ def main() -> None:
 
     def extraction_spec(storage_dir: str) -> ServerSpec:
         return hidden_states_server_spec(
-            config["vllm"],
+            stage,
             model=target,
             layer_ids=api.layer_ids,
             storage_dir=storage_dir,
             device=device,
-            tensor_parallel_size=tp,
-            trust_remote_code=config["target"]["trust_remote_code"],
-            dtype=config["target"]["dtype"],
             enable_render_endpoint=False,
         )
 
@@ -106,9 +104,9 @@ def main() -> None:
     results: dict[str, list[float]] = {"plain": [], "workflow": []}
     bytes_written = 0
     with VLLMServer(plain_spec, work / "plain-server.log") as server:
-        asyncio.run(plain_prefill(server, prompts[:8], extraction["concurrency"]))  # warm-up
+        asyncio.run(plain_prefill(server, prompts[:8], stage.extraction.concurrency))  # warm-up
         for _ in range(args.repeats):
-            results["plain"].append(tokens / asyncio.run(plain_prefill(server, prompts, extraction["concurrency"])))
+            results["plain"].append(tokens / asyncio.run(plain_prefill(server, prompts, stage.extraction.concurrency)))
     for repeat in range(args.repeats):
         files = work / f"files-{repeat}"
         manifest = extract_replica(
@@ -122,7 +120,7 @@ def main() -> None:
             server_log=work / "extract-server.log",
             layer_count=len(api.layer_ids),
             hidden_size=api.target.hidden_size,
-            settings=ClientSettings(concurrency=extraction["concurrency"]),
+            settings=client_settings(stage.extraction),
             disk_margin=1.0,
             available_bytes_override=None,
         )

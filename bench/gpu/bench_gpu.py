@@ -61,14 +61,15 @@ sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import ApiCompatReport, TrainingSummary, load, write  # noqa: E402
 from eagle3_workflow.extraction import (  # noqa: E402
-    ClientSettings,
     ProgressTracker,
     Sample,
+    client_settings,
     extract_replica,
     extract_samples,
 )
 from eagle3_workflow.files import write_text_atomic  # noqa: E402
 from eagle3_workflow.hidden_states import resolve_layer_ids  # noqa: E402
+from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402
 from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec  # noqa: E402
 
 
@@ -172,16 +173,17 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
     if args.device == "cpu":
         vllm_settings |= {"kv_cache_memory_bytes": 1 << 30, "cpu_threads": 2, "enforce_eager": True}
 
+    # the extraction stage's settings: the bench's vllm values and client, the schema's defaults for the rest
+    extraction = {"tensor_parallel_size": 1, "concurrency": args.concurrency, "progress_interval_s": 10}
+    stage = view_of(ExtractHiddenStatesStage, with_schema_defaults(vllm=vllm_settings, extraction=extraction))
+
     def spec(storage: str):
         return hidden_states_server_spec(
-            vllm_settings,
+            stage,
             model=str(args.target),
             layer_ids=layers,
             storage_dir=storage,
             device=args.device,
-            tensor_parallel_size=1,
-            trust_remote_code=False,
-            dtype="bfloat16",
             enable_render_endpoint=False,
         )
 
@@ -218,7 +220,7 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
         for repeat in range(args.repeats):
             files = work / f"workflow-files-{repeat}"
             shutil.rmtree(files, ignore_errors=True)
-            settings = ClientSettings(concurrency=args.concurrency, progress_interval_s=10)
+            settings = client_settings(stage.extraction)
             start = time.monotonic()
             written = extract_samples(
                 server,
@@ -265,7 +267,7 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
         server_log=work / "stage-server.log",
         layer_count=len(layers),
         hidden_size=hidden,
-        settings=ClientSettings(concurrency=args.concurrency, progress_interval_s=10),
+        settings=client_settings(stage.extraction),
         disk_margin=1.1,
         available_bytes_override=None,
     )
@@ -554,6 +556,7 @@ def run_workflow(ctx: dict, tag: str) -> dict:
         files_dir=ctx["files_dir"],
         work_dir=wf_work,
         out_dir=out_dir,
+        trust_remote_code=False,
         device=TrainDevice(ctx["device"], 1),
         on_line=lambda line: None,
     )
@@ -567,7 +570,8 @@ def run_workflow(ctx: dict, tag: str) -> dict:
 
 def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int) -> dict:
     """A warm-up run, then --train-pairs pairs in alternating order; steady steps/s compared (compare_training)."""
-    from eagle3_workflow.training.command import TrainDevice, TrainSettings
+    from eagle3_workflow.settings import TrainSettings, with_schema_defaults
+    from eagle3_workflow.training.command import TrainDevice
 
     inputs = training_inputs(args, data_dir, files_dir, work)
     ratio = 0.95
@@ -591,7 +595,8 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
         "common": common,
         "extra": extra,
     }
-    settings = TrainSettings(gpus=1 if args.device == "cuda" else 0, extra_args=tuple(extra), **common)
+    train = {"gpus": 1 if args.device == "cuda" else 0, "extra_args": extra, **common}
+    settings = TrainSettings.model_validate(with_schema_defaults(train=train)["train"])
     probe = bare_train_command(**bare_args, save=work / "s", log_dir=work / "l")
     same_flags_or_exit(probe, settings, args.target, work / "workflow-train-work", layers, TrainDevice(args.device, 1))
     ctx = {"work": work, "device": args.device, "target": args.target, "data_dir": data_dir, "files_dir": files_dir}

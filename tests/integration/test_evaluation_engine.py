@@ -4,12 +4,11 @@ numbers and lossless=True; vLLM's n-gram proposer exercises the accept path. The
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_workflow, tiny_config
+from conftest import evaluation, rules_run, run_workflow, synthetic_run_config, tiny_settings
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
 from eagle3_workflow.artefacts import AcceptanceReport, load
@@ -23,9 +22,9 @@ from eagle3_workflow.evaluation.lossless import compare_greedy
 from eagle3_workflow.evaluation.metrics import acceptance_result
 from eagle3_workflow.evaluation.prompts import load_prompts
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec
-from eagle3_workflow.evaluation.settings import EvaluationSettings
+from eagle3_workflow.settings import ServingStage
 
-VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
+VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)
 
 
 # ---------------------------------------------------------------- the measurement process
@@ -61,12 +60,11 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     target = Path(prepared["target"])
     write_synthetic_run(tmp_path, "t", target=target, prepared=prepared["prepared"], draft=scratch_draft,
                         training_metrics=None)  # fmt: skip
-    config = tiny_config("t", target={"path": str(target)}, train={"train_data_ratio": 0.75},
-                         evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
-    config["target"].pop("build")
+    config = synthetic_run_config(target, train={"train_data_ratio": 0.75},
+                                  evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
     proc = run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
                         extra=["--rerun-triggers=mtime"], timeout=900)  # fmt: skip
-    assert re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE) == ["evaluate_draft"]
+    assert rules_run(proc) == ["evaluate_draft"]
 
     report = load(AcceptanceReport, tmp_path / "results/t/eval/acceptance.json")
     assert report.lossless and report.lossless_mismatches == 0
@@ -75,13 +73,17 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     k = report.num_speculative_tokens
     for result in (report.trained, report.untrained):
         assert 1.0 <= result.mean_acceptance_length <= 1 + k
-        assert result.num_drafts > 0 and result.draft_tokens == result.num_drafts * k
+        assert result.num_drafts > 0
+        assert result.draft_tokens == result.num_drafts * k
         assert sum(result.accepted_per_position) == result.accepted_tokens
         rates = result.per_position_acceptance
-        assert len(rates) == k and all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
+        assert len(rates) == k
+        assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
         assert result.generated_tokens == report.no_speculation_generated_tokens  # same greedy text
-        assert result.tokens_per_s > 0 and result.engine_start_s > 0
-    assert len(report.processes) == 1 and report.processes[0].runs == ["no_speculation", "trained", "untrained"]
+        assert result.tokens_per_s > 0
+        assert result.engine_start_s > 0
+    assert len(report.processes) == 1
+    assert report.processes[0].runs == ["no_speculation", "trained", "untrained"]
     assert (tmp_path / "results/t/eval/work/untrained_draft/model.safetensors").exists()
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
     assert "[eval-vllm]" in log and "stage evaluate_draft: done" in log
@@ -93,7 +95,7 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
     """An untrained EAGLE-3 draft accepts nothing, which leaves the accept path untested: vLLM's n-gram
     proposer (prompt lookup) gets real acceptances on the tiny target's repetitive greedy text, through the same
     measurement process, counters and lossless diff."""
-    settings = EvaluationSettings(prompts="heldout", num_prompts=4, max_tokens=32)
+    settings = evaluation(prompts="heldout", num_prompts=4, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
                               max_model_len=512)  # fmt: skip
     engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16", trust_remote_code=False,
@@ -109,9 +111,12 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
                                 reference_logprobs=reference.logprobs, tolerance=0.0)  # fmt: skip
     accepted = acceptance_result(run, draft_path=Path("ngram"), num_speculative_tokens=3, reference=reference,
                                  mismatches=mismatches)  # fmt: skip
-    assert mismatches == [] and accepted.lossless
-    assert accepted.accepted_tokens > 0 and accepted.mean_acceptance_length > 1.0
+    assert mismatches == []
+    assert accepted.lossless
+    assert accepted.accepted_tokens > 0
+    assert accepted.mean_acceptance_length > 1.0
     assert accepted.mean_acceptance_length == pytest.approx(1 + sum(accepted.per_position_acceptance))
     rates = accepted.per_position_acceptance
-    assert rates[0] > 0 and all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert rates[0] > 0
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
     print(f"ngram: acceptance length {accepted.mean_acceptance_length:.3f}, per position {rates}", file=sys.stderr)

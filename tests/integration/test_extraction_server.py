@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, kill_tree, run_workflow, start_workflow, tiny_config, wait_until
+from conftest import REPO, kill_tree, run_workflow, start_workflow, tiny_config, tiny_settings, wait_until
 from safetensors.torch import load_file
 
 from eagle3_workflow.extraction import Sample
 from eagle3_workflow.files import process_umask
+from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
 
 
 def extraction_config(run: str, **extraction) -> dict:
@@ -186,21 +187,22 @@ def test_sigterm_tears_the_server_down(clean_run, tmp_path):
     """SLURM preemption sends SIGTERM to the job: the server's whole process group goes with it."""
     prepared = clean_run / "results" / "x" / "data" / "prepared"
     api = json.loads((clean_run / "results" / "x" / "checks" / "api_compat.json").read_text())
-    settings = json.dumps(tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []})
+    settings = json.dumps(as_config(tiny_settings(ExtractHiddenStatesStage, extraction={"concurrency": 1})))
     driver = f"""
 import json, logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO)
-from eagle3_workflow.extraction import ClientSettings, extract_replica
+from eagle3_workflow.extraction import client_settings, extract_replica
+from eagle3_workflow.settings import ExtractHiddenStatesStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec
-settings = json.loads({settings!r})
+settings = ExtractHiddenStatesStage.model_validate(json.loads({settings!r}))
 spec = lambda d: hidden_states_server_spec(settings, model={str(clean_run / "results" / "x" / "target")!r},
-    layer_ids={api["layer_ids"]!r}, storage_dir=d, device="cpu", tensor_parallel_size=1, trust_remote_code=False)
+    layer_ids={api["layer_ids"]!r}, storage_dir=d, device="cpu", enable_render_endpoint=True)
 from eagle3_workflow.runtime.stage import run_stage
 run_stage("extract_hidden_states", None, lambda log: extract_replica(prepared_dir=Path({str(prepared)!r}), replica=0,
     replicas=1, files_dir=Path({str(tmp_path / "files")!r}), scratch_dir=Path({str(tmp_path / "scratch")!r}),
     progress_path=None, server_spec_factory=spec, server_log=Path({str(tmp_path / "server.log")!r}),
-    layer_count={len(api["layer_ids"])}, hidden_size=64, settings=ClientSettings(concurrency=1), disk_margin=1.1,
+    layer_count={len(api["layer_ids"])}, hidden_size=64, settings=client_settings(settings.extraction), disk_margin=1.1,
     available_bytes_override=None))
 """
     env = {**os.environ, "PYTHONPATH": str(REPO / "workflow" / "scripts")}
@@ -228,17 +230,19 @@ import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
 from eagle3_workflow.artefacts import write
-from eagle3_workflow.extraction import ClientSettings, extract_replica
+from eagle3_workflow.extraction import client_settings, extract_replica
+from eagle3_workflow.settings import ExtractHiddenStatesStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec
 args = json.loads(sys.argv[1])
-spec = lambda d: hidden_states_server_spec(args["vllm"], model=args["target"], layer_ids=args["layer_ids"],
-    storage_dir=d, device="cpu", tensor_parallel_size=1, trust_remote_code=False)
+settings = ExtractHiddenStatesStage.model_validate(args["settings"])
+spec = lambda d: hidden_states_server_spec(settings, model=args["target"], layer_ids=args["layer_ids"],
+    storage_dir=d, device="cpu", enable_render_endpoint=True)
 def body(log):
     manifest = extract_replica(prepared_dir=Path(args["prepared"]), replica=0, replicas=1,
         files_dir=Path(args["work"]) / "files", scratch_dir=Path(args["work"]) / "scratch",
         progress_path=Path(args["work"]) / "progress.json", server_spec_factory=spec,
         server_log=Path(args["log"]), layer_count=len(args["layer_ids"]), hidden_size=64,
-        settings=ClientSettings(**args["settings"]), disk_margin=1.1, available_bytes_override=None,
+        settings=client_settings(settings.extraction), disk_margin=1.1, available_bytes_override=None,
         **({"probe_samples": args["probe_samples"]} if args["probe_samples"] else {}))
     write(Path(args["work"]) / "manifest.json", manifest)
 run_stage("extract_hidden_states", args["log"], body)
@@ -256,14 +260,17 @@ def random_prepared(path: Path, samples: int, tokens: int, seed: int = 0) -> Pat
 
 def start_stage(target: Path, work: Path, prepared: Path, **settings) -> subprocess.Popen:
     args = {
-        "vllm": tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []},
         "target": str(target),
         "layer_ids": [2, 4, 5, 8],
         "prepared": str(prepared),
         "work": str(work),
         "log": str(work / "stage.log"),
         "probe_samples": settings.pop("probe_samples", 0),
-        "settings": {"concurrency": 2, "progress_interval_s": 0.5, **settings},
+        "settings": as_config(
+            tiny_settings(
+                ExtractHiddenStatesStage, extraction={"concurrency": 2, "progress_interval_s": 0.5, **settings}
+            )
+        ),
     }
     env = {
         **os.environ,
@@ -395,10 +402,10 @@ def extract_with_server(target: Path, work: Path, samples: list, extra_args: lis
     """Extract `samples` one at a time (each can hit the cache the previous one filled); returns prefix hits."""
     import httpx
 
-    from eagle3_workflow.extraction import ClientSettings, ProgressTracker, extract_samples
+    from eagle3_workflow.extraction import ProgressTracker, client_settings, extract_samples
     from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
 
-    settings = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": extra_args}
+    settings = tiny_settings(ExtractHiddenStatesStage, vllm={"extra_args": extra_args}, extraction={"concurrency": 1})
     (work / "scratch").mkdir(parents=True)
     spec = hidden_states_server_spec(
         settings,
@@ -406,8 +413,7 @@ def extract_with_server(target: Path, work: Path, samples: list, extra_args: lis
         layer_ids=[2, 4, 5, 8],
         storage_dir=str(work / "scratch"),
         device="cpu",
-        tensor_parallel_size=1,
-        trust_remote_code=False,
+        enable_render_endpoint=True,
     )
     with VLLMServer(spec, work / "server.log") as server:
         extract_samples(
@@ -416,7 +422,7 @@ def extract_with_server(target: Path, work: Path, samples: list, extra_args: lis
             work / "files",
             layer_count=4,
             hidden_size=64,
-            settings=ClientSettings(concurrency=1),
+            settings=client_settings(settings.extraction),
             tracker=ProgressTracker(None, 0, len(samples), 0),
         )
         metrics = httpx.get(f"{server.base_url}/metrics", headers=server.headers(), timeout=30).text

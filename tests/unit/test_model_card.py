@@ -25,9 +25,10 @@ from eagle3_workflow.artefacts import (
 )
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.model_card import CARD_NAME, CardInputs, package_draft, render_model_card, sha256_of
+from eagle3_workflow.settings import PackageDraftStage, view_of, with_schema_defaults
 from eagle3_workflow.smollm2 import BUILD_RECORD
 
-CONFIG = {
+SECTIONS = {
     "target": {"path": None, "build": {"kind": "smollm2"}, "dtype": "bfloat16"},
     "regenerate": {"enabled": True, "prompt_files": ["config/data/smollm2_prompts.txt"], "magpie_prompts": 16000,
                    "max_tokens": 384, "temperature": 0.0},
@@ -36,6 +37,7 @@ CONFIG = {
     "evaluate": {"num_speculative_tokens": 3},
     "vllm": {"device": "cuda"},
 }  # fmt: skip
+CONFIG = view_of(PackageDraftStage, with_schema_defaults(run="t", **SECTIONS))  # the stage's settings
 
 
 @pytest.fixture
@@ -73,14 +75,15 @@ def serve_line(card: str) -> list[str]:
 
 
 def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
-    published = package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+    published = package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     card = (published / CARD_NAME).read_text()
     # acceptance trained vs untrained (synthetic: 1 + (70+50+30)/100 and 1 + 1/100), k and the ratio
     assert "| trained | **2.500** | 0.700 / 0.500 / 0.300 |" in card
     assert "| untrained | **1.010** |" in card and "2.48x the untrained draft" in card
     # the target, as check_api recorded it (here: read from the fixture's config.json)
     assert "LlamaForCausalLM, 30 layers, hidden 576, vocabulary 49,152" in card
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card and "f" * 64 in card  # what a built target came from
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card
+    assert "f" * 64 in card  # what a built target came from
     # data size and training settings
     assert "256 kept of 300 read" in card and "40,000 in all" in card and "21,000" in card
     assert "| optimizer, lr | adamw, 0.0003 |" in card and "| epochs, steps | 2, 4 |" in card  # as trained
@@ -90,13 +93,14 @@ def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
     assert f"`{sha256_of(run_dir / 'draft' / 'model.safetensors')}`" in card
     # the command serves the target with this draft, k = 3, as evaluate_draft's speculative config
     argv = serve_line(card)
-    assert argv[:2] == ["vllm", "serve"] and argv[3] == "--speculative-config"
+    assert argv[:2] == ["vllm", "serve"]
+    assert argv[3] == "--speculative-config"
     spec = json.loads(argv[4])
     assert spec == {"method": "eagle3", "model": "<this folder or its hub id>", "num_speculative_tokens": 3}
 
 
 def test_published_folder_holds_the_draft_files_unchanged(run_dir):
-    published = package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+    published = package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     draft_files = sorted(p.name for p in (run_dir / "draft").iterdir())
     assert sorted(p.name for p in published.iterdir()) == sorted([*draft_files, CARD_NAME])
     for name in draft_files:
@@ -104,21 +108,21 @@ def test_published_folder_holds_the_draft_files_unchanged(run_dir):
     assert not (run_dir / "draft" / CARD_NAME).exists(), "draft/ itself is left as train_draft wrote it"
     # a rerun replaces the folder (no stale files)
     (published / "stale.bin").write_bytes(b"x")
-    package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+    package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     assert not (run_dir / "published_draft" / "stale.bin").exists()
 
 
 def test_a_folder_without_config_json_is_refused(run_dir):
     (run_dir / "draft" / "config.json").unlink()
     with pytest.raises(StageError, match="rerun train_draft"):
-        package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+        package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     assert not (run_dir / "published_draft").exists()
 
 
 def test_render_says_n_a_for_what_a_run_did_not_measure(run_dir):
     training = load(TrainingSummary, run_dir / "draft" / "training.json")
     card = render_model_card(
-        CardInputs(run="r", config={}, target=load(ApiCompatReport, run_dir / "checks" / "api_compat.json").target,
+        CardInputs(settings=view_of(PackageDraftStage, with_schema_defaults(run="r")), target=load(ApiCompatReport, run_dir / "checks" / "api_compat.json").target,
                    manifest=load(DataManifest, run_dir / "data" / "manifest.json"),
                    training=training.model_copy(update={"final_val_loss": None}),
                    acceptance=load(AcceptanceReport, run_dir / "eval" / "acceptance.json"),
@@ -134,7 +138,7 @@ def test_an_artefact_missing_a_key_is_refused_with_the_rule_that_writes_it(run_d
     del training["command"]
     (run_dir / "draft" / "training.json").write_text(json.dumps(training))
     with pytest.raises(ArtefactError) as refused:
-        package_draft(paths_of(run_dir), CONFIG, "t", run_dir / "published_draft")
+        package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     message = str(refused.value)
     assert "training.json is not a valid TrainingSummary" in message and "  command: missing" in message
     assert "snakemake --forcerun train_draft" in message

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import preparation
 
 from eagle3_workflow.chat import tokenize_conversation
 from eagle3_workflow.errors import StageError
@@ -111,7 +112,7 @@ def test_sharegpt_messages_and_parquet_are_read(tiny_tokenizer, tmp_path):
     d = tmp_path / "d.parquet"
     pd.DataFrame([GOOD_MESSAGES, GOOD_MESSAGES]).to_parquet(d)
     result = prepare_conversations(
-        [(a, "sharegpt"), (b, "messages"), (c, "auto"), (d, "parquet")], tiny_tokenizer, max_seq_len=128
+        [(a, "sharegpt"), (b, "messages"), (c, "auto"), (d, "parquet")], tiny_tokenizer, preparation(max_seq_len=128)
     )
     assert len(result.samples) == 6
     assert result.manifest_counts["records_read"] == 6
@@ -131,7 +132,7 @@ BAD_CASES = {
 def test_bad_record_fails_with_file_and_line(tiny_tokenizer, tmp_path, case):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, BAD_CASES[case], GOOD])
     with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
+        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
     message = str(info.value)
     assert f"{path}:2" in message
     assert "on_bad_record: skip" in message
@@ -140,7 +141,7 @@ def test_bad_record_fails_with_file_and_line(tiny_tokenizer, tmp_path, case):
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 def test_bad_record_skipped_and_counted(tiny_tokenizer, tmp_path, case):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, BAD_CASES[case], GOOD])
-    result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
+    result = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
     assert len(result.samples) == 2
     assert sum(result.manifest_counts["dropped"].values()) == 1
 
@@ -149,33 +150,33 @@ def test_truncation_that_removes_every_assistant_token_is_a_bad_record(tiny_toke
     long_user = {"conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "ok"}]}
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_user])
     with pytest.raises(StageError, match="no_assistant_tokens"):
-        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=32)
-    result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=32, on_bad_record="skip")
+        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=32))
+    result = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=32, on_bad_record="skip"))
     assert result.manifest_counts["dropped"] == {"no_assistant_tokens": 1}
 
 
 def test_overlength_drop_and_truncate(tiny_tokenizer, tmp_path):
     long_answer = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "word " * 200}]}
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_answer])
-    dropped = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=64, overlength="drop")
-    assert len(dropped.samples) == 1
-    assert dropped.manifest_counts["dropped"] == {"overlength": 1}
-    truncated = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=64, overlength="truncate")
-    assert len(truncated.samples) == 2
-    assert truncated.manifest_counts["truncated"] == 1
+    dropped = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=64, overlength="drop"))
+    assert len(dropped.samples) == 1 and dropped.manifest_counts["dropped"] == {"overlength": 1}
+    truncated = prepare_conversations(
+        [(path, "auto")], tiny_tokenizer, preparation(max_seq_len=64, overlength="truncate")
+    )
+    assert len(truncated.samples) == 2 and truncated.manifest_counts["truncated"] == 1
     assert max(len(s.input_ids) for s in truncated.samples) == 64
 
 
 def test_zero_kept_fails_with_the_reason(tiny_tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", [BAD_CASES["no_assistant_turn"]] * 3)
     with pytest.raises(StageError, match="no record survived") as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
+        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
     assert "no_assistant_turn" in str(info.value)
 
 
 def test_missing_source_is_named(tiny_tokenizer, tmp_path):
     with pytest.raises(StageError, match="does not exist"):
-        prepare_conversations([(tmp_path / "nope.jsonl", "auto")], tiny_tokenizer, max_seq_len=128)
+        prepare_conversations([(tmp_path / "nope.jsonl", "auto")], tiny_tokenizer, preparation(max_seq_len=128))
 
 
 def assert_one_bad_record(tokenizer, path: Path, *, line: int, reason: str, kept: int) -> None:
@@ -195,37 +196,44 @@ EMPTY_TURN = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"
 
 def test_empty_turn_is_a_bad_record_with_file_and_line(tiny_tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, EMPTY_TURN])
-    assert_one_bad_record(tiny_tokenizer, path, line=2, reason="empty_turn", kept=1)
+    with pytest.raises(StageError) as info:
+        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
+    assert f"{path}:2" in str(info.value) and "empty_turn" in str(info.value)
+    result = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
+    assert len(result.samples) == 1 and result.manifest_counts["dropped"] == {"empty_turn": 1}
 
 
 def test_non_utf8_line_is_a_bad_record_and_skip_skips_it(tiny_tokenizer, tmp_path):
     path = tmp_path / "data.jsonl"
     bad_line = json.dumps(GOOD).replace("hello", "h\xe9llo").encode("latin-1")  # é as one latin-1 byte
     path.write_bytes(b"\n".join([json.dumps(GOOD).encode(), bad_line, json.dumps(GOOD).encode()]) + b"\n")
-    assert_one_bad_record(tiny_tokenizer, path, line=2, reason="not_utf8", kept=2)
+    with pytest.raises(StageError) as info:
+        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
+    assert f"{path}:2" in str(info.value) and "not_utf8" in str(info.value)
+    result = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
+    assert len(result.samples) == 2 and result.manifest_counts["dropped"] == {"not_utf8": 1}
 
 
 def test_non_utf8_json_array_names_file_and_line(tiny_tokenizer, tmp_path):
     path = tmp_path / "data.json"
     path.write_bytes(b'[\n{"conversations": []},\n{"x": "\xff"}\n]\n')
     with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
-    assert f"{path}:3" in str(info.value)
-    assert "not_utf8" in str(info.value)
+        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
+    assert f"{path}:3" in str(info.value) and "not_utf8" in str(info.value)
 
 
 def test_each_record_counted_under_one_outcome(tiny_tokenizer, tmp_path):
     long_user = {"conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "ok"}]}
     long_answer = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "word " * 200}]}
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_user, long_answer])
-    result = prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=32, on_bad_record="skip")
+    result = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=32, on_bad_record="skip"))
     counts = result.manifest_counts
     # long_user was truncated, then dropped for no assistant tokens: dropped only, not also truncated
     assert counts["dropped"] == {"no_assistant_tokens": 1}
     assert counts["truncated"] == 1
     assert counts["records_read"] == len(result.samples) + sum(counts["dropped"].values())
     capped = prepare_conversations(
-        [(path, "auto")], tiny_tokenizer, max_seq_len=32, on_bad_record="skip", max_samples=1, seed=1
+        [(path, "auto")], tiny_tokenizer, preparation(max_seq_len=32, on_bad_record="skip", max_samples=1, seed=1)
     )
     assert capped.manifest_counts["truncated"] == sum(s.truncated for s in capped.samples)
 
@@ -235,14 +243,14 @@ def test_empty_data_file_is_named(tiny_tokenizer, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(StageError, match="empty") as info:
-        prepare_conversations([(good, "auto"), (empty, "auto")], tiny_tokenizer, max_seq_len=128)
+        prepare_conversations([(good, "auto"), (empty, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
     assert str(empty) in str(info.value)
 
 
 def test_declared_format_mismatch_names_the_format_that_fits(tiny_tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD])
     with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "messages")], tiny_tokenizer, max_seq_len=128)
+        prepare_conversations([(path, "messages")], tiny_tokenizer, preparation(max_seq_len=128))
     message = str(info.value)
     assert "format_mismatch" in message
     assert "does not match" in message
@@ -253,16 +261,15 @@ def test_declared_format_mismatch_names_the_format_that_fits(tiny_tokenizer, tmp
 def test_skip_with_nothing_kept_lists_every_bad_record(tiny_tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", [BAD_CASES["invalid_record"], EMPTY_TURN])
     with pytest.raises(StageError, match="no record survived") as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128, on_bad_record="skip")
-    assert f"{path}:1" in str(info.value)
-    assert f"{path}:2" in str(info.value)
+        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
+    assert f"{path}:1" in str(info.value) and f"{path}:2" in str(info.value)
 
 
 def test_bad_record_table_wraps_long_details_instead_of_cutting(tiny_tokenizer, tmp_path):
     record = {f"key_{i:02d}_{'x' * 8}": i for i in range(12)} | {"last_key_visible": 1}
     path = write_jsonl(tmp_path / "data.jsonl", [record])
     with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, max_seq_len=128)
+        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
     message = str(info.value)
     assert "last_key_visible" in message
     table = [line for line in message.splitlines() if " | " in line]

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REGENERATE_SETTINGS, REPO
+from conftest import REPO, preparation, regenerate_settings, tiny_settings
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.prepare import prepare_conversations
@@ -29,6 +29,10 @@ from eagle3_workflow.regenerate.prompts import (
     read_prompt_file,
     request_seeds,
 )
+from eagle3_workflow.settings import RegenerateResponsesStage, VllmSettings, with_schema_defaults
+
+MAX_MODEL_LEN = 512
+
 
 CHATML_WITH_DEFAULT_SYSTEM = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -293,7 +297,9 @@ def test_regenerate_writes_sharegpt_that_prepare_data_accepts(tokenizer_with_tem
         return "Blue, and that is all.", "stop"
 
     target = FakeTarget(tokenizer, answer)
-    records, stats = regenerate(tokenizer, target, [prompt_file], {**REGENERATE_SETTINGS, "magpie_prompts": 2})
+    records, stats = regenerate(
+        tokenizer, target, [prompt_file], regenerate_settings(magpie_prompts=2), max_model_len=MAX_MODEL_LEN
+    )
     assert [r["conversations"] for r in records] == [
         [{"from": "human", "value": v}, {"from": "gpt", "value": "Blue, and that is all."}]
         for v in ("Name a colour.", "Count to three.", "What is a cloud?")
@@ -306,9 +312,8 @@ def test_regenerate_writes_sharegpt_that_prepare_data_accepts(tokenizer_with_tem
 
     out = tmp_path / "regenerated.jsonl"
     write_jsonl_atomic(out, records)
-    result = prepare_conversations([(out, "sharegpt")], tokenizer, max_seq_len=256)
-    assert len(result.samples) == 3
-    assert not result.bad_records
+    result = prepare_conversations([(out, "sharegpt")], tokenizer, preparation(max_seq_len=256))
+    assert len(result.samples) == 3 and not result.bad_records
 
 
 def test_max_prompts_caps_after_deduplication(tokenizer_with_template, tmp_path):
@@ -316,7 +321,7 @@ def test_max_prompts_caps_after_deduplication(tokenizer_with_template, tmp_path)
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("a\nA\nb\nc\n")
     records, stats = regenerate(
-        tokenizer, FakeTarget(tokenizer), [prompt_file], {**REGENERATE_SETTINGS, "max_prompts": 2}
+        tokenizer, FakeTarget(tokenizer), [prompt_file], regenerate_settings(max_prompts=2), max_model_len=MAX_MODEL_LEN
     )
     assert [r["conversations"][0]["value"] for r in records] == ["a", "b"]
     assert (stats.duplicates_dropped, stats.capped_by_max_prompts) == (1, 1)
@@ -326,32 +331,24 @@ def test_nothing_to_answer_is_a_stage_error(tokenizer_with_template, tmp_path):
     tokenizer = tokenizer_with_template()
     target = FakeTarget(tokenizer, lambda prompt, sampling: ("", "stop"))
     with pytest.raises(StageError, match="no prompt to answer"):
-        regenerate(tokenizer, target, [], {**REGENERATE_SETTINGS, "magpie_prompts": 3})
+        regenerate(tokenizer, target, [], regenerate_settings(magpie_prompts=3), max_model_len=MAX_MODEL_LEN)
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("hello there\n")
     with pytest.raises(StageError, match="answered none of 1 prompts"):
-        regenerate(tokenizer, target, [prompt_file], REGENERATE_SETTINGS)
+        regenerate(tokenizer, target, [prompt_file], regenerate_settings(), max_model_len=MAX_MODEL_LEN)
 
 
 def test_engine_kwargs_follow_the_vllm_section():
-    config = {
-        "target": {"dtype": "bfloat16", "trust_remote_code": False},
-        "vllm": {
-            "max_model_len": 1024,
-            "max_num_seqs": 8,
-            "enforce_eager": True,
-            "kv_cache_memory_bytes": 1 << 28,
-            "gpu_memory_utilization": 0.85,
-        },
-        "extraction": {"tensor_parallel_size": 1},
-        "regenerate": {"seed": 7},
-    }
-    kwargs = regeneration_engine_kwargs(Path("/m"), config)
-    assert kwargs["kv_cache_memory_bytes"] == 1 << 28
-    assert "gpu_memory_utilization" not in kwargs
+    vllm = {"device": "cuda", "max_model_len": 1024, "max_num_seqs": 8, "enforce_eager": True}
+    settings = tiny_settings(
+        RegenerateResponsesStage, vllm=vllm | {"kv_cache_memory_bytes": 1 << 28}, regenerate={"seed": 7}
+    )
+    kwargs = regeneration_engine_kwargs(Path("/m"), settings)
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 28 and "gpu_memory_utilization" not in kwargs
     assert (kwargs["dtype"], kwargs["seed"], kwargs["trust_remote_code"]) == ("bfloat16", 7, False)
-    config["vllm"]["kv_cache_memory_bytes"] = None
-    assert regeneration_engine_kwargs(Path("/m"), config)["gpu_memory_utilization"] == 0.85
+    assert (kwargs["max_model_len"], kwargs["max_num_seqs"], kwargs["enforce_eager"]) == (1024, 8, True)
+    settings = tiny_settings(RegenerateResponsesStage, vllm=vllm | {"kv_cache_memory_bytes": None})
+    assert regeneration_engine_kwargs(Path("/m"), settings)["gpu_memory_utilization"] == 0.85
 
 
 # ------------------------------------------------------------------------------ shipped prompt files
@@ -396,8 +393,6 @@ def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
 
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
-    env = subprocess_env({"vllm": {"cpu_threads": 2}})
-    assert "MKL_NUM_THREADS" not in env
-    assert "OPENBLAS_NUM_THREADS" not in env
-    assert env["OMP_NUM_THREADS"] == "2"
-    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("workflow/scripts")
+    env = subprocess_env(VllmSettings.model_validate(with_schema_defaults(vllm={"cpu_threads": 2})["vllm"]))
+    assert "MKL_NUM_THREADS" not in env and "OPENBLAS_NUM_THREADS" not in env
+    assert env["OMP_NUM_THREADS"] == "2" and env["PYTHONPATH"].split(os.pathsep)[0].endswith("workflow/scripts")

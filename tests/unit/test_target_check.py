@@ -177,6 +177,7 @@ def test_safetensors_files_are_shared_as_the_umask_allows(tmp_path):
 def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, tmp_path):
     from eagle3_workflow.regenerate.generate import regenerate
     from eagle3_workflow.regenerate.prompts import Completion
+    from eagle3_workflow.settings import RegenerateSettings, with_schema_defaults
 
     tokenizer = copy.deepcopy(turn_tokenizer)
     tokenizer.chat_template = GEMMA  # ends a turn with <end_of_turn>, which is not the eos
@@ -190,12 +191,10 @@ def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, t
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("Name a colour.\n")
-    settings = {"magpie_prompts": 0, "max_prompts": None, "max_tokens": 8, "temperature": 0.0, "seed": 0}
-    _, stats = regenerate(tokenizer, generate, [prompts], settings | {"max_model_len": 512})
-    assert requests
-    assert all(end_of_turn in s.stop_token_ids for s in requests)
-    assert end_of_turn in stats.stop_token_ids
-    assert tokenizer.eos_token_id in stats.stop_token_ids
+    settings = RegenerateSettings.model_validate(with_schema_defaults(regenerate={"max_tokens": 8})["regenerate"])
+    _, stats = regenerate(tokenizer, generate, [prompts], settings, max_model_len=512)
+    assert requests and all(end_of_turn in s.stop_token_ids for s in requests)
+    assert end_of_turn in stats.stop_token_ids and tokenizer.eos_token_id in stats.stop_token_ids
 
 
 def test_evaluation_sampling_carries_the_stop_set_to_the_measurement_process(tmp_path):

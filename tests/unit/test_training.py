@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import train_settings
 from tiny_training import TRAIN, train_record
 
 from eagle3_workflow.artefacts import TrainingFingerprint, load
@@ -19,7 +20,6 @@ from eagle3_workflow.training.command import (
     TRAINER_FIELDS_USED,
     TrainDevice,
     TrainPaths,
-    TrainSettings,
     build_train_command,
     resolve_device,
 )
@@ -51,7 +51,7 @@ def value_of(command: list[str], flag: str) -> list[str]:
 
 
 def test_cpu_command_maps_the_config_and_uses_the_shim():
-    settings = TrainSettings.from_config(
+    settings = train_settings(
         {
             **TRAIN,
             "draft_vocab_size": 512,
@@ -61,7 +61,9 @@ def test_cpu_command_maps_the_config_and_uses_the_shim():
             "extra_args": ["--log-freq", "2"],
         }
     )
-    command = build_train_command(settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5], python="py")
+    command = build_train_command(
+        settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5], python="py", trust_remote_code=False
+    )
     assert command[:3] == ["py", "-m", "eagle3_workflow.trainer_entry"]
     assert value_of(command, "--target-layer-ids") == ["2", "4", "5"]
     assert value_of(command, "--num-layers") == ["2"]
@@ -85,8 +87,10 @@ def test_cpu_command_maps_the_config_and_uses_the_shim():
 
 
 def test_gpu_commands_use_speculators_defaults_and_torchrun_for_several_gpus():
-    settings = TrainSettings.from_config({**TRAIN, "gpus": 8})
-    single = build_train_command(settings, paths(), TrainDevice("cuda", 1), target_layer_ids=[2, 4, 5], python="py")
+    settings = train_settings({**TRAIN, "gpus": 8})
+    single = build_train_command(
+        settings, paths(), TrainDevice("cuda", 1), target_layer_ids=[2, 4, 5], python="py", trust_remote_code=False
+    )
     assert single[:3] == ["py", "-m", "eagle3_workflow.trainer_entry"]
     assert "--draft-attn-impl" not in single
     assert "--loss-implementation" not in single  # flex + fused
@@ -110,8 +114,10 @@ def test_command_resolves_in_speculators_own_config():
     """Every flag exists in the installed speculators and lands in the field we mean."""
     from speculators.train.config import TrainConfig
 
-    settings = TrainSettings.from_config({**TRAIN, "checkpoint_freq": 0.5})
-    command = build_train_command(settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5])
+    settings = train_settings({**TRAIN, "checkpoint_freq": 0.5})
+    command = build_train_command(
+        settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5], trust_remote_code=False
+    )
     flat = TrainConfig.resolve(command[3:]).flatten()
     assert flat["target_layer_ids"] == [2, 4, 5]
     assert flat["draft_vocab_size"] == 256
@@ -239,7 +245,7 @@ def test_fingerprint_follows_the_data_the_target_weights_and_the_settings_that_m
 
     def fingerprint(**train):
         return training_fingerprint(
-            TrainSettings.from_config({**TRAIN, **train}), target=tmp_path / "target", prepared=tmp_path / "prepared",
+            train_settings({**TRAIN, **train}), target=tmp_path / "target", prepared=tmp_path / "prepared",
             token_freq=tmp_path / "token_freq.pt", validation=tmp_path / "validation.json",
             files_dir=tmp_path / "files", rows=2, target_layer_ids=[2, 4, 5],
         )  # fmt: skip

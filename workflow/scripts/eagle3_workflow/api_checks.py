@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,7 @@ def check_architecture(architecture: str, trust_remote_code: bool) -> tuple[str,
     return f"{model_cls.__name__}: supports_eagle3={ok}", ok
 
 
-def check_layer_ids(num_layers: int, configured: list[int] | None) -> tuple[str, bool]:
+def check_layer_ids(num_layers: int, configured: Sequence[int] | None) -> tuple[str, bool]:
     try:
         ids = resolve_layer_ids(num_layers, configured)
     except ValueError as exc:  # a config mistake: its own words, not an "error:" repr of an internal failure
@@ -347,7 +347,7 @@ def run_api_checks(
     *,
     target_dir: str,
     prepared_dir: str | None,
-    configured_layer_ids: list[int] | None,
+    configured_layer_ids: Sequence[int] | None,
     vllm_min: str,
     vllm_max_exclusive: str,
     device: str,
@@ -425,7 +425,7 @@ def _target_rows(
     target: TargetInfo,
     target_dir: str,
     prepared_dir: str | None,
-    configured_layer_ids: list[int] | None,
+    configured_layer_ids: Sequence[int] | None,
     trust_remote_code: bool,
 ) -> list[CheckRow]:
     """What this target needs: its architecture captured, its layer ids valid, its chat template reproducing."""
@@ -459,18 +459,19 @@ def trainer_fields_used() -> list[str]:
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.settings import CheckApiStage, stage_settings
     from eagle3_workflow.vllm_server import resolve_device
 
     def body(log: logging.Logger) -> None:
-        config = snakemake.params.settings
+        settings = stage_settings(CheckApiStage, snakemake.params.settings)
         report = run_api_checks(
             target_dir=str(snakemake.input.target),
             prepared_dir=str(snakemake.input.prepared),
-            configured_layer_ids=config["hidden_states"]["layer_ids"],
-            vllm_min=config["check_api"]["vllm_min"],
-            vllm_max_exclusive=config["check_api"]["vllm_max_exclusive"],
-            device=resolve_device(config["vllm"]["device"]),
-            trust_remote_code=config["target"]["trust_remote_code"],
+            configured_layer_ids=settings.hidden_states.layer_ids,
+            vllm_min=settings.check_api.vllm_min,
+            vllm_max_exclusive=settings.check_api.vllm_max_exclusive,
+            device=resolve_device(settings.vllm.device),
+            trust_remote_code=settings.target.trust_remote_code,
             trainer_fields=trainer_fields_used(),
         )
         table = check_table(report.checks)

@@ -35,6 +35,7 @@ from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, L
 from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
 from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.settings import CanaryStage, ExtractionStall, stage_settings
 from eagle3_workflow.vllm_server import VLLMServer
 
 log = logging.getLogger("eagle3.canary")
@@ -426,7 +427,7 @@ def run_canary(
     render_samples: int,
     trust_remote_code: bool,
     device: str,
-    settings: ClientSettings | None = None,
+    settings: ClientSettings,
 ) -> CanaryReport:
     config = json.loads((target_dir / "config.json").read_text())
     layers = canary_layer_count(config, canary_layers)
@@ -453,7 +454,7 @@ def _run_on_slice(
     render_samples: int,
     trust_remote_code: bool,
     device: str,
-    settings: ClientSettings | None,
+    settings: ClientSettings,
 ) -> CanaryReport:
     config = json.loads((target_dir / "config.json").read_text())
     layer_ids = canary_layer_ids(layers)
@@ -465,7 +466,6 @@ def _run_on_slice(
         d.mkdir(parents=True)
     hf_model, reference_note = load_hf_reference(canary_model, trust_remote_code)
     log.info("canary: %d-layer slice, capturing ids %s", layers, layer_ids)
-    settings = settings or ClientSettings(concurrency=4, request_timeout_s=300, max_retries=1, progress_interval_s=5)
     extract = dict(layer_count=len(layer_ids), hidden_size=hidden_size, settings=settings)
     with VLLMServer(spec_factory(str(canary_model), layer_ids, str(scratch.resolve())), server_log) as server:
         ready_s = server.ready_s
@@ -509,25 +509,27 @@ def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[
     return samples, messages
 
 
-def server_spec_factory(config: dict[str, Any], device: str) -> Any:
+def server_spec_factory(settings: CanaryStage, device: str) -> Any:
     """The extraction server for the slice: the same builder extraction uses, with the render endpoint on."""
-    from eagle3_workflow.vllm_server import run_server_spec
+    from eagle3_workflow.vllm_server import hidden_states_server_spec
 
     def spec_factory(model: str, layer_ids: list[int], storage_dir: str):
-        return run_server_spec(config, device=device, model=model, layer_ids=layer_ids, storage_dir=storage_dir,
-                               enable_render_endpoint=True)  # fmt: skip
+        return hidden_states_server_spec(settings, model=model, layer_ids=layer_ids, storage_dir=storage_dir,
+                                         device=device, enable_render_endpoint=True)  # fmt: skip
 
     return spec_factory
 
 
-def client_settings(config: dict[str, Any]) -> ClientSettings:
+def client_settings(extraction: ExtractionStall) -> ClientSettings:
+    """The canary's client: a few samples, few retries; the stall limit is extraction's."""
     return ClientSettings(
         concurrency=4,
         request_timeout_s=300,
         max_retries=1,
         progress_interval_s=5,
-        stall_timeout_s=config["extraction"]["stall_timeout_s"],
-        stall_factor=config["extraction"]["stall_factor"],
+        fail_after_samples=None,
+        stall_timeout_s=extraction.stall_timeout_s,
+        stall_factor=extraction.stall_factor,
     )
 
 
@@ -554,27 +556,27 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        config = snakemake.params.settings
+        settings = stage_settings(CanaryStage, snakemake.params.settings)
         api = load(ApiCompatReport, snakemake.input.api_compat)
         if not api.passed:
             raise StageError("api_compat.json says passed=false; the canary will not start")
-        canary_cfg = config["canary"]
+        canary = settings.canary
         samples, messages = pick_samples(
-            Path(snakemake.input.prepared), canary_cfg["num_samples"], canary_cfg["max_tokens_per_sample"]
+            Path(snakemake.input.prepared), canary.num_samples, canary.max_tokens_per_sample
         )
         report = run_canary(
             target_dir=Path(snakemake.input.target),
             work_dir=Path(snakemake.params.work_dir),
             samples=samples,
             messages=messages,
-            spec_factory=server_spec_factory(config, api.device),
+            spec_factory=server_spec_factory(settings, api.device),
             server_log=Path(snakemake.log[0]),
-            canary_layers=canary_cfg["num_layers"],
-            tolerance=canary_cfg["relative_tolerance"],
-            render_samples=canary_cfg["render_samples"],
-            trust_remote_code=config["target"]["trust_remote_code"],
+            canary_layers=canary.num_layers,
+            tolerance=canary.relative_tolerance,
+            render_samples=canary.render_samples,
+            trust_remote_code=settings.target.trust_remote_code,
             device=api.device,
-            settings=client_settings(config),
+            settings=client_settings(settings.extraction),
         )
         refuse_or_log(report, log)
         write(snakemake.output.report, report)

@@ -41,6 +41,7 @@ from eagle3_workflow.hidden_states import (
     human_bytes,
     shard_rows,
 )
+from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient, stage_settings
 from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
 
 log = logging.getLogger("eagle3.extraction")
@@ -57,14 +58,16 @@ def stall_limit_s(floor_s: float, factor: float, slowest_sample_s: float) -> flo
 
 @dataclasses.dataclass
 class ClientSettings:
-    concurrency: int = 8
-    request_timeout_s: float = 600.0
-    max_retries: int = 3
-    progress_interval_s: float = 5.0
-    fail_after_samples: int | None = None
+    """The client's limits: extraction's from its settings (client_settings), the canary's its own."""
+
+    concurrency: int
+    request_timeout_s: float
+    max_retries: int
+    progress_interval_s: float
+    fail_after_samples: int | None
     # a stall: requests in flight and no sample finished for max(floor, factor x slowest sample so far)
-    stall_timeout_s: float = 300.0
-    stall_factor: float = 10.0
+    stall_timeout_s: float
+    stall_factor: float
 
 
 @dataclasses.dataclass
@@ -574,26 +577,26 @@ def _serve_and_extract(
     return bytes_written, ready_s, probes, client_started
 
 
-def server_spec_factory(config: dict[str, Any], api: ApiCompatReport, target: str) -> Callable[[str], Any]:
+def server_spec_factory(settings: ExtractHiddenStatesStage, api: ApiCompatReport, target: str) -> Callable[[str], Any]:
     """The extraction server for a storage folder, as the canary starts it (same builder)."""
-    from eagle3_workflow.vllm_server import run_server_spec
+    from eagle3_workflow.vllm_server import hidden_states_server_spec
 
     def spec_factory(storage_dir: str):
-        return run_server_spec(config, device=api.device, model=target, layer_ids=api.layer_ids,
-                               storage_dir=storage_dir, enable_render_endpoint=False)  # fmt: skip
+        return hidden_states_server_spec(settings, model=target, layer_ids=api.layer_ids, storage_dir=storage_dir,
+                                         device=api.device, enable_render_endpoint=False)  # fmt: skip
 
     return spec_factory
 
 
-def client_settings(extraction: dict[str, Any]) -> ClientSettings:
+def client_settings(extraction: ExtractionClient) -> ClientSettings:
     return ClientSettings(
-        concurrency=extraction["concurrency"],
-        request_timeout_s=extraction["request_timeout_s"],
-        max_retries=extraction["max_retries"],
-        progress_interval_s=extraction["progress_interval_s"],
-        fail_after_samples=extraction["fail_after_samples"],
-        stall_timeout_s=extraction["stall_timeout_s"],
-        stall_factor=extraction["stall_factor"],
+        concurrency=extraction.concurrency,
+        request_timeout_s=extraction.request_timeout_s,
+        max_retries=extraction.max_retries,
+        progress_interval_s=extraction.progress_interval_s,
+        fail_after_samples=extraction.fail_after_samples,
+        stall_timeout_s=extraction.stall_timeout_s,
+        stall_factor=extraction.stall_factor,
     )
 
 
@@ -603,8 +606,8 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        config = snakemake.params.settings
-        extraction = config["extraction"]
+        settings = stage_settings(ExtractHiddenStatesStage, snakemake.params.settings)
+        extraction = settings.extraction
         api = load(ApiCompatReport, snakemake.input.api_compat)
         canary = load(CanaryReport, snakemake.input.canary)
         if not api.passed or not canary.passed:
@@ -615,18 +618,18 @@ def main(snakemake: Any) -> None:
         manifest = extract_replica(
             prepared_dir=Path(snakemake.input.prepared),
             replica=replica,
-            replicas=extraction["replicas"],
+            replicas=extraction.replicas,
             files_dir=Path(snakemake.params.files_dir),
             scratch_dir=Path(snakemake.params.scratch_dir),
             progress_path=Path(snakemake.params.progress),
-            server_spec_factory=server_spec_factory(config, api, str(snakemake.input.target)),
+            server_spec_factory=server_spec_factory(settings, api, str(snakemake.input.target)),
             server_log=Path(snakemake.log[0]),
             layer_count=len(api.layer_ids),
             hidden_size=api.target.hidden_size,
             settings=client_settings(extraction),
-            disk_margin=extraction["disk_margin"],
-            available_bytes_override=extraction["available_bytes_override"],
-            probe_samples=extraction["greedy_probe_samples"],
+            disk_margin=extraction.disk_margin,
+            available_bytes_override=extraction.available_bytes_override,
+            probe_samples=extraction.greedy_probe_samples,
         )
         log.info(
             "replica %d: %d extracted, %d reused, %s written, %.0f tok/s",

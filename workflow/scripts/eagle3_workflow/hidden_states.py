@@ -12,6 +12,7 @@ which is post-norm). EAGLE-3 uses [2, N//2, N-3] as draft input plus N as the ve
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ def eagle3_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3, num_layers]
 
 
-def resolve_layer_ids(num_layers: int, configured: list[int] | None) -> list[int]:
+def resolve_layer_ids(num_layers: int, configured: Sequence[int] | None) -> list[int]:
     """The configured ids, or EAGLE-3's default; raises ValueError naming the problem."""
     ids = list(configured) if configured else eagle3_layer_ids(num_layers)
     problems = []

@@ -5,7 +5,7 @@ README.md generated from the run's artefacts: target, data and its size, trainin
 untrained, the `vllm serve` command that uses the draft, provenance. It runs after evaluate_draft because the card
 quotes the measured acceptance; draft/ itself stays untouched (evaluate_draft and a rerun read it).
 
-render_model_card() is pure (artefact models in, Markdown out); package_draft() is the thin file adapter.
+render_model_card() is pure (the stage's settings and artefact models in, Markdown out); package_draft() is the thin file adapter.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from eagle3_workflow.artefacts import (
 )
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import published_directory
+from eagle3_workflow.settings import PackageDraftStage
 from eagle3_workflow.smollm2 import BUILD_RECORD
 
 CARD_NAME = "README.md"
@@ -38,10 +39,9 @@ CARD_NAME = "README.md"
 
 @dataclasses.dataclass
 class CardInputs:
-    """Everything the card says, as read from the run's artefacts."""
+    """Everything the card says: the stage's settings and the run's artefacts."""
 
-    run: str
-    config: dict[str, Any]  # the sections target, regenerate, train, evaluate, vllm of the resolved config
+    settings: PackageDraftStage  # the run's name and the sections target, regenerate, train, evaluate, vllm
     target: TargetInfo  # checks/api_compat.json "target"
     manifest: DataManifest  # data/manifest.json
     training: TrainingSummary  # draft/training.json
@@ -69,9 +69,9 @@ def serve_command(target_path: str, draft_ref: str, num_speculative_tokens: int)
 
 
 def _target_section(inputs: CardInputs) -> list[str]:
-    target, cfg = inputs.target, inputs.config.get("target", {})
-    build = cfg.get("build") or {}
-    origin = cfg.get("path") or (f"built by the workflow (target.build.kind: {build.get('kind')})" if build else "n/a")
+    target, cfg = inputs.target, inputs.settings.target
+    build = cfg.build
+    origin = cfg.path or (f"built by the workflow (target.build.kind: {build.kind})" if build else "n/a")
     return [
         "## Target",
         "",
@@ -79,7 +79,7 @@ def _target_section(inputs: CardInputs) -> list[str]:
         *([f"- built from: {inputs.built_from}"] if inputs.built_from else []),
         f"- architecture: {target.architecture}, {_fmt(target.num_layers)} layers, hidden "
         f"{_fmt(target.hidden_size)}, vocabulary {_fmt(target.vocab_size)}, "
-        f"dtype {cfg.get('dtype', 'n/a')}",
+        f"dtype {cfg.dtype}",
         f"- hidden states captured at vLLM layer ids {inputs.training.target_layer_ids}",
         "",
     ]
@@ -96,12 +96,12 @@ def _data_section(inputs: CardInputs) -> list[str]:
         f"them assistant tokens (trained on); max sequence length {_fmt(manifest.max_seq_len)}",
         f"- sources: {', '.join(f'`{s}`' for s in manifest.sources) or 'n/a'}",
     ]
-    if regen is not None or inputs.config.get("regenerate", {}).get("enabled"):
-        settings = inputs.config.get("regenerate", {})
+    settings = inputs.settings.regenerate
+    if regen is not None or settings.enabled:
         lines.append(
             "- self-distilled: the target answered the prompts itself (greedy at temperature "
-            f"{settings.get('temperature', 'n/a')}, up to {settings.get('max_tokens', 'n/a')} tokens), prompt files "
-            f"{settings.get('prompt_files', [])} plus {settings.get('magpie_prompts', 0)} Magpie user turns asked of "
+            f"{settings.temperature}, up to {settings.max_tokens} tokens), prompt files "
+            f"{list(settings.prompt_files)} plus {settings.magpie_prompts} Magpie user turns asked of "
             "the target"
         )
         if regen is not None:
@@ -111,7 +111,7 @@ def _data_section(inputs: CardInputs) -> list[str]:
 
 
 def _training_section(inputs: CardInputs) -> list[str]:
-    training, train_cfg = inputs.training, inputs.config.get("train", {})
+    training, train_cfg = inputs.training, inputs.settings.train
     return [
         "## Training",
         "",
@@ -119,15 +119,14 @@ def _training_section(inputs: CardInputs) -> list[str]:
         "|---|---|",
         f"| trainer | speculators {_fmt(inputs.provenance.packages.get('speculators'))} (its `cli.main`), "
         f"{training.device}, {_fmt(training.processes)} process(es) |",
-        f"| draft | EAGLE-3, {train_cfg.get('draft_layers', 'n/a')} decoder layer(s), "
-        f"{train_cfg.get('ttt_steps', 'n/a')} TTT steps |",
+        f"| draft | EAGLE-3, {train_cfg.draft_layers} decoder layer(s), {train_cfg.ttt_steps} TTT steps |",
         f"| draft vocabulary | {_fmt(training.draft_vocab_size)} tokens |",
-        f"| optimizer, lr | {train_cfg.get('optimizer', 'n/a')}, {train_cfg.get('lr', 'n/a')} |",
+        f"| optimizer, lr | {train_cfg.optimizer}, {train_cfg.lr} |",
         f"| epochs, steps | {_fmt(training.epochs)}, {_fmt(training.steps)} |",
-        f"| packed sequence length | {_fmt(train_cfg.get('total_seq_len'))} |",
+        f"| packed sequence length | {_fmt(train_cfg.total_seq_len)} |",
         f"| final loss train / validation | {_fmt(training.final_train_loss)} / {_fmt(training.final_val_loss)} |",
         f"| final validation accuracy per position | {training.final_val_full_acc} |",
-        f"| extra trainer arguments | {train_cfg.get('extra_args') or 'none'} |",
+        f"| extra trainer arguments | {list(train_cfg.extra_args) or 'none'} |",
         "",
     ]
 
@@ -174,7 +173,7 @@ def _provenance_section(inputs: CardInputs) -> list[str]:
         "## Provenance",
         "",
         f"- workflow commit `{prov.git_commit}`{dirty}, "
-        f"run `{inputs.run}`, host {prov.host}, accelerators {prov.accelerators or 'none'}",
+        f"run `{inputs.settings.run}`, host {prov.host}, accelerators {prov.accelerators or 'none'}",
         f"- packages: {', '.join(f'{k} {v}' for k, v in sorted(prov.packages.items())) or 'n/a'}",
         f"- training command: `{' '.join(inputs.training.command) or 'n/a'}`",
         "",
@@ -189,9 +188,9 @@ def render_model_card(inputs: CardInputs) -> str:
     """The README.md of the published draft (Markdown), from the run's artefacts only."""
     acc = inputs.acceptance
     k = acc.num_speculative_tokens
-    target_path = inputs.target.path or inputs.config.get("target", {}).get("path") or "<target>"
+    target_path = inputs.target.path or inputs.settings.target.path or "<target>"
     header = [
-        f"# EAGLE-3 draft for `{Path(str(target_path)).name}` (run `{inputs.run}`)",
+        f"# EAGLE-3 draft for `{Path(str(target_path)).name}` (run `{inputs.settings.run}`)",
         "",
         f"A speculative-decoding draft model (EAGLE-3, speculators format) for the target below, trained by the "
         f"gated EAGLE-3 workflow. Mean acceptance length {_fmt(acc.trained.mean_acceptance_length)} at k = {k} on "
@@ -234,7 +233,7 @@ def _link_or_copy(source: Path, dest: Path) -> None:
         shutil.copy2(source, dest)
 
 
-def package_draft(paths: dict[str, Path], config: dict[str, Any], run: str, out_dir: Path) -> Path:
+def package_draft(paths: dict[str, Path], settings: PackageDraftStage, out_dir: Path) -> Path:
     """Publish draft/ + README.md into out_dir, all or nothing. paths: draft, acceptance, manifest, api_compat,
     provenance, and optionally target (the model directory) and regenerated (the regeneration stats)."""
     draft = Path(paths["draft"])
@@ -245,7 +244,7 @@ def package_draft(paths: dict[str, Path], config: dict[str, Any], run: str, out_
         raise StageError(f"{draft} has no config.json: not a published draft; rerun train_draft")
     regenerated = paths.get("regenerated")
     inputs = CardInputs(
-        run=run, config=config, target=load(ApiCompatReport, paths["api_compat"]).target,
+        settings=settings, target=load(ApiCompatReport, paths["api_compat"]).target,
         manifest=load(DataManifest, paths["manifest"]), training=load(TrainingSummary, draft / "training.json"),
         acceptance=load(AcceptanceReport, paths["acceptance"]), provenance=load(Provenance, paths["provenance"]),
         draft_files={p.name: sha256_of(p) for p in files},
@@ -261,11 +260,12 @@ def package_draft(paths: dict[str, Path], config: dict[str, Any], run: str, out_
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.settings import stage_settings
 
     def body(log) -> None:
         paths = {name: Path(value) for name, value in snakemake.input.items()}
-        config = {k: v for k, v in snakemake.params.settings.items() if k != "run"}
-        out_dir = package_draft(paths, config, snakemake.params.settings["run"], Path(snakemake.output.published))
+        settings = stage_settings(PackageDraftStage, snakemake.params.settings)
+        out_dir = package_draft(paths, settings, Path(snakemake.output.published))
         log.info("published draft: %s (%s)", out_dir, ", ".join(sorted(p.name for p in out_dir.iterdir())))
 
     run_stage("package_draft", snakemake.log[0], body)

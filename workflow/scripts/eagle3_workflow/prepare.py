@@ -20,6 +20,7 @@ from typing import Any
 from eagle3_workflow.artefacts import DataManifest, write
 from eagle3_workflow.chat import TemplateError, load_chat_tokenizer, normalize_messages, tokenize_conversation
 from eagle3_workflow.errors import StageError, render_table
+from eagle3_workflow.settings import DataPreparation, PrepareDataStage, stage_settings
 
 log = logging.getLogger("eagle3.prepare")
 
@@ -216,22 +217,14 @@ def bad_record_table(bad: list[BadRecord]) -> str:
 
 
 def prepare_conversations(
-    sources: list[tuple[Path, str]],
-    tokenizer: Any,
-    *,
-    max_seq_len: int,
-    overlength: str = "truncate",
-    on_bad_record: str = "fail",
-    min_assistant_tokens: int = 1,
-    max_samples: int | None = None,
-    seed: int = 0,
+    sources: list[tuple[Path, str]], tokenizer: Any, settings: DataPreparation
 ) -> PreparationResult:
     """Parse, render, mask and length-filter every record. Pure: no files are written.
 
     Every record read ends under exactly one outcome: kept, or one reason in `dropped`; `truncated` counts
     the kept records that were cut at max_seq_len.
     """
-    policy = LengthPolicy(max_seq_len, overlength, min_assistant_tokens)
+    policy = LengthPolicy(settings.max_seq_len, settings.overlength, settings.min_assistant_tokens)
     kept: list[PreparedSample] = []
     bad: list[BadRecord] = []
     dropped: collections.Counter[str] = collections.Counter()
@@ -253,7 +246,7 @@ def prepare_conversations(
             )
         records_read += read_here
 
-    if bad and on_bad_record == "fail":
+    if bad and settings.on_bad_record == "fail":
         raise StageError(
             f"{len(bad)} bad record(s) in the input data:\n{bad_record_table(bad)}\n"
             "Fix the records, or set data.on_bad_record: skip to drop them (they are then counted in "
@@ -268,8 +261,9 @@ def prepare_conversations(
             f"no record survived preparation ({records_read} read; dropped by reason: {dict(dropped)}). "
             f"Check data.sources, the record format, data.max_seq_len and the tokenizer's chat template.{table}"
         )
-    rng = random.Random(seed)
+    rng = random.Random(settings.seed)
     rng.shuffle(kept)  # speculators splits train/validation by position: shuffle before that
+    max_samples = settings.max_samples
     if max_samples is not None and len(kept) > max_samples:
         dropped["max_samples"] += len(kept) - max_samples
         kept = kept[:max_samples]
@@ -335,27 +329,15 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
 
     def body(log: logging.Logger) -> None:
-        settings = snakemake.params.settings
-        cfg = settings["data"]
-        tokenizer = load_chat_tokenizer(
-            snakemake.input.target, trust_remote_code=settings["target"]["trust_remote_code"]
-        )
+        settings = stage_settings(PrepareDataStage, snakemake.params.settings)
+        tokenizer = load_chat_tokenizer(snakemake.input.target, trust_remote_code=settings.target.trust_remote_code)
         sources = [(Path(p), fmt) for p, fmt in zip(snakemake.input.sources, snakemake.params.formats, strict=True)]
-        result = prepare_conversations(
-            sources,
-            tokenizer,
-            max_seq_len=cfg["max_seq_len"],
-            overlength=cfg["overlength"],
-            on_bad_record=cfg["on_bad_record"],
-            min_assistant_tokens=cfg["min_assistant_tokens"],
-            max_samples=cfg["max_samples"],
-            seed=cfg["seed"],
-        )
+        result = prepare_conversations(sources, tokenizer, settings.data)
         prepared_dir = Path(snakemake.output.prepared)
         token_freq_path = Path(snakemake.output.token_freq)
         write_prepared(result, prepared_dir, token_freq_path)
         manifest = build_manifest(
-            result, [str(p) for p, _ in sources], cfg["max_seq_len"], prepared_dir, token_freq_path
+            result, [str(p) for p, _ in sources], settings.data.max_seq_len, prepared_dir, token_freq_path
         )
         for b in result.bad_records[:MAX_REPORTED_BAD]:
             log.warning("skipped %s: %s (%s)", b.where(), b.reason, b.detail)

@@ -201,7 +201,7 @@ def greedy_answer(
     return GreedyAnswer(question=question, answer=answer, expected=expected, passed=expected.lower() in answer.lower())
 
 
-def build_smollm2_target(out_dir: Path, *, gguf_path: Path | None = None, dtype: str = "bfloat16") -> SmolLM2Build:
+def build_smollm2_target(out_dir: Path, *, gguf_path: Path | None, dtype: str) -> SmolLM2Build:
     """Convert, verify, and record. The directory is complete only when this returns (see main)."""
     gguf_path = gguf_path or locate_gguf()
     source = gguf_identity(gguf_path)
@@ -249,13 +249,13 @@ def build_smollm2_target(out_dir: Path, *, gguf_path: Path | None = None, dtype:
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.settings import BuildSmollm2TargetStage, stage_settings
 
     def body(log: logging.Logger) -> None:
         out_dir = Path(snakemake.output.target)
+        dtype = stage_settings(BuildSmollm2TargetStage, snakemake.params.settings).target.dtype
         try:
-            record = build_smollm2_target(
-                out_dir, gguf_path=Path(snakemake.input.gguf), dtype=snakemake.params.settings["target"]["dtype"]
-            )
+            record = build_smollm2_target(out_dir, gguf_path=Path(snakemake.input.gguf), dtype=dtype)
         except BaseException:
             # a half-written model directory must not look like a target to a later, manual run
             shutil.rmtree(out_dir, ignore_errors=True)

@@ -10,6 +10,7 @@ the prompt. Writes checks/target_sanity.json; `regenerate_responses` takes it as
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 from eagle3_workflow.artefacts import SanityAnswer, TargetSanityReport, write
 from eagle3_workflow.chat import assistant_stop_set, load_chat_tokenizer
 from eagle3_workflow.errors import StageError, render_table
+from eagle3_workflow.settings import CheckTargetStage, stage_settings
 
 log = logging.getLogger("eagle3.check_target")
 
@@ -97,41 +99,27 @@ def ask(
     return choice["message"].get("content") or "", choice.get("finish_reason")
 
 
-def server_spec(config: dict[str, Any], target: str, device: str) -> Any:
+def server_spec(settings: CheckTargetStage, target: str, device: str) -> Any:
     """A plain server (no speculative config): the target as regeneration serves it, kept small on CPU."""
-    from eagle3_workflow.vllm_server import ServerSpec
+    from eagle3_workflow.vllm_server import target_server_spec
 
-    vllm_cfg = config["vllm"]
-    return ServerSpec(
-        model=target,
-        device=device,
-        tensor_parallel_size=config["extraction"]["tensor_parallel_size"] if device == "cuda" else 1,
-        dtype=config["target"]["dtype"],
-        max_model_len=vllm_cfg["max_model_len"],
-        max_num_seqs=len(SANITY_PROMPTS),
-        enforce_eager=vllm_cfg["enforce_eager"],
-        kv_cache_memory_bytes=vllm_cfg["kv_cache_memory_bytes"],
-        gpu_memory_utilization=vllm_cfg["gpu_memory_utilization"],
-        trust_remote_code=config["target"]["trust_remote_code"],
-        cpu_threads=vllm_cfg["cpu_threads"],
-        extra_args=list(vllm_cfg["extra_args"]),
-        ready_timeout_s=vllm_cfg["ready_timeout_s"],
-    )
+    spec = target_server_spec(settings, model=target, device=device)
+    return dataclasses.replace(spec, max_num_seqs=len(SANITY_PROMPTS))
 
 
-def check_target(config: dict[str, Any], target: str, device: str, log_path: str | Path) -> TargetSanityReport:
+def check_target(settings: CheckTargetStage, target: str, device: str, log_path: str | Path) -> TargetSanityReport:
     from eagle3_workflow.vllm_server import VLLMServer
 
-    settings = config["target_check"]
-    tokenizer = load_chat_tokenizer(target, trust_remote_code=config["target"]["trust_remote_code"])
+    questions = settings.target_check
+    tokenizer = load_chat_tokenizer(target, trust_remote_code=settings.target.trust_remote_code)
     stop = assistant_stop_set(tokenizer)
     answers = []
-    with VLLMServer(server_spec(config, target, device), log_path) as server:
+    with VLLMServer(server_spec(settings, target, device), log_path) as server:
         for prompt in SANITY_PROMPTS:
-            text, finish = ask(server, prompt, settings["max_tokens"], stop.token_ids, settings["request_timeout_s"])
+            text, finish = ask(server, prompt, questions.max_tokens, stop.token_ids, questions.request_timeout_s)
             log.info("asked %r; answer %r (%s)", prompt, text[:200], finish)
             answers.append((prompt, text, finish))
-    return judge(target, settings["max_tokens"], stop.token_ids, answers)
+    return judge(target, questions.max_tokens, stop.token_ids, answers)
 
 
 def main(snakemake: Any) -> None:
@@ -139,9 +127,9 @@ def main(snakemake: Any) -> None:
     from eagle3_workflow.vllm_server import resolve_device
 
     def body(log: logging.Logger) -> None:
-        config = snakemake.params.settings
-        device = resolve_device(config["vllm"]["device"])
-        report = check_target(config, str(snakemake.input.target), device, snakemake.log[0])
+        settings = stage_settings(CheckTargetStage, snakemake.params.settings)
+        device = resolve_device(settings.vllm.device)
+        report = check_target(settings, str(snakemake.input.target), device, snakemake.log[0])
         if not report.passed:
             raise StageError(failure_message(report))
         log.info("the target answers its chat template sensibly (%d questions)", len(report.answers))

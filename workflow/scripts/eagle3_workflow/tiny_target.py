@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.files import share_as_umask_allows
+from eagle3_workflow.settings import TinyShape
 
 log = logging.getLogger("eagle3.tiny_target")
 
@@ -98,28 +99,20 @@ def model_config(
     raise ValueError(f"unknown tiny target architecture {arch!r}; choose llama, qwen3 or deepseek_v3")
 
 
-def build_tiny_target(
-    out_dir: Path,
-    corpus_files: list[Path],
-    *,
-    arch: str = "llama",
-    num_layers: int = 4,
-    hidden_size: int = 64,
-    head_dim: int = 32,
-    vocab_size: int = 1024,
-    seed: int = 0,
-) -> Path:
+def build_tiny_target(out_dir: Path, corpus_files: list[Path], shape: TinyShape) -> Path:
+    """A random-weight target of `shape` (target.build) with a tokenizer trained on `corpus_files`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    tokenizer = build_tokenizer(corpus_files, vocab_size)
+    arch, num_layers, hidden_size = shape.arch, shape.num_layers, shape.hidden_size
+    torch.manual_seed(shape.seed)
+    tokenizer = build_tokenizer(corpus_files, shape.vocab_size)
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|begin_of_text|>", "<|im_end|>", "<|pad|>")}
     cfg = model_config(
         arch,
         num_layers=num_layers,
         hidden_size=hidden_size,
-        head_dim=head_dim,
+        head_dim=shape.head_dim,
         vocab_size=len(tokenizer),
         bos=ids["<|begin_of_text|>"],
         eos=ids["<|im_end|>"],
@@ -149,18 +142,12 @@ def build_tiny_target(
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.settings import BuildTinyTargetStage, stage_settings
 
     def body(log: logging.Logger) -> None:
-        build = snakemake.params.settings["target"]["build"]
+        settings = stage_settings(BuildTinyTargetStage, snakemake.params.settings)
         build_tiny_target(
-            Path(snakemake.output.target),
-            [Path(p) for p in snakemake.input.corpus],
-            arch=build["arch"],
-            num_layers=build["num_layers"],
-            hidden_size=build["hidden_size"],
-            head_dim=build["head_dim"],
-            vocab_size=build["vocab_size"],
-            seed=build["seed"],
+            Path(snakemake.output.target), [Path(p) for p in snakemake.input.corpus], settings.target.build
         )
 
     run_stage("build_tiny_target", snakemake.log[0], body)

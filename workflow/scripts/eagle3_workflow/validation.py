@@ -162,10 +162,11 @@ def failure_message(report: ValidationReport, max_bad_samples: int) -> str:
 def main(snakemake: Any) -> None:
     from eagle3_workflow.extraction import load_prepared_input_ids
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.settings import ValidateHiddenStatesStage, stage_settings
 
     def body(log: logging.Logger) -> None:
         api = load(ApiCompatReport, snakemake.input.api_compat)
-        max_bad = snakemake.params.settings["validation"]["max_bad_samples"]
+        max_bad = stage_settings(ValidateHiddenStatesStage, snakemake.params.settings).validation.max_bad_samples
         report = validate_files(
             load_prepared_input_ids(snakemake.input.prepared),
             Path(snakemake.params.files_dir),

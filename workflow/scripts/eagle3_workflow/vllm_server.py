@@ -21,13 +21,22 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, strip_log_prefixes
+from eagle3_workflow.settings import ServingStage, VllmSettings
 
-__all__ = ["ServerFailure", "ServerSpec", "VLLMServer", "first_traceback", "hidden_states_server_spec"]
+__all__ = [
+    "ServerFailure",
+    "ServerSpec",
+    "VLLMServer",
+    "first_traceback",
+    "hidden_states_server_spec",
+    "target_server_spec",
+]
 
 log = logging.getLogger("eagle3.vllm_server")
 
@@ -72,57 +81,67 @@ def free_port() -> int:
 
 @dataclasses.dataclass
 class ServerSpec:
-    """Everything that decides how vLLM is started. Built by a pure function from the config."""
+    """Everything that decides how vLLM is started. Built from a stage's settings by target_server_spec (the
+    sizes come from the config: no default here)."""
 
     model: str
     device: str
-    tensor_parallel_size: int = 1
-    dtype: str = "bfloat16"
-    max_model_len: int = 4096
-    max_num_seqs: int = 64
-    enforce_eager: bool = False
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.85
-    trust_remote_code: bool = False
-    cpu_threads: int | None = None
+    tensor_parallel_size: int
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    enforce_eager: bool
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    trust_remote_code: bool
+    cpu_threads: int | None
+    extra_args: list[str]
+    ready_timeout_s: float
     speculative_config: dict[str, Any] | None = None
     kv_transfer_config: dict[str, Any] | None = None
     enable_render_endpoint: bool = False
     served_model_name: str = "target"
-    extra_args: list[str] = dataclasses.field(default_factory=list)
-    ready_timeout_s: float = 1800.0
+
+
+def target_server_spec(settings: ServingStage, *, model: str, device: str) -> ServerSpec:
+    """A plain server of `model` (the target, or the canary's slice of it) as the stage's vllm, target and
+    extraction settings size it: extraction.tensor_parallel_size on CUDA, 1 elsewhere."""
+    vllm = settings.vllm
+    return ServerSpec(
+        model=model,
+        device=device,
+        tensor_parallel_size=settings.extraction.tensor_parallel_size if device == "cuda" else 1,
+        dtype=settings.target.dtype,
+        max_model_len=vllm.max_model_len,
+        max_num_seqs=vllm.max_num_seqs,
+        enforce_eager=vllm.enforce_eager,
+        kv_cache_memory_bytes=vllm.kv_cache_memory_bytes,
+        gpu_memory_utilization=vllm.gpu_memory_utilization,
+        trust_remote_code=settings.target.trust_remote_code,
+        cpu_threads=vllm.cpu_threads,
+        extra_args=list(vllm.extra_args),
+        ready_timeout_s=vllm.ready_timeout_s,
+    )
 
 
 def hidden_states_server_spec(
-    vllm_settings: dict[str, Any],
+    settings: ServingStage,
     *,
     model: str,
-    layer_ids: list[int],
+    layer_ids: Sequence[int],
     storage_dir: str,
     device: str,
-    tensor_parallel_size: int,
-    trust_remote_code: bool,
-    dtype: str = "bfloat16",
-    enable_render_endpoint: bool = True,
+    enable_render_endpoint: bool,
 ) -> ServerSpec:
-    """The extraction server, exactly as canary and extraction both start it."""
+    """The extraction server of a run: the canary calls this with its slice and ids, extraction with the target and
+    production's ids, so both start the same server."""
     if device == "cpu":
         kv_transfer = {"kv_connector": CPU_CONNECTOR, "kv_connector_module_path": CPU_CONNECTOR_MODULE}
     else:
         kv_transfer = {"kv_connector": GPU_CONNECTOR}
     kv_transfer |= {"kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": storage_dir}}
-    return ServerSpec(
-        model=model,
-        device=device,
-        tensor_parallel_size=tensor_parallel_size,
-        dtype=dtype,
-        max_model_len=vllm_settings["max_model_len"],
-        max_num_seqs=vllm_settings["max_num_seqs"],
-        enforce_eager=vllm_settings["enforce_eager"],
-        kv_cache_memory_bytes=vllm_settings["kv_cache_memory_bytes"],
-        gpu_memory_utilization=vllm_settings["gpu_memory_utilization"],
-        trust_remote_code=trust_remote_code,
-        cpu_threads=vllm_settings["cpu_threads"],
+    return dataclasses.replace(
+        target_server_spec(settings, model=model, device=device),
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -130,37 +149,11 @@ def hidden_states_server_spec(
         },
         kv_transfer_config=kv_transfer,
         enable_render_endpoint=enable_render_endpoint,
-        extra_args=list(vllm_settings["extra_args"]),
-        ready_timeout_s=vllm_settings["ready_timeout_s"],
-    )
-
-
-def run_server_spec(
-    config: dict[str, Any],
-    *,
-    device: str,
-    model: str,
-    layer_ids: list[int],
-    storage_dir: str,
-    enable_render_endpoint: bool,
-) -> ServerSpec:
-    """The extraction server of a run (its `vllm`, `target` and `extraction` settings): the canary calls this with
-    its slice and ids, extraction with the target and production's ids, so both start the same server."""
-    return hidden_states_server_spec(
-        config["vllm"],
-        model=model,
-        layer_ids=layer_ids,
-        storage_dir=storage_dir,
-        device=device,
-        tensor_parallel_size=config["extraction"]["tensor_parallel_size"] if device == "cuda" else 1,
-        trust_remote_code=config["target"]["trust_remote_code"],
-        dtype=config["target"]["dtype"],
-        enable_render_endpoint=enable_render_endpoint,
     )
 
 
 def offline_engine_kwargs(
-    vllm_settings: dict[str, Any],
+    vllm: VllmSettings,
     *,
     model: str,
     dtype: str,
@@ -177,15 +170,15 @@ def offline_engine_kwargs(
         "dtype": dtype,
         "trust_remote_code": trust_remote_code,
         "seed": seed,
-        "max_model_len": vllm_settings["max_model_len"],
-        "max_num_seqs": vllm_settings["max_num_seqs"],
-        "enforce_eager": vllm_settings["enforce_eager"],
+        "max_model_len": vllm.max_model_len,
+        "max_num_seqs": vllm.max_num_seqs,
+        "enforce_eager": vllm.enforce_eager,
         "tensor_parallel_size": tensor_parallel_size,
     }
-    if vllm_settings.get("kv_cache_memory_bytes"):
-        kwargs["kv_cache_memory_bytes"] = vllm_settings["kv_cache_memory_bytes"]
+    if vllm.kv_cache_memory_bytes:
+        kwargs["kv_cache_memory_bytes"] = vllm.kv_cache_memory_bytes
     elif device != "cpu":
-        kwargs["gpu_memory_utilization"] = vllm_settings["gpu_memory_utilization"]
+        kwargs["gpu_memory_utilization"] = vllm.gpu_memory_utilization
     return kwargs
 
 

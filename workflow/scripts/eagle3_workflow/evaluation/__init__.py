@@ -3,7 +3,6 @@ same shape as the baseline; acceptance from vLLM's own spec-decode counters, tok
 speculation, and a lossless check (greedy output with speculation == greedy output without).
 
 Which module owns what (pure modules import no vllm, torch or subprocess at module level):
-- ``settings``  the `evaluate` config section (EvaluationSettings).
 - ``prompts``   the prompt sets (heldout, humaneval, file), rendered with the chat template to token ids (pure).
 - ``metrics``   acceptance from the spec-decode counters, one run's AcceptanceResult, the summary table (pure).
 - ``lossless``  the greedy comparison, its first divergences and the failure message with their table (pure).
@@ -12,6 +11,7 @@ Which module owns what (pure modules import no vllm, torch or subprocess at modu
 - ``launch``    the stage's side of a measurement process: engine kwargs, environment, ChildProcess.
 - ``measure``   the measurement process itself, the package's only ``-m`` entry; the only module importing vLLM.
 - ``stage``     evaluate_draft (the orchestration) and the Snakemake adapter ``main(snakemake)``.
+Its settings are eagle3_workflow.settings.EvaluateDraftStage (the `evaluate` section as EvaluationSettings).
 
 Measurement. Each engine first generates a few tokens (warm-up, excluded); the spec-decode counters are read
 before and after the measured pass and subtracted. Greedy decoding (temperature 0), the top-5 logprobs of every

@@ -14,6 +14,7 @@ from typing import Any
 from eagle3_workflow.artefacts import load, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.protocol import LOG_PREFIX, MeasurementResult, MeasurementSpec
+from eagle3_workflow.settings import VllmSettings
 from eagle3_workflow.vllm_server import offline_engine_kwargs
 
 log = logging.getLogger("eagle3.evaluation")
@@ -22,7 +23,7 @@ TAIL_LINES = 60
 
 
 def measurement_engine_kwargs(
-    vllm_settings: dict[str, Any],
+    vllm_settings: VllmSettings,
     *,
     target: str,
     dtype: str,

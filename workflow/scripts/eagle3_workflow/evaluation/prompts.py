@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.evaluation.settings import EvaluationSettings
+from eagle3_workflow.settings import EvaluationSettings
 
 
 def heldout_rows(num_rows: int, train_data_ratio: float) -> range:

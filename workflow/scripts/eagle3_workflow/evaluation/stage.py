@@ -45,7 +45,7 @@ from eagle3_workflow.evaluation.protocol import (
     RunResult,
     eagle3_run,
 )
-from eagle3_workflow.evaluation.settings import EvaluationSettings
+from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
 
 log = logging.getLogger("eagle3.evaluation")
 
@@ -62,16 +62,12 @@ class Measured:
 
 
 def evaluate_draft(
+    stage: EvaluateDraftStage,
     *,
     target: Path,
     draft: Path,
     prepared: Path,
     work_dir: Path,
-    settings: EvaluationSettings,
-    vllm_settings: dict[str, Any],
-    train_data_ratio: float,
-    dtype: str = "bfloat16",
-    trust_remote_code: bool = False,
     log_path: str | Path | None = None,
 ) -> AcceptanceReport:
     """Measure the trained and an untrained draft against no speculation; raise StageError if not lossless."""
@@ -79,11 +75,13 @@ def evaluate_draft(
 
     from eagle3_workflow.vllm_server import resolve_device
 
+    settings, vllm_settings = stage.evaluate, stage.vllm
+    dtype, trust_remote_code = stage.target.dtype, stage.target.trust_remote_code
     check_eagle3_draft(draft)
-    device = resolve_device(vllm_settings["device"])
+    device = resolve_device(vllm_settings.device)
     tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
-    prompt_set = load_prompts(settings, tokenizer, prepared_dir=prepared, train_data_ratio=train_data_ratio,
-                              max_model_len=vllm_settings["max_model_len"])  # fmt: skip
+    prompt_set = load_prompts(settings, tokenizer, prepared_dir=prepared, train_data_ratio=stage.train.train_data_ratio,
+                              max_model_len=vllm_settings.max_model_len)  # fmt: skip
     log.info("%d evaluation prompts from %s", len(prompt_set.prompts), prompt_set.detail)
     stop = assistant_stop_set(tokenizer)
     log.info("answers stop at token ids %s, strings %s", stop.token_ids, stop.strings)
@@ -132,7 +130,7 @@ def measure_runs(
     prompt_set: PromptSet,
     stop: StopSet,
     settings: EvaluationSettings,
-    vllm_settings: dict[str, Any],
+    vllm_settings: VllmSettings,
     device: str,
     work_dir: Path,
     log_path: str | Path | None,
@@ -140,7 +138,7 @@ def measure_runs(
     """All runs in one measurement process, or one process per run (`evaluate.isolate_runs`; default: on GPU)."""
     isolate = settings.isolate_runs if settings.isolate_runs is not None else device != "cpu"
     groups = [[run] for run in runs] if isolate else [runs]
-    env = measurement_environment(device=device, cpu_threads=vllm_settings.get("cpu_threads"),
+    env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
                                   in_process=settings.tensor_parallel_size == 1)  # fmt: skip
     measured = Measured(by_label={}, processes=[])
     for i, group in enumerate(groups):
@@ -149,7 +147,7 @@ def measure_runs(
                                stop_token_ids=stop.token_ids, stop=stop.strings)  # fmt: skip
         result, wall_s = run_measurement_process(spec, work_dir, f"measure_{i}", env=env, log_path=log_path,
                                                  timeout_s=settings.timeout_s,
-                                                 stall_timeout_s=vllm_settings["stall_timeout_s"])  # fmt: skip
+                                                 stall_timeout_s=vllm_settings.stall_timeout_s)  # fmt: skip
         measured.vllm_version = result.vllm_version
         measured.by_label.update({r.label: r for r in result.runs})
         measured.processes.append(
@@ -253,7 +251,7 @@ def report_notes(
     *,
     settings: EvaluationSettings,
     device: str,
-    vllm_settings: dict[str, Any],
+    vllm_settings: VllmSettings,
 ) -> list[str]:
     """What a reader of the numbers must know: tolerated near-ties, a draft that does not beat its baseline,
     CPU timing, server flags that an offline engine does not take."""
@@ -275,8 +273,8 @@ def report_notes(
             + ", ".join(str(p.load_1m) for p in measured.processes)
             + "): indicative only; acceptance does not depend on timing"
         )
-    if vllm_settings.get("extra_args"):
-        notes.append(f"vllm.extra_args {vllm_settings['extra_args']} are server flags and were not applied here")
+    if vllm_settings.extra_args:
+        notes.append(f"vllm.extra_args {list(vllm_settings.extra_args)} are server flags and were not applied here")
     return notes
 
 
@@ -286,23 +284,21 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        settings = snakemake.params.settings
+        settings = stage_settings(EvaluateDraftStage, snakemake.params.settings)
         # the prompt file as Snakemake resolved it (a relative path may name the copy shipped with the workflow)
         prompt_files = list(snakemake.input.get("prompt_file", []))
-        evaluate = settings["evaluate"] | ({"prompt_file": prompt_files[0]} if prompt_files else {})
+        if prompt_files:
+            evaluate = settings.evaluate.model_copy(update={"prompt_file": prompt_files[0]})
+            settings = settings.model_copy(update={"evaluate": evaluate})
         api = load(ApiCompatReport, snakemake.input.api_compat)
         if not api.passed:
             raise StageError(f"{snakemake.input.api_compat} records failed API checks; rerun check_api and fix them")
         report = evaluate_draft(
+            settings,
             target=Path(snakemake.input.target),
             draft=Path(snakemake.input.draft),
             prepared=Path(snakemake.input.prepared),
             work_dir=Path(snakemake.params.work_dir),
-            settings=EvaluationSettings.from_config(evaluate),
-            vllm_settings=settings["vllm"],
-            train_data_ratio=settings["train"]["train_data_ratio"],
-            dtype=settings["target"]["dtype"],
-            trust_remote_code=settings["target"]["trust_remote_code"],
             log_path=snakemake.log[0],
         )
         write(snakemake.output.report, report)

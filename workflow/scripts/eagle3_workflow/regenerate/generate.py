@@ -36,6 +36,7 @@ from eagle3_workflow.regenerate.prompts import (
     read_prompt_file,
     to_sharegpt,
 )
+from eagle3_workflow.settings import RegenerateResponsesStage, RegenerateSettings, as_config, stage_settings
 from eagle3_workflow.vllm_server import offline_engine_kwargs
 
 log = logging.getLogger("eagle3.regenerate")
@@ -45,11 +46,13 @@ def regenerate(
     tokenizer: Any,
     generate: GenerateFn,
     prompt_files: Sequence[Path],
-    settings: dict[str, Any],
+    settings: RegenerateSettings,
+    *,
+    max_model_len: int,
 ) -> tuple[list[dict[str, Any]], RegenerationStats]:
     """Read, generate (Magpie), deduplicate and answer; returns the ShareGPT records and the stats.
 
-    `settings` is the config's regenerate section plus `max_model_len`. Pure apart from `generate`.
+    `settings`: the config's regenerate section; `max_model_len`: vllm's. Pure apart from `generate`.
     """
     prompts_read, prompts = _read_prompt_files(prompt_files)
     started = time.perf_counter()
@@ -57,19 +60,19 @@ def regenerate(
     prompts.extend(magpie.prompts)
     unique, duplicates = deduplicate(prompts)
     capped = 0
-    if settings.get("max_prompts") is not None and len(unique) > settings["max_prompts"]:
-        capped = len(unique) - settings["max_prompts"]
-        unique = unique[: settings["max_prompts"]]
+    if settings.max_prompts is not None and len(unique) > settings.max_prompts:
+        capped = len(unique) - settings.max_prompts
+        unique = unique[: settings.max_prompts]
     if not unique:
         raise StageError(
             f"no prompt to answer: {sum(prompts_read.values())} read from regenerate.prompt_files, "
-            f"{len(magpie.prompts)} of {settings['magpie_prompts']} Magpie prompts kept (dropped {magpie.dropped}). "
+            f"{len(magpie.prompts)} of {settings.magpie_prompts} Magpie prompts kept (dropped {magpie.dropped}). "
             "Give prompt files, or raise regenerate.magpie_prompts / magpie_max_tokens"
         )
     log.info(
         "answering %d unique prompts (%d duplicates dropped, %d over max_prompts)", len(unique), duplicates, capped
     )
-    answered, stop = _answer(tokenizer, unique, generate, settings)
+    answered, stop = _answer(tokenizer, unique, generate, settings, max_model_len)
     generate_s = time.perf_counter() - started
     if not answered.conversations:
         raise StageError(
@@ -77,7 +80,9 @@ def regenerate(
             f"{answered.too_long_dropped} longer than vllm.max_model_len - regenerate.max_tokens). Check the "
             "target (its eos/chat template) in the log, and vllm.max_model_len"
         )
-    stats = _stats(settings, prompts_read, magpie, magpie_prefix, answered, stop, generate_s)
+    # the stats record the section as the config gave it, plus the engine's length limit
+    recorded = as_config(settings) | {"max_model_len": max_model_len}
+    stats = _stats(recorded, prompts_read, magpie, magpie_prefix, answered, stop, generate_s)
     stats.duplicates_dropped, stats.capped_by_max_prompts = duplicates, capped
     records = [to_sharegpt(c, i) for i, c in enumerate(answered.conversations)]
     return records, stats
@@ -94,24 +99,26 @@ def _read_prompt_files(prompt_files: Sequence[Path]) -> tuple[dict[str, int], li
     return prompts_read, prompts
 
 
-def _magpie_prompts(tokenizer: Any, generate: GenerateFn, settings: dict[str, Any]) -> tuple[MagpieResult, str | None]:
+def _magpie_prompts(
+    tokenizer: Any, generate: GenerateFn, settings: RegenerateSettings
+) -> tuple[MagpieResult, str | None]:
     """The Magpie prompts the settings ask for (none when magpie_prompts is 0), and the prefix they came from."""
-    if settings["magpie_prompts"] <= 0:
+    if settings.magpie_prompts <= 0:
         return MagpieResult([], {}, 0), None
     magpie_prefix = user_turn_template(tokenizer).prefix
     magpie = generate_magpie_prompts(
         tokenizer,
         generate,
-        count=settings["magpie_prompts"],
-        max_tokens=settings["magpie_max_tokens"],
-        min_chars=settings["magpie_min_chars"],
-        temperature=settings["magpie_temperature"],
-        seed=settings["seed"],
+        count=settings.magpie_prompts,
+        max_tokens=settings.magpie_max_tokens,
+        min_chars=settings.magpie_min_chars,
+        temperature=settings.magpie_temperature,
+        seed=settings.seed,
     )
     log.info(
         "magpie: %d of %d generated user turns kept (dropped %s)",
         len(magpie.prompts),
-        settings["magpie_prompts"],
+        settings.magpie_prompts,
         magpie.dropped,
     )
     for prompt in magpie.prompts[:5]:
@@ -120,7 +127,11 @@ def _magpie_prompts(tokenizer: Any, generate: GenerateFn, settings: dict[str, An
 
 
 def _answer(
-    tokenizer: Any, unique: list[PromptConversation], generate: GenerateFn, settings: dict[str, Any]
+    tokenizer: Any,
+    unique: list[PromptConversation],
+    generate: GenerateFn,
+    settings: RegenerateSettings,
+    max_model_len: int,
 ) -> tuple[AnswerResult, StopSet]:
     """Answer every prompt, stopping each answer where the chat template ends an assistant turn."""
     stop = assistant_stop_set(tokenizer)
@@ -134,17 +145,17 @@ def _answer(
         tokenizer,
         unique,
         generate,
-        max_tokens=settings["max_tokens"],
-        max_model_len=settings["max_model_len"],
-        temperature=settings["temperature"],
-        seed=settings["seed"],
+        max_tokens=settings.max_tokens,
+        max_model_len=max_model_len,
+        temperature=settings.temperature,
+        seed=settings.seed,
         stop=stop,
     )
     return answered, stop
 
 
 def _stats(
-    settings: dict[str, Any],
+    recorded: dict[str, Any],
     prompts_read: dict[str, int],
     magpie: MagpieResult,
     magpie_prefix: str | None,
@@ -157,7 +168,7 @@ def _stats(
     return RegenerationStats(
         target="",
         prompts_read=prompts_read,
-        magpie_requested=settings["magpie_prompts"],
+        magpie_requested=recorded["magpie_prompts"],
         magpie_generated=len(magpie.prompts),
         magpie_dropped=magpie.dropped,
         magpie_prefix=magpie_prefix,
@@ -173,7 +184,7 @@ def _stats(
         engine_ready_s=0.0,
         generate_s=round(generate_s, 2),
         generated_tokens_per_s=round(generated_tokens / generate_s, 1) if generate_s > 0 else 0.0,
-        settings=dict(settings),
+        settings=recorded,
         stop_token_ids=stop.token_ids,
         stop_strings=stop.strings,
     )
@@ -188,16 +199,16 @@ def write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def regeneration_engine_kwargs(target: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """The regeneration engine from the config's target, vllm and extraction sections (served as in extraction)."""
+def regeneration_engine_kwargs(target: Path, settings: RegenerateResponsesStage) -> dict[str, Any]:
+    """The regeneration engine from the stage's target, vllm and extraction settings (served as in extraction)."""
     return offline_engine_kwargs(
-        config["vllm"],
+        settings.vllm,
         model=str(target),
-        dtype=config["target"]["dtype"],
-        trust_remote_code=config["target"]["trust_remote_code"],
-        seed=config["regenerate"]["seed"],
-        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
-        device=config["vllm"].get("device", "auto"),
+        dtype=settings.target.dtype,
+        trust_remote_code=settings.target.trust_remote_code,
+        seed=settings.regenerate.seed,
+        tensor_parallel_size=settings.extraction.tensor_parallel_size,
+        device=settings.vllm.device,
     )
 
 
@@ -250,19 +261,19 @@ def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
 
 
 def run_regeneration(
-    target: Path, prompt_files: Sequence[Path], output: Path, stats_path: Path, config: dict[str, Any]
+    target: Path, prompt_files: Sequence[Path], output: Path, stats_path: Path, settings: RegenerateResponsesStage
 ) -> RegenerationStats:
     """The subprocess's work: start vLLM on the target, regenerate, write both outputs atomically."""
     from eagle3_workflow.chat import load_chat_tokenizer
 
-    tokenizer = load_chat_tokenizer(target, trust_remote_code=config["target"]["trust_remote_code"])
-    if config["vllm"]["extra_args"]:
+    tokenizer = load_chat_tokenizer(target, trust_remote_code=settings.target.trust_remote_code)
+    if settings.vllm.extra_args:
         log.warning(
-            "vllm.extra_args %s are server flags; the offline engine here ignores them", config["vllm"]["extra_args"]
+            "vllm.extra_args %s are server flags; the offline engine here ignores them", list(settings.vllm.extra_args)
         )
     from eagle3_workflow.runtime.child import BUSY_MARKER, print_marker
 
-    kwargs = regeneration_engine_kwargs(target, config)
+    kwargs = regeneration_engine_kwargs(target, settings)
     log.info("starting vLLM: %s", kwargs)
     started = time.perf_counter()
     from vllm import LLM
@@ -271,9 +282,9 @@ def run_regeneration(
     ready_s = time.perf_counter() - started
     log.info("vLLM ready in %.1f s", ready_s)
     print_marker(BUSY_MARKER)  # from here on a request must finish every vllm.stall_timeout_s (or the pace's)
-    settings = {**config["regenerate"], "max_model_len": config["vllm"]["max_model_len"]}
-    chunk_size = max(64, 8 * config["vllm"]["max_num_seqs"])
-    records, stats = regenerate(tokenizer, vllm_generate_fn(llm, chunk_size), prompt_files, settings)
+    chunk_size = max(64, 8 * settings.vllm.max_num_seqs)
+    records, stats = regenerate(tokenizer, vllm_generate_fn(llm, chunk_size), prompt_files, settings.regenerate,
+                                max_model_len=settings.vllm.max_model_len)  # fmt: skip
     stats.target = str(target)
     stats.engine_ready_s = round(ready_s, 2)
     write_jsonl_atomic(output, records)
@@ -299,13 +310,18 @@ def _cli(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompt-file", action="append", default=[], type=Path)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--stats", required=True, type=Path)
-    parser.add_argument("--config-json", required=True, help="the resolved config (JSON)")
+    parser.add_argument("--config-json", required=True, help="the stage's settings (JSON)")
     args = parser.parse_args(argv)
-    config = json.loads(args.config_json)
     run_stage(
         "regenerate_responses (vLLM subprocess)",
         None,
-        lambda _log: run_regeneration(args.target, args.prompt_file, args.output, args.stats, config),
+        lambda _log: run_regeneration(
+            args.target,
+            args.prompt_file,
+            args.output,
+            args.stats,
+            stage_settings(RegenerateResponsesStage, json.loads(args.config_json)),
+        ),
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, ProgressWatch
+from eagle3_workflow.settings import RegenerateResponsesStage, VllmSettings, as_config, stage_settings
 
 OUTPUT_TAIL_LINES = 40
 
@@ -28,11 +29,11 @@ OUTPUT_TAIL_LINES = 40
 # so vLLM's CPU worker, which vLLM pins to the cores it binds (on a 2-core host: one core, the other reserved
 # for the engine), ran 2 threads on that one core: measured here, 64 requests x 96 tokens took > 300 s instead
 # of 9 s (30x slower or worse, spin-waiting). Without them vLLM sizes each worker's threads to its cores.
-def subprocess_env(config: dict[str, Any]) -> dict[str, str]:
+def subprocess_env(vllm: VllmSettings) -> dict[str, str]:
     from eagle3_workflow.runtime import child_environment
 
     # vLLM's CPU workers set their own torch threads from their core binding; cpu_threads is the engine's
-    return child_environment(vllm_on_cpu=True, cpu_threads=config["vllm"]["cpu_threads"])
+    return child_environment(vllm_on_cpu=True, cpu_threads=vllm.cpu_threads)
 
 
 def run_subprocess(
@@ -40,7 +41,7 @@ def run_subprocess(
     prompt_files: Sequence[Path],
     output: Path,
     stats_path: Path,
-    config: dict[str, Any],
+    settings: RegenerateResponsesStage,
     logger: logging.Logger,
 ) -> None:
     """Run the regeneration in `python -m eagle3_workflow.regenerate.generate`, every output line into `logger`."""
@@ -55,7 +56,7 @@ def run_subprocess(
         "--stats",
         str(stats_path),
         "--config-json",
-        json.dumps(config),
+        json.dumps(as_config(settings)),
     ]
     for path in prompt_files:
         cmd += ["--prompt-file", str(path)]
@@ -63,9 +64,9 @@ def run_subprocess(
     child = ChildProcess(
         cmd,
         name="the regeneration subprocess",
-        env=subprocess_env(config),
+        env=subprocess_env(settings.vllm),
         on_line=lambda line: logger.info("| %s", line),
-        progress=ProgressWatch(floor_s=config["vllm"]["stall_timeout_s"]),
+        progress=ProgressWatch(floor_s=settings.vllm.stall_timeout_s),
         tail_lines=OUTPUT_TAIL_LINES,
     )
     with child:
@@ -92,7 +93,7 @@ def main(snakemake: Any) -> None:
             [Path(p) for p in snakemake.input.prompt_files],
             Path(snakemake.output.conversations),
             Path(snakemake.output.stats),
-            dict(snakemake.params.settings),
+            stage_settings(RegenerateResponsesStage, snakemake.params.settings),
             log,
         )
 

@@ -2,7 +2,7 @@
 
 Which module owns what:
 
-- ``command``: the ``train`` settings, the training paths and the trainer's command line (pure);
+- ``command``: the training paths and the trainer's command line from the ``train`` settings (settings.TrainSettings) (pure);
 - ``workdir``: the resumable ``train_work/``: fingerprint, data links, vocab mapping, checkpoint scan, launch files;
 - ``launcher``: one launch of the trainer through ``runtime.ChildProcess`` (torchrun on several GPUs), and what its
   exit means;

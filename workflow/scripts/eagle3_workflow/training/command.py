@@ -11,36 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings import TrainSettings
 
 log = logging.getLogger("eagle3.training")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSettings:
-    """The config's ``train`` section (defaults as in the schema)."""
-
-    gpus: int = 8
-    draft_layers: int = 1
-    ttt_steps: int = 3
-    draft_vocab_size: int = 32000
-    lr: float = 1e-4
-    optimizer: str = "adamw"
-    epochs: int = 10
-    total_seq_len: int = 8192
-    train_data_ratio: float = 0.95
-    num_workers: int = 4
-    seed: int = 0
-    checkpoint_freq: float = 1.0
-    runtime_minutes: int = 1440
-    extra_args: tuple[str, ...] = ()
-
-    @classmethod
-    def from_config(cls, train: dict[str, Any]) -> TrainSettings:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in train.items() if k in names}
-        if "extra_args" in values:
-            values["extra_args"] = tuple(str(a) for a in values["extra_args"])
-        return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +57,7 @@ def trainer_arguments(
     *,
     target_layer_ids: Sequence[int],
     on_missing: str = "raise",
-    trust_remote_code: bool = False,
+    trust_remote_code: bool,
 ) -> dict[str, Any]:
     """speculators TrainConfig field -> value, in command-line order."""
     args: dict[str, Any] = {
@@ -118,10 +91,15 @@ def trainer_arguments(
     return args
 
 
-# speculators TrainConfig fields (dest names) this stage sets, on any device; check_api verifies each exists
+# speculators TrainConfig fields (dest names) this stage sets, on any device; check_api verifies each exists.
+# The names do not depend on the values: every setting is None here.
 TRAINER_FIELDS_USED = list(
     trainer_arguments(
-        TrainSettings(), TrainPaths.in_work_dir(Path("w"), Path("t"), 2), TrainDevice("cpu"), target_layer_ids=[]
+        TrainSettings.model_construct(**dict.fromkeys(TrainSettings.model_fields)),
+        TrainPaths.in_work_dir(Path("w"), Path("t"), 2),
+        TrainDevice("cpu"),
+        target_layer_ids=[],
+        trust_remote_code=False,
     )
 )
 
@@ -137,7 +115,7 @@ def build_train_command(
     *,
     target_layer_ids: Sequence[int],
     on_missing: str = "raise",
-    trust_remote_code: bool = False,
+    trust_remote_code: bool,
     python: str = sys.executable,
 ) -> list[str]:
     """The full trainer command line. ``train.extra_args`` come last, so they override what is set here."""

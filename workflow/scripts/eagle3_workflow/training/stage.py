@@ -12,7 +12,8 @@ from typing import Any
 
 from eagle3_workflow.artefacts import ApiCompatReport, CheckpointInfo, TrainingSummary, ValidationReport, load
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.training.command import TrainDevice, TrainPaths, TrainSettings, build_train_command, resolve_device
+from eagle3_workflow.settings import TrainDraftStage, TrainSettings, stage_settings
+from eagle3_workflow.training.command import TrainDevice, TrainPaths, build_train_command, resolve_device
 from eagle3_workflow.training.launcher import run_attempt, trainer_env
 from eagle3_workflow.training.metrics import attempt_metrics, final_metrics, metrics_table
 from eagle3_workflow.training.publish import publish_draft
@@ -226,7 +227,7 @@ def train_draft(
     files_dir: Path,
     work_dir: Path,
     out_dir: Path,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool,
     cpu_threads: int | None = None,
     device: TrainDevice | None = None,
     on_line: Callable[[str], None] | None = None,
@@ -280,10 +281,9 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        config = snakemake.params.settings
-        settings = TrainSettings.from_config(config["train"])
+        settings = stage_settings(TrainDraftStage, snakemake.params.settings)
         train_draft(
-            settings,
+            settings.train,
             target=Path(snakemake.input.target),
             prepared=Path(snakemake.input.prepared),
             token_freq=Path(snakemake.input.token_freq),
@@ -292,7 +292,7 @@ def main(snakemake: Any) -> None:
             files_dir=Path(snakemake.params.files_dir),
             work_dir=Path(snakemake.params.work_dir),
             out_dir=Path(snakemake.output.draft),
-            trust_remote_code=bool(config["target"]["trust_remote_code"]),
+            trust_remote_code=settings.target.trust_remote_code,
             cpu_threads=snakemake.threads,
         )
 

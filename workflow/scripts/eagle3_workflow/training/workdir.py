@@ -4,7 +4,6 @@ numpy, torch, safetensors and speculators are imported only inside the functions
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -18,7 +17,8 @@ from pathlib import Path
 
 from eagle3_workflow.artefacts import ArtefactError, CheckpointInfo, TrainingFingerprint, load, write
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.training.command import TrainPaths, TrainSettings
+from eagle3_workflow.settings import TrainSettings
+from eagle3_workflow.training.command import TrainPaths
 
 log = logging.getLogger("eagle3.training")
 
@@ -52,8 +52,7 @@ def training_fingerprint(
     names and sizes of the target's weight files.
     """
 
-    relevant = {k: v for k, v in dataclasses.asdict(settings).items() if k not in RESUME_NEUTRAL_SETTINGS}
-    relevant["extra_args"] = list(settings.extra_args)
+    relevant = settings.model_dump(mode="json", exclude=RESUME_NEUTRAL_SETTINGS)
     config_path = target / "config.json"
     weights = sorted(p for p in target.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
     samples = [files_dir / f"hs_{row}.safetensors" for row in sorted({0, 1, rows // 2, rows - 1}) if row >= 0]
@@ -126,7 +125,7 @@ def stage_training_data(data_dir: Path, *, prepared: Path, token_freq: Path, fil
     _relative_symlink(data_dir / "hidden_states", files_dir)
 
 
-def target_vocab_size(target: Path, trust_remote_code: bool = False) -> int:
+def target_vocab_size(target: Path, trust_remote_code: bool) -> int:
     from speculators.train.vocab_mapping import get_target_vocab_size
 
     return int(get_target_vocab_size(None, str(target), trust_remote_code=trust_remote_code))

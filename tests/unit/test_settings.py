@@ -1,0 +1,293 @@
+"""Typed settings (eagle3_workflow.settings): defaults live only in the schema.
+
+- Every rule's params.settings (its config_subset(...), loaded through Snakemake's API for the presets that have
+  every rule) validates into its stage's model, and carries exactly the keys the model declares.
+- Every model field mirrors the schema: the key exists, same JSON type(s), same enum, null where the schema allows
+  it; a section modelled whole has every key of the section; no field has a default.
+- config/README.md's table states the schema's defaults, for every key.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import REPO
+
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings import (
+    RULE_SETTINGS,
+    SECTIONS,
+    PackageDraftStage,
+    TargetBuild,
+    View,
+    as_config,
+    stage_settings,
+    with_schema_defaults,
+)
+
+SCHEMA = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+PRESETS = ["tiny", "smollm2-135m"]  # between them, every rule of the workflow
+# the schema's only key without a default that a stage reads whole: absent from the config when target.path is set
+MAY_BE_ABSENT = {"target/build"}
+
+
+def rules_of(preset: str, workdir: Path) -> dict[str, Any]:
+    """The preset's rules, parsed by Snakemake (no DAG): name -> rule."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.enums import Quietness
+    from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings, StorageSettings
+
+    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        workflow_api = api.workflow(
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(configfiles=[REPO / "config" / "presets" / f"{preset}.yaml"]),
+            storage_settings=StorageSettings(),
+            snakefile=REPO / "Snakefile",
+            workdir=workdir,
+        )
+        return {rule.name: rule for rule in workflow_api._workflow.rules}
+
+
+@pytest.fixture(scope="module")
+def rule_settings(tmp_path_factory) -> dict[str, dict]:
+    """rule -> its params.settings, over the presets (a rule in both has the same keys in both)."""
+    found: dict[str, dict] = {}
+    for preset in PRESETS:
+        for name, rule in rules_of(preset, tmp_path_factory.mktemp(preset)).items():
+            if "settings" in rule.params.keys():
+                found.setdefault(name, rule.params.settings)
+    return found
+
+
+def leaves(value: Any, prefix: str = "") -> set[str]:
+    """The "section/key/..." paths of a nested dict's values."""
+    if isinstance(value, dict) and value:
+        return set().union(*(leaves(v, f"{prefix}/{k}" if prefix else k) for k, v in value.items()))
+    return {prefix}
+
+
+def nested_view(annotation: Any) -> type[View] | None:
+    """The view a field holds (X, or X | None), else None."""
+    candidates = (annotation, *typing.get_args(annotation))
+    return next((t for t in candidates if isinstance(t, type) and issubclass(t, View)), None)
+
+
+def declared_leaves(model: type[View], prefix: str = "") -> set[str]:
+    """The config paths a view declares, nested views expanded."""
+    found: set[str] = set()
+    for name, field in model.model_fields.items():
+        path = f"{prefix}/{name}" if prefix else name
+        view = nested_view(field.annotation)
+        found |= declared_leaves(view, path) if view is not None else {path}
+    return found
+
+
+def fields(model: type[View], prefix: str = "") -> list[tuple[str, Any]]:
+    """(config path, FieldInfo) of every field of a view and of the views it holds."""
+    found = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}/{name}" if prefix else name
+        found.append((path, field))
+        view = nested_view(field.annotation)
+        if view is not None:
+            found += fields(view, path)
+    return found
+
+
+def schema_at(path: str) -> dict:
+    node = SCHEMA
+    for key in path.split("/"):
+        node = node["properties"][key]
+    return node
+
+
+# ---------------------------------------------------------------- rules <-> stage models
+
+
+def test_every_rule_with_settings_has_a_stage_model(rule_settings):
+    assert set(rule_settings) == set(RULE_SETTINGS)
+
+
+def test_each_rule_passes_exactly_the_keys_its_stage_model_declares(rule_settings):
+    drift = {}
+    for rule, settings in rule_settings.items():
+        model = RULE_SETTINGS[rule]
+        passed, declared = leaves(settings), declared_leaves(model)
+        if passed != declared:
+            drift[rule] = {
+                f"passed by the rule, not in {model.__name__}": sorted(passed - declared),
+                f"in {model.__name__}, not passed by the rule": sorted(declared - passed),
+            }
+    assert drift == {}
+    for rule, settings in rule_settings.items():
+        view = stage_settings(RULE_SETTINGS[rule], settings)  # values the schema accepted, the model accepts
+        assert as_config(view) == settings, f"{rule}: the view does not give back what the rule passed"
+
+
+def test_a_key_the_stage_does_not_declare_is_refused_with_the_fix(rule_settings):
+    settings = {**rule_settings["train_draft"], "vllm": {"device": "cpu"}}
+    with pytest.raises(StageError, match=r"(?s)TrainDraftStage.*extra_forbidden.*config_subset"):
+        stage_settings(RULE_SETTINGS["train_draft"], settings)
+    missing = {"train": rule_settings["train_draft"]["train"]}
+    with pytest.raises(StageError, match=r"(?s)target.*missing"):
+        stage_settings(RULE_SETTINGS["train_draft"], missing)
+
+
+def test_a_user_target_without_build_reaches_the_model_card():
+    config = with_schema_defaults(run="r", target={"path": "/models/t"})
+    assert "build" not in config["target"]
+    settings = {key: config[key] for key in PackageDraftStage.model_fields}
+    view = stage_settings(PackageDraftStage, settings)
+    assert view.target.build is None and as_config(view) == settings
+
+
+# ---------------------------------------------------------------- models <-> schema
+
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+
+
+def json_shape(annotation: Any) -> tuple[frozenset[str], frozenset | None, Any]:
+    """(JSON types, enum values or None, item annotation or None) of a field's annotation."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        parts = [json_shape(a) for a in args]
+        kinds = frozenset().union(*(p[0] for p in parts))
+        if {"integer", "number"} <= kinds:  # Number = int | float is JSON Schema's number
+            kinds -= {"integer"}
+        enums = [p[1] for p in parts if p[1] is not None]
+        items = next((p[2] for p in parts if p[2] is not None), None)
+        return kinds, frozenset().union(*enums) if enums else None, items
+    if origin is typing.Literal:
+        return frozenset(JSON_TYPES[type(v)] for v in args), frozenset(args), None
+    if origin is tuple:
+        return frozenset({"array"}), None, args[0]
+    if isinstance(annotation, type) and issubclass(annotation, View):
+        return frozenset({"object"}), None, None
+    return frozenset({JSON_TYPES[annotation]}), None, None
+
+
+def schema_shape(node: dict) -> tuple[frozenset[str], frozenset | None]:
+    kinds = node.get("type", "object")
+    kinds = frozenset([kinds] if isinstance(kinds, str) else kinds)
+    enum = frozenset(node["enum"]) if "enum" in node else None
+    if enum is not None and "null" in kinds:
+        enum |= {None}
+    return kinds, enum
+
+
+def every_model() -> dict[str, type[View]]:
+    """Every view reachable from the stage models, by name."""
+    found: dict[str, type[View]] = {}
+    todo = list(RULE_SETTINGS.values())
+    while todo:
+        model = todo.pop()
+        if model.__name__ not in found:
+            found[model.__name__] = model
+            todo += [v for f in model.model_fields.values() if (v := nested_view(f.annotation)) is not None]
+    return found
+
+
+def test_every_field_mirrors_the_schema():
+    wrong = {}
+    for model in RULE_SETTINGS.values():
+        for path, field in fields(model):
+            try:
+                node = schema_at(path)
+            except KeyError:
+                wrong[f"{model.__name__}: {path}"] = "no such key in the schema"
+                continue
+            kinds, enum, items = json_shape(field.annotation)
+            if path in MAY_BE_ABSENT:
+                kinds -= {"null"}  # None stands for the absent key
+            expected = schema_shape(node)
+            if (kinds, enum) != expected:
+                wrong[f"{model.__name__}: {path}"] = (
+                    f"model {sorted(kinds)} {enum}, schema {sorted(expected[0])} {expected[1]}"
+                )
+            if items is not None and json_shape(items)[0] != schema_shape(node["items"])[0]:
+                wrong[f"{model.__name__}: {path}[]"] = f"items {json_shape(items)[0]}, schema {node['items']}"
+    assert wrong == {}
+
+
+def test_sections_modelled_whole_have_every_key_of_the_schema():
+    models = {**SECTIONS, "target/build": TargetBuild}
+    differ = {
+        path: {"model": sorted(model.model_fields), "schema": sorted(schema_at(path)["properties"])}
+        for path, model in models.items()
+        if set(model.model_fields) != set(schema_at(path)["properties"])
+    }
+    assert differ == {}
+
+
+def test_no_field_has_a_default_the_schema_is_the_only_place():
+    with_default = [
+        f"{name}.{field_name}"
+        for name, model in every_model().items()
+        for field_name, field in model.model_fields.items()
+        if not field.is_required() and not (name == "TargetSettings" and field_name == "build")
+    ]
+    assert with_default == []
+    assert not every_model()["TargetSettings"].model_fields["build"].is_required()  # absent is None (MAY_BE_ABSENT)
+
+
+# ---------------------------------------------------------------- config/README.md's table
+
+README = REPO / "config" / "README.md"
+NO_DEFAULT = {"required", "-"}
+
+
+def schema_keys(node: dict = SCHEMA, prefix: str = "") -> dict[str, dict]:
+    """Every key path of the schema (dotted) -> its schema; objects with properties are expanded, not listed."""
+    found = {}
+    for key, sub in node.get("properties", {}).items():
+        path = f"{prefix}.{key}" if prefix else key
+        if "properties" in sub and sub.get("type", "object") == "object":
+            found |= schema_keys(sub, path)
+        else:
+            found[path] = sub
+    return found
+
+
+def readme_rows() -> list[tuple[list[str], str]]:
+    """(key paths, default cell) of the table's rows that name config keys."""
+    rows = []
+    for line in README.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`") or not cells[0].endswith("`"):
+            continue
+        names = [n.strip() for n in cells[0].strip("`").split(" / ")]
+        first = names[0].removesuffix("[]")
+        parent = first.rsplit(".", 1)[0] if "." in first else ""
+        keys = [first] + [f"{parent}.{n}" if parent else n for n in names[1:]]
+        rows.append((keys, cells[1]))
+    return rows
+
+
+def test_readme_table_lists_every_key_with_the_schemas_default():
+    keys = schema_keys()
+    listed: dict[str, str] = {}
+    wrong = {}
+    for names, cell in readme_rows():
+        values = [v.strip() for v in cell.split(" / ")]
+        if len(values) == 1:
+            values *= len(names)
+        if len(values) != len(names):
+            wrong[" / ".join(names)] = f"{len(names)} keys but {len(values)} defaults: {cell!r}"
+            continue
+        for name, value in zip(names, values, strict=True):
+            listed[name] = value
+    for name, value in listed.items():
+        if name not in keys:
+            wrong[name] = "not a key of the schema"
+        elif "default" not in keys[name]:
+            if value not in NO_DEFAULT:
+                wrong[name] = f"the schema has no default; the table says {value!r} (write 'required' or '-')"
+        elif value in NO_DEFAULT or not value or yaml.safe_load(value) != keys[name]["default"]:
+            wrong[name] = f"the table says {value!r}, the schema's default is {keys[name]['default']!r}"
+    missing = sorted(set(keys) - set(listed))
+    assert wrong == {} and missing == [], f"wrong: {wrong}\nnot in config/README.md: {missing}"

@@ -1,0 +1,404 @@
+"""Typed, read-only views of the validated config: each stage's settings, and nothing it does not read.
+
+A rule hands its stage the config values the stage reads as ``params.settings`` (common.smk's ``config_subset``:
+the schema has already checked them and filled every default). The stage validates them into its model here
+(``stage_settings(CanaryStage, snakemake.params.settings)``) and reads attributes: ``settings.train.lr``.
+
+- **Defaults live only in the schema** (workflow/schemas/config.schema.yaml): no field here has one, since the
+  validated config always carries every key. The one exception is ``target.build``, which has no schema default
+  and is absent when target.path is set.
+- **One model per stage** (``<Rule>Stage``; ``RULE_SETTINGS`` maps rule names to them), with exactly the keys its
+  rule's ``config_subset(...)`` passes. A section that a stage reads in part has a smaller view (ExtractionStall is
+  the 3 keys the canary reads). The larger view extends the smaller one, so a larger view is accepted wherever
+  the smaller one is expected.
+- **frozen, extra="forbid"**: a view cannot be changed, and a key its stage does not declare is refused.
+- tests/test_settings.py checks every rule's settings against its stage model, and every field against the schema
+  (names, types, enums, null), and that no field has a default.
+
+JSON Schema's ``number`` is ``Number`` (``int | float``): an int stays an int, so a value a stage records (the
+regenerate section in regenerated.stats.json) is the value the config gave.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from eagle3_workflow.errors import StageError
+
+Number = int | float
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+
+
+class View(BaseModel):
+    """A read-only view of validated config values."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --- target ------------------------------------------------------------------------------------------------------
+
+
+class TargetTrust(View):
+    """target.trust_remote_code: passed to transformers and vLLM only when true."""
+
+    trust_remote_code: bool
+
+
+class TargetDtype(View):
+    dtype: Literal["bfloat16", "float16", "auto"]
+
+
+class TargetLoad(TargetDtype, TargetTrust):
+    """How a stage that serves the target loads it: dtype and trust_remote_code."""
+
+
+class TinyShape(View):
+    """target.build without its kind: the shape of a tiny target."""
+
+    arch: Literal["llama", "qwen3", "deepseek_v3"]
+    num_layers: int
+    hidden_size: int
+    head_dim: Literal[32, 64]
+    vocab_size: int
+    seed: int
+
+
+class TargetBuild(TinyShape):
+    kind: Literal["tiny", "smollm2"]
+
+
+class TinyTarget(View):
+    """target as build_tiny_target reads it: only the shape."""
+
+    build: TinyShape
+
+
+class TargetSettings(TargetLoad):
+    """The whole target section."""
+
+    path: str | None
+    # the schema's only key without a default: a user's target.path leaves target.build out of the config
+    build: TargetBuild | None = None
+
+
+# --- data, regenerate, target_check ------------------------------------------------------------------------------
+
+
+class DataPreparation(View):
+    """data as prepare_data reads it (data.sources reaches it as the rule's inputs, with params.formats)."""
+
+    max_seq_len: int
+    overlength: Literal["truncate", "drop"]
+    on_bad_record: Literal["fail", "skip"]
+    max_samples: int | None
+    min_assistant_tokens: int
+    seed: int
+
+
+class RegenerateSettings(View):
+    """The whole regenerate section."""
+
+    enabled: bool
+    prompt_files: tuple[str, ...]
+    magpie_prompts: int
+    magpie_max_tokens: int
+    magpie_min_chars: int
+    magpie_temperature: Number
+    max_prompts: int | None
+    max_tokens: int
+    temperature: Number
+    seed: int
+    runtime_minutes: int
+
+
+class TargetCheckQuestions(View):
+    """target_check as check_target reads it (target_check.enabled decides, in the rules, whether it runs)."""
+
+    max_tokens: int
+    request_timeout_s: Number
+
+
+# --- vllm, hidden_states, check_api, canary ----------------------------------------------------------------------
+
+
+class VllmDevice(View):
+    device: Literal["auto", "cpu", "cuda"]
+
+
+class VllmSettings(VllmDevice):
+    """The whole vllm section: every server and offline engine the workflow starts."""
+
+    max_model_len: int
+    max_num_seqs: int
+    enforce_eager: bool
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: Number
+    ready_timeout_s: Number
+    stall_timeout_s: Number
+    cpu_threads: int | None
+    extra_args: tuple[str, ...]
+
+
+class HiddenStatesSettings(View):
+    layer_ids: tuple[int, ...] | None
+
+
+class CheckApiSettings(View):
+    vllm_min: str
+    vllm_max_exclusive: str
+
+
+class CanarySettings(View):
+    num_layers: int | None
+    num_samples: int
+    max_tokens_per_sample: int
+    relative_tolerance: Number
+    render_samples: int
+
+
+# --- extraction, validation --------------------------------------------------------------------------------------
+
+
+class ExtractionParallel(View):
+    """extraction.tensor_parallel_size: how a stage that serves the target splits it (on CUDA)."""
+
+    tensor_parallel_size: int
+
+
+class ExtractionStall(ExtractionParallel):
+    """extraction as the canary reads it: the server's TP and the client's stall limit."""
+
+    stall_timeout_s: Number
+    stall_factor: Number
+
+
+class ExtractionClient(ExtractionStall):
+    """extraction as extract_hidden_states reads it (gpus_per_replica and runtime_minutes are the rule's resources)."""
+
+    replicas: int
+    concurrency: int
+    request_timeout_s: Number
+    max_retries: int
+    progress_interval_s: Number
+    fail_after_samples: int | None
+    disk_margin: Number
+    available_bytes_override: int | None
+    greedy_probe_samples: int
+
+
+class ValidationSettings(View):
+    max_bad_samples: int
+
+
+# --- train, evaluate ---------------------------------------------------------------------------------------------
+
+
+class TrainDataRatio(View):
+    """train.train_data_ratio: where the trainer splits the prepared rows (evaluation's held-out prompts follow it)."""
+
+    train_data_ratio: Number
+
+
+class TrainSettings(TrainDataRatio):
+    """The whole train section."""
+
+    gpus: int
+    draft_layers: int
+    ttt_steps: int
+    draft_vocab_size: int
+    lr: Number
+    optimizer: Literal["adamw", "muon"]
+    epochs: int
+    total_seq_len: int
+    num_workers: int
+    seed: int
+    checkpoint_freq: Number
+    runtime_minutes: int
+    extra_args: tuple[str, ...]
+
+
+class EvaluationSettings(View):
+    """evaluate as evaluate_draft reads it (evaluate.gpus is the rule's resource)."""
+
+    prompts: Literal["heldout", "humaneval", "file"]
+    prompt_file: str | None
+    num_prompts: int
+    num_speculative_tokens: int
+    max_tokens: int
+    tensor_parallel_size: int
+    seed: int
+    isolate_runs: bool | None
+    timing_repeats: int
+    lossless_logprob_tolerance: Number
+    timeout_s: Number
+
+
+class EvaluateSettings(EvaluationSettings):
+    """The whole evaluate section."""
+
+    gpus: int
+
+
+# --- one model per stage: exactly the keys of its rule's config_subset(...) ---------------------------------------
+
+
+class BuildTinyTargetStage(View):
+    target: TinyTarget
+
+
+class BuildSmollm2TargetStage(View):
+    target: TargetDtype
+
+
+class PrepareDataStage(View):
+    data: DataPreparation
+    target: TargetTrust
+
+
+class ServingStage(View):
+    """A stage that serves the target with vLLM: how it loads the target, the vllm section, and the TP it uses
+    (vllm_server.target_server_spec sizes the server from these)."""
+
+    extraction: ExtractionParallel
+    target: TargetLoad
+    vllm: VllmSettings
+
+
+class CheckTargetStage(ServingStage):
+    target_check: TargetCheckQuestions
+
+
+class RegenerateResponsesStage(ServingStage):
+    regenerate: RegenerateSettings
+
+
+class CheckApiStage(View):
+    check_api: CheckApiSettings
+    hidden_states: HiddenStatesSettings
+    target: TargetTrust
+    vllm: VllmDevice
+
+
+class CanaryStage(ServingStage):
+    canary: CanarySettings
+    extraction: ExtractionStall
+
+
+class ExtractHiddenStatesStage(ServingStage):
+    extraction: ExtractionClient
+
+
+class ValidateHiddenStatesStage(View):
+    validation: ValidationSettings
+
+
+class TrainDraftStage(View):
+    train: TrainSettings
+    target: TargetTrust
+
+
+class EvaluateDraftStage(View):
+    evaluate: EvaluationSettings
+    vllm: VllmSettings
+    train: TrainDataRatio
+    target: TargetLoad
+
+
+class PackageDraftStage(View):
+    """The sections the model card quotes from, and the run's name."""
+
+    run: str
+    target: TargetSettings
+    regenerate: RegenerateSettings
+    train: TrainSettings
+    evaluate: EvaluateSettings
+    vllm: VllmSettings
+
+
+# rule -> its stage's settings (every rule with params.settings)
+RULE_SETTINGS: dict[str, type[View]] = {
+    "build_tiny_target": BuildTinyTargetStage,
+    "build_smollm2_target": BuildSmollm2TargetStage,
+    "prepare_data": PrepareDataStage,
+    "check_target": CheckTargetStage,
+    "regenerate_responses": RegenerateResponsesStage,
+    "check_api": CheckApiStage,
+    "canary": CanaryStage,
+    "extract_hidden_states": ExtractHiddenStatesStage,
+    "validate_hidden_states": ValidateHiddenStatesStage,
+    "train_draft": TrainDraftStage,
+    "evaluate_draft": EvaluateDraftStage,
+    "package_draft": PackageDraftStage,
+}
+
+# the sections modelled whole (their fields are the schema's keys of that section, no fewer)
+SECTIONS: dict[str, type[View]] = {
+    "target": TargetSettings,
+    "regenerate": RegenerateSettings,
+    "vllm": VllmSettings,
+    "hidden_states": HiddenStatesSettings,
+    "check_api": CheckApiSettings,
+    "canary": CanarySettings,
+    "validation": ValidationSettings,
+    "train": TrainSettings,
+    "evaluate": EvaluateSettings,
+}
+
+StageModel = TypeVar("StageModel", bound=View)
+
+
+def stage_settings(model: type[StageModel], settings: Mapping[str, Any]) -> StageModel:
+    """A rule's params.settings as its stage's model; a mismatch is a bug of the workflow, named with its fix."""
+    try:
+        return model.model_validate(settings)
+    except ValidationError as exc:
+        raise StageError(
+            f"the rule's params.settings do not fit eagle3_workflow.settings.{model.__name__}: {exc!r}\n"
+            "The rule's config_subset(...) (workflow/rules/) and the stage's model must name the same config keys, "
+            "and the model must follow the schema; tests/test_settings.py checks both."
+        ) from exc
+
+
+def with_schema_defaults(**sections: Any) -> dict[str, Any]:
+    """A validated config that sets only `sections` (over a minimal run), every other key at the schema's default:
+    settings for code that runs without a config file (benches, tests), from the one place defaults live."""
+    from eagle3_workflow.config_errors import validate_config
+
+    config: dict[str, Any] = {"run": "defaults", "target": {"path": "target"}, "data": {}}
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
+    validate_config(config, SCHEMA_PATH)
+    return config
+
+
+def view_of(model: type[StageModel], config: Mapping[str, Any]) -> StageModel:
+    """`model` of the keys it declares in `config` (a whole validated config or section; nested views alike), for
+    code that has no rule (benches, tests). A stage uses stage_settings, which refuses a key it does not declare."""
+    picked: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        if name not in config:
+            continue
+        value = config[name]
+        candidates = (field.annotation, *typing.get_args(field.annotation))
+        nested = next((t for t in candidates if isinstance(t, type) and issubclass(t, View)), None)
+        picked[name] = view_of(nested, value) if nested is not None and isinstance(value, Mapping) else value
+    return model.model_validate(picked)
+
+
+def as_config(view: View) -> dict[str, Any]:
+    """A view as the config dict it came from: JSON values, keys sorted as config_subset sorts them, and a key the
+    config left out (target.build) left out."""
+    return _sorted(view.model_dump(mode="json", exclude_unset=True))
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _sorted(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(item) for item in value]
+    return value
