@@ -6,8 +6,10 @@ SNAKEMAKE := $(VENV)/bin/snakemake
 PRESET ?= config/presets/tiny.yaml
 CORES ?= 2
 PYTEST_ARGS ?=
-# test processes (pytest-xdist); a test file stays on one worker, so its module fixtures are built once
-TEST_WORKERS ?= 2
+# test processes (pytest-xdist, --dist loadgroup): tests sharing an expensive fixture run on one worker
+# (tests/conftest.py, shared_fixture_group); three on the 2-core CI machine, where much of a vLLM or Snakemake
+# test is waiting
+TEST_WORKERS ?= 3
 
 .PHONY: setup demo test test-fast test-integration test-e2e lint format dryrun install-profile clean-demo gpu-local
 
@@ -44,16 +46,16 @@ format: setup
 # The suite by folder (README.md, "Tests"): `test` runs all of it after lint, as CI does (.ci/run); `test-fast` is
 # the edit loop, tests/unit only (pure functions in-process: no vLLM server, no Snakemake run; about 1 min here).
 test: setup lint
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: setup
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
 test-integration: setup
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile tests/integration $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup tests/integration $(PYTEST_ARGS)
 
 test-e2e: setup
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile tests/e2e $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup tests/e2e $(PYTEST_ARGS)
 
 install-profile:
 	mkdir -p "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -288,9 +289,56 @@ def prepared(tiny_targets, tmp_path_factory):
     return {"target": target, "prepared": out / "prepared", "token_freq": token_frequencies(result.samples)}
 
 
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """The whole tiny pipeline, run once from an empty working directory as `make demo` runs it: (workdir, config,
+    wall seconds). Read-only: a test that reruns part of it works on `copied_run(...)`."""
+    workdir = tmp_path_factory.mktemp("tiny_pipeline")
+    config = tiny_config(run="tiny")
+    started = time.monotonic()
+    run_workflow(workdir, config)
+    return workdir, config, time.monotonic() - started
+
+
+def copied_run(workdir: Path, dest: Path) -> Path:
+    """A copy of a finished run's working directory (results and .snakemake, file times kept), to rerun parts of it
+    without touching the original."""
+    shutil.copytree(workdir, dest, symlinks=True)
+    return dest
+
+
 # ---------------------------------------------------------------- the folder is the kind of test
 
 FOLDER_MARKERS = ("unit", "integration", "e2e")  # registered, with what each folder holds, in pyproject.toml
+
+
+# ---------------------------------------------------------------- how `make test` spreads tests over workers
+# `make test` runs pytest-xdist with --dist loadgroup: tests that share an expensive fixture built once per module
+# (or the session's tiny pipeline) form one group and run on one worker, so it is built once; every other test is
+# scheduled on its own, so the long independent ones run side by side. Slow tests are handed out first.
+
+SHARED_SESSION_FIXTURES = ("tiny_pipeline",)
+
+
+def shared_fixture_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test: the module-scoped fixtures (and shared session runs) it uses, or None."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    shared = sorted(
+        f"{item.path.stem}.{name}" if defs[-1].scope == "module" else name
+        for name, defs in info.name2fixturedefs.items()
+        if defs and (defs[-1].scope == "module" or name in SHARED_SESSION_FIXTURES)
+    )
+    return "+".join(shared) or None
+
+
+def group_and_order_for_workers(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = shared_fixture_group(item)
+        if group and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)  # stable: file order within each
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -310,3 +358,4 @@ def pytest_collection_modifyitems(config, items):
         if folder == "unit" and item.get_closest_marker("slow"):
             raise pytest.UsageError(f"{item.nodeid}: a slow test belongs in tests/integration or tests/e2e")
         item.add_marker(folder)
+    group_and_order_for_workers(items)

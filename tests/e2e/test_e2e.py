@@ -4,23 +4,21 @@ report, a draft vLLM serves losslessly, and an honest learning check (trained be
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from conftest import run_workflow, tiny_config
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("e2e")
-    started = time.monotonic()
-    proc = run_workflow(workdir, tiny_config(run="tiny"))
-    return workdir / "results" / "tiny", time.monotonic() - started, proc
+@pytest.fixture
+def tiny_run(tiny_pipeline):
+    """The tiny pipeline (conftest's, shared with tests/e2e/test_reruns.py): run dir, wall seconds."""
+    workdir, config, wall_s = tiny_pipeline
+    return workdir / "results" / config["run"], wall_s
 
 
 @pytest.mark.slow
 def test_every_stage_leaves_its_artefact(tiny_run):
-    run, _, _ = tiny_run
+    run, _ = tiny_run
     for artefact in (
         "provenance.json",
         "data/manifest.json",
@@ -48,7 +46,7 @@ def test_every_stage_leaves_its_artefact(tiny_run):
 
 @pytest.mark.slow
 def test_trained_draft_beats_the_untrained_one_and_stays_lossless(tiny_run):
-    run, _, _ = tiny_run
+    run, _ = tiny_run
     acceptance = json.loads((run / "eval" / "acceptance.json").read_text())
     trained = acceptance["trained"]["mean_acceptance_length"]
     untrained = acceptance["untrained"]["mean_acceptance_length"]
@@ -62,6 +60,6 @@ def test_trained_draft_beats_the_untrained_one_and_stays_lossless(tiny_run):
 
 @pytest.mark.slow
 def test_a_second_run_does_nothing(tiny_run):
-    run, _, _ = tiny_run
+    run, _ = tiny_run
     proc = run_workflow(run.parent.parent, tiny_config(run="tiny"), extra=["-n"])
     assert "Nothing to be done" in proc.stdout + proc.stderr

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import kill_tree, run_workflow, start_workflow, tiny_config
+from conftest import copied_run, kill_tree, run_workflow, start_workflow, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -75,13 +75,12 @@ def replica_manifest(run_dir: Path, replica: int = 0) -> dict:
     return json.loads((run_dir / "hidden_states" / f"replica_{replica}.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def completed_run(tmp_path_factory):
-    """One complete tiny run, shared by the tests that only rerun parts of it."""
-    workdir = tmp_path_factory.mktemp("completed")
-    config = tiny_config("rerun")
-    snakemake(workdir, config)
-    return workdir, config
+@pytest.fixture
+def completed_run(tiny_pipeline, tmp_path):
+    """A copy of the complete tiny run (conftest's tiny_pipeline, which tests/e2e/test_e2e.py checks), for the
+    tests that rerun parts of it."""
+    workdir, config, _ = tiny_pipeline
+    return copied_run(workdir, tmp_path / "completed"), copy.deepcopy(config)
 
 
 def test_failed_replica_reruns_alone_and_resumes(tmp_path):
