@@ -87,7 +87,7 @@ def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
     assert max(report.per_layer_max_rel_error.values()) < 0.05
     assert report.canary_layer_ids == [2, 4, 6, 8]  # production's shape on the 8-layer tiny target
     assert set(report.layer_matches) == {"2", "4", "6", "8"}
-    assert all(m["best"] == k for k, m in report.layer_matches.items())
+    assert all(m.best == k for k, m in report.layer_matches.items())
     assert not (tmp_path / "model").exists(), "the slice is scratch"
     assert not (tmp_path / "scratch").exists(), "the slice is scratch"
 
@@ -126,7 +126,7 @@ def test_canary_names_every_remapped_layer(tiny_targets, tmp_path, monkeypatch, 
     check = row(report, "layer-id convention")
     assert not report.passed, report.checks
     assert not check.passed, report.checks
-    wrong = {int(k): m["best"] for k, m in report.layer_matches.items() if m["best"] != k}
+    wrong = {int(k): m.best for k, m in report.layer_matches.items() if m.best != k}
     assert wrong == REMAPS[fault], check.found
     for claimed, source in REMAPS[fault].items():
         assert f"id {claimed} is layer {source}" in check.found
@@ -141,7 +141,7 @@ def test_canary_names_the_layers_of_a_shifted_deepseek(tiny_targets, tmp_path, m
     check = row(report, "layer-id convention")
     assert not report.passed, report.checks
     assert not check.passed, report.checks
-    assert {int(k): m["best"] for k, m in report.layer_matches.items()} == {2: "1", 4: "3", 6: "5", 8: "7"}
+    assert {int(k): m.best for k, m in report.layer_matches.items()} == {2: "1", 4: "3", 6: "5", 8: "7"}
 
 
 @pytest.mark.slow

@@ -199,13 +199,44 @@ def test_sigterm_to_a_stage_is_one_line_exit_143_and_stops_its_children(tmp_path
     wait_until(lambda: not alive(pids), 60, "the stage's children to end")
 
 
+# a stage whose SIGTERM lands inside an asyncio callback (the extraction client's socket writes): asyncio logs and
+# drops any BaseException raised there except SystemExit and KeyboardInterrupt
+SIGTERM_IN_A_CALLBACK = """
+import asyncio, os, signal
+from eagle3_workflow.runtime.stage import run_stage
+async def main():
+    asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
+    await asyncio.sleep(2)
+    print("the body ran on after the signal", flush=True)
+run_stage("demo", {log!r}, lambda log: asyncio.run(main()))
+"""
+
+# a body whose catch-all swallows the stop: the stage still exits as stopped
+SIGTERM_SWALLOWED = """
+import os, signal, time
+from eagle3_workflow.runtime.stage import run_stage
+def body(log):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    except BaseException:
+        log.info("swallowed")
+run_stage("demo", {log!r}, body)
+"""
+
+
+@pytest.mark.parametrize("script", [SIGTERM_IN_A_CALLBACK, SIGTERM_SWALLOWED], ids=["asyncio-callback", "swallowed"])
+def test_a_stop_signal_cannot_be_swallowed_on_its_way_up(tmp_path, script):
+    log_path = tmp_path / "stage.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script.format(log=str(log_path))], capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "the body ran on" not in proc.stdout
+    assert "stage demo stopped by SIGTERM; the rerun resumes" in log_path.read_text()
+
+
 # ---------------------------------------------------------------- real vLLM trees (slow)
-
-
-def _vllm_settings() -> dict:
-    from conftest import tiny_config
-
-    return tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": [], "stall_timeout_s": 600}
 
 
 @pytest.mark.slow

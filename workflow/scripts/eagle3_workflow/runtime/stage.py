@@ -21,11 +21,15 @@ from eagle3_workflow.errors import StageError
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class StageStopped(BaseException):  # noqa: N818 - not an error: a request to stop, like KeyboardInterrupt
-    """The stage process received a stop signal. A BaseException, so `except Exception` cannot swallow it."""
+class StageStopped(SystemExit):  # noqa: N818 - not an error: a request to stop, like KeyboardInterrupt
+    """The stage process received a stop signal. A SystemExit (exit code 128 + signum), so `except Exception`
+    cannot swallow it, and neither can asyncio: its event loop and transports re-raise SystemExit and
+    KeyboardInterrupt from callbacks but log any other BaseException raised there and carry on (a SIGTERM that
+    landed in a socket write of the extraction client was once logged as "Fatal write error" and the stage ran
+    to completion)."""
 
     def __init__(self, signum: int):
-        super().__init__(signum)
+        super().__init__(128 + signum)
         self.signum = signum
 
     @property
@@ -54,9 +58,13 @@ def setup_logging(log_path: str | Path | None = None) -> logging.Logger:
     return logging.getLogger("eagle3")
 
 
+_received: list[int] = []  # stop signals received by this process, whatever became of the exception
+
+
 def _raise_stopped(signum: int, _frame: object) -> None:
     for other in STOP_SIGNALS:  # a second signal must not interrupt the teardown the first one started
         signal.signal(other, signal.SIG_IGN)
+    _received.append(signum)
     raise StageStopped(signum)
 
 
@@ -85,6 +93,8 @@ def run_stage(
     install_stop_handlers()
     try:
         body(log)
+        if _received:  # the exception was swallowed on its way up (a library's catch-all): still a stop
+            raise StageStopped(_received[0])
     except StageStopped as stop:
         log.warning("stage %s stopped by %s; %s", name, stop.signal_name, resumes)
         sys.exit(128 + stop.signum)
