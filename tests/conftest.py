@@ -333,12 +333,26 @@ def shared_fixture_group(item: pytest.Item) -> str | None:
     return "+".join(shared) or None
 
 
-def group_and_order_for_workers(items: list[pytest.Item]) -> None:
-    for item in items:
-        group = shared_fixture_group(item)
-        if group and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The group marker, set as each test is collected: xdist reads it in its own collection_modifyitems."""
+    group = shared_fixture_group(item)
+    if group and not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def order_for_workers(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)  # stable: file order within each
+    if not config.getvalue("loadgroup"):
+        return
+    # pytest-xdist 3.8 names a group by appending "@group" to item._nodeid, which pytest 9 no longer reads (a
+    # node's id is its structured _id): every test was scheduled alone and the tiny pipeline ran on each worker.
+    # The same suffix, where pytest 9 keeps it.
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        groups = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group") if mark.args})
+        if groups and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -358,4 +372,4 @@ def pytest_collection_modifyitems(config, items):
         if folder == "unit" and item.get_closest_marker("slow"):
             raise pytest.UsageError(f"{item.nodeid}: a slow test belongs in tests/integration or tests/e2e")
         item.add_marker(folder)
-    group_and_order_for_workers(items)
+    order_for_workers(config, items)
