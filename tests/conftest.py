@@ -347,8 +347,10 @@ def order_for_workers(config: pytest.Config, items: list[pytest.Item]) -> None:
     # pytest-xdist 3.8 names a group by appending "@group" to item._nodeid, which pytest 9 no longer reads (a
     # node's id is its structured _id): every test was scheduled alone and the tiny pipeline ran on each worker.
     # The same suffix, where pytest 9 keeps it.
-    from _pytest.nodeid import NodeId
-
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest < 9: xdist's own suffix works
+        return
     for item in items:
         groups = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group") if mark.args})
         if groups and "@" not in item.nodeid:
