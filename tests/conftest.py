@@ -342,7 +342,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 def order_for_workers(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)  # stable: file order within each
-    if not config.getvalue("loadgroup"):
+    if not getattr(config.option, "loadgroup", False):  # set in xdist workers only, with --dist loadgroup
         return
     # pytest-xdist 3.8 names a group by appending "@group" to item._nodeid, which pytest 9 no longer reads (a
     # node's id is its structured _id): every test was scheduled alone and the tiny pipeline ran on each worker.
