@@ -41,8 +41,10 @@ def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
     with pytest.raises(StageError) as failure:
         run_measurement_process(spec, tmp_path, "m", env=env, log_path=log_path, timeout_s=120)
     message = str(failure.value)
-    assert "exited with code 1" in message and "Traceback (most recent call last)" in message
-    assert "ArtefactError" in message and "m.spec.json is not a valid MeasurementSpec" in message
+    assert "exited with code 1" in message
+    assert "Traceback (most recent call last)" in message
+    assert "ArtefactError" in message
+    assert "m.spec.json is not a valid MeasurementSpec" in message
     assert "prompts.0: Input should be a valid list" in message
     assert "[eval-vllm]" in log_path.read_text()
 
@@ -67,9 +69,13 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert rules_run(proc) == ["evaluate_draft"]
 
     report = load(AcceptanceReport, tmp_path / "results/t/eval/acceptance.json")
-    assert report.lossless and report.lossless_mismatches == 0
-    assert report.num_prompts == 8 and report.prompt_source == "heldout" and report.device == "cpu"
-    assert report.vllm_version and report.no_speculation_tokens_per_s > 0
+    assert report.lossless
+    assert report.lossless_mismatches == 0
+    assert report.num_prompts == 8
+    assert report.prompt_source == "heldout"
+    assert report.device == "cpu"
+    assert report.vllm_version
+    assert report.no_speculation_tokens_per_s > 0
     k = report.num_speculative_tokens
     for result in (report.trained, report.untrained):
         assert 1.0 <= result.mean_acceptance_length <= 1 + k
@@ -86,7 +92,8 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert report.processes[0].runs == ["no_speculation", "trained", "untrained"]
     assert (tmp_path / "results/t/eval/work/untrained_draft/model.safetensors").exists()
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
-    assert "[eval-vllm]" in log and "stage evaluate_draft: done" in log
+    assert "[eval-vllm]" in log
+    assert "stage evaluate_draft: done" in log
     print(report.model_dump_json(indent=1)[:3000], file=sys.stderr)
 
 

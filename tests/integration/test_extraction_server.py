@@ -386,7 +386,8 @@ def test_greedy_cross_check_on_the_full_model(tiny_targets, tmp_path, monkeypatc
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     probes = load(ExtractionManifest, tmp_path / "manifest.json").greedy_probes
-    assert len(probes) == 6 and all(p.top_logprobs for p in probes)
+    assert len(probes) == 6
+    assert all(p.top_logprobs for p in probes)
     rows = greedy_cross_check(tiny_targets("llama"), tmp_path / "files", probes)
     if fault is None:
         assert all(r.ok for r in rows), rows

@@ -66,7 +66,8 @@ def test_a_written_artefact_loads_back_equal_with_its_keys_in_field_order(tmp_pa
     write(tmp_path / "acceptance.json", acceptance_report(mismatches=1))
     again = load(AcceptanceReport, tmp_path / "acceptance.json")
     assert again == acceptance_report(mismatches=1)
-    assert again.trained.mismatches[0].expected_token == 17 and again.processes[0].engine_start_s["trained"] == 2.5
+    assert again.trained.mismatches[0].expected_token == 17
+    assert again.processes[0].engine_start_s["trained"] == 2.5
 
 
 def test_a_validation_report_without_passed_is_refused(tmp_path):
@@ -121,7 +122,8 @@ def test_a_nested_field_is_named_by_its_path(tmp_path):
 def test_many_bad_fields_are_listed_short(tmp_path):
     message = refusal(ValidationReport, written(tmp_path, {"greedy_check": []}))
     lines = message.splitlines()
-    assert sum(line.endswith(": missing") for line in lines) == 8 and "  ... and 2 more" in lines  # 10 missing
+    assert sum(line.endswith(": missing") for line in lines) == 8
+    assert "  ... and 2 more" in lines  # 10 missing
     assert len(lines) == 11  # the file, 8 fields, the rest counted, the fix
 
 
@@ -130,7 +132,8 @@ def test_a_file_that_is_not_json_or_not_an_object_or_absent_is_refused(tmp_path)
     text = (tmp_path / "api_compat.json").read_text()
     (tmp_path / "api_compat.json").write_text(text[: len(text) // 2])  # a writer killed mid-file (not ours)
     message = refusal(ApiCompatReport, tmp_path / "api_compat.json")
-    assert "api_compat.json is not JSON (JSONDecodeError(" in message and "snakemake --forcerun check_api" in message
+    assert "api_compat.json is not JSON (JSONDecodeError(" in message
+    assert "snakemake --forcerun check_api" in message
     message = refusal(ApiCompatReport, written(tmp_path, [1, 2], "api_compat.json"))
     assert "  (the whole file): Input should be a valid dictionary or instance of ApiCompatReport" in message
     message = refusal(ApiCompatReport, tmp_path / "absent.json")

@@ -209,8 +209,10 @@ def test_lossless_failure_shows_the_first_real_mismatch_readably():
 def test_engine_kwargs_follow_the_vllm_config_and_device():
     cpu = measurement_engine_kwargs(VLLM_SETTINGS, target="/t", dtype="bfloat16", trust_remote_code=False, seed=0, device="cpu",
                         tensor_parallel_size=1, in_process=True)  # fmt: skip
-    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS.kv_cache_memory_bytes and cpu["enforce_eager"]
-    assert cpu["distributed_executor_backend"] == "uni" and cpu["disable_log_stats"] is False
+    assert cpu["kv_cache_memory_bytes"] == VLLM_SETTINGS.kv_cache_memory_bytes
+    assert cpu["enforce_eager"]
+    assert cpu["distributed_executor_backend"] == "uni"
+    assert cpu["disable_log_stats"] is False
     assert "gpu_memory_utilization" not in cpu
     gpu = measurement_engine_kwargs(VLLM_SETTINGS.model_copy(update={"kv_cache_memory_bytes": None}), target="/t", dtype="bfloat16",
                         trust_remote_code=True, seed=0, device="cuda", tensor_parallel_size=8, in_process=False)  # fmt: skip

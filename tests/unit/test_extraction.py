@@ -146,9 +146,13 @@ def test_greedy_check_row_accepts_ties_and_names_a_different_token():
     norm = torch.ones(3)
     state = torch.tensor([1.0, 0.999, 0.2])  # tokens 0 and 1: a bf16 tie
     tie = greedy_check_row(state, GreedyProbe(row=3, token_id=1, top_logprobs={}), norm, head, 1e-6)
-    assert tie.ok and tie.recomputed_token == 0 and tie.logit_gap > 0
+    assert tie.ok
+    assert tie.recomputed_token == 0
+    assert tie.logit_gap > 0
     wrong = greedy_check_row(state, GreedyProbe(row=3, token_id=2, top_logprobs={}), norm, head, 1e-6)
-    assert not wrong.ok and wrong.server_token == 2 and wrong.logit_gap > wrong.tolerance
+    assert not wrong.ok
+    assert wrong.server_token == 2
+    assert wrong.logit_gap > wrong.tolerance
 
 
 def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):

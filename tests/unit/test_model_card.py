@@ -79,14 +79,18 @@ def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
     card = (published / CARD_NAME).read_text()
     # acceptance trained vs untrained (synthetic: 1 + (70+50+30)/100 and 1 + 1/100), k and the ratio
     assert "| trained | **2.500** | 0.700 / 0.500 / 0.300 |" in card
-    assert "| untrained | **1.010** |" in card and "2.48x the untrained draft" in card
+    assert "| untrained | **1.010** |" in card
+    assert "2.48x the untrained draft" in card
     # the target, as check_api recorded it (here: read from the fixture's config.json)
     assert "LlamaForCausalLM, 30 layers, hidden 576, vocabulary 49,152" in card
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card
     assert "f" * 64 in card  # what a built target came from
     # data size and training settings
-    assert "256 kept of 300 read" in card and "40,000 in all" in card and "21,000" in card
-    assert "| optimizer, lr | adamw, 0.0003 |" in card and "| epochs, steps | 2, 4 |" in card  # as trained
+    assert "256 kept of 300 read" in card
+    assert "40,000 in all" in card
+    assert "21,000" in card
+    assert "| optimizer, lr | adamw, 0.0003 |" in card
+    assert "| epochs, steps | 2, 4 |" in card  # as trained
     assert "16000 Magpie user turns" in card
     # provenance: commit and every published file with its hash
     assert "abc123" in card
@@ -128,9 +132,11 @@ def test_render_says_n_a_for_what_a_run_did_not_measure(run_dir):
                    acceptance=load(AcceptanceReport, run_dir / "eval" / "acceptance.json"),
                    provenance=load(Provenance, run_dir / "provenance.json"), draft_files={})
     )  # fmt: skip
-    assert card.startswith("# EAGLE-3 draft") and "Lossless" in card
+    assert card.startswith("# EAGLE-3 draft")
+    assert "Lossless" in card
     assert "| final loss train / validation | 2.500 / n/a |" in card  # no validation split
-    assert "built from" not in card and "self-distilled" not in card  # a target given by path, data as read
+    assert "built from" not in card
+    assert "self-distilled" not in card  # a target given by path, data as read
 
 
 def test_an_artefact_missing_a_key_is_refused_with_the_rule_that_writes_it(run_dir):
@@ -140,6 +146,7 @@ def test_an_artefact_missing_a_key_is_refused_with_the_rule_that_writes_it(run_d
     with pytest.raises(ArtefactError) as refused:
         package_draft(paths_of(run_dir), CONFIG, run_dir / "published_draft")
     message = str(refused.value)
-    assert "training.json is not a valid TrainingSummary" in message and "  command: missing" in message
+    assert "training.json is not a valid TrainingSummary" in message
+    assert "  command: missing" in message
     assert "snakemake --forcerun train_draft" in message
     assert not (run_dir / "published_draft").exists()

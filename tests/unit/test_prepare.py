@@ -159,11 +159,13 @@ def test_overlength_drop_and_truncate(tiny_tokenizer, tmp_path):
     long_answer = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "word " * 200}]}
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, long_answer])
     dropped = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=64, overlength="drop"))
-    assert len(dropped.samples) == 1 and dropped.manifest_counts["dropped"] == {"overlength": 1}
+    assert len(dropped.samples) == 1
+    assert dropped.manifest_counts["dropped"] == {"overlength": 1}
     truncated = prepare_conversations(
         [(path, "auto")], tiny_tokenizer, preparation(max_seq_len=64, overlength="truncate")
     )
-    assert len(truncated.samples) == 2 and truncated.manifest_counts["truncated"] == 1
+    assert len(truncated.samples) == 2
+    assert truncated.manifest_counts["truncated"] == 1
     assert max(len(s.input_ids) for s in truncated.samples) == 64
 
 
@@ -183,10 +185,10 @@ def assert_one_bad_record(tokenizer, path: Path, *, line: int, reason: str, kept
     """on_bad_record fail: the error names the record's file:line and reason; skip: the other records are kept and
     the reason counted once."""
     with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "auto")], tokenizer, max_seq_len=128)
+        prepare_conversations([(path, "auto")], tokenizer, preparation(max_seq_len=128))
     assert f"{path}:{line}" in str(info.value)
     assert reason in str(info.value)
-    result = prepare_conversations([(path, "auto")], tokenizer, max_seq_len=128, on_bad_record="skip")
+    result = prepare_conversations([(path, "auto")], tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
     assert len(result.samples) == kept
     assert result.manifest_counts["dropped"] == {reason: 1}
 
@@ -196,22 +198,14 @@ EMPTY_TURN = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"
 
 def test_empty_turn_is_a_bad_record_with_file_and_line(tiny_tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD, EMPTY_TURN])
-    with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
-    assert f"{path}:2" in str(info.value) and "empty_turn" in str(info.value)
-    result = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
-    assert len(result.samples) == 1 and result.manifest_counts["dropped"] == {"empty_turn": 1}
+    assert_one_bad_record(tiny_tokenizer, path, line=2, reason="empty_turn", kept=1)
 
 
 def test_non_utf8_line_is_a_bad_record_and_skip_skips_it(tiny_tokenizer, tmp_path):
     path = tmp_path / "data.jsonl"
     bad_line = json.dumps(GOOD).replace("hello", "h\xe9llo").encode("latin-1")  # é as one latin-1 byte
     path.write_bytes(b"\n".join([json.dumps(GOOD).encode(), bad_line, json.dumps(GOOD).encode()]) + b"\n")
-    with pytest.raises(StageError) as info:
-        prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
-    assert f"{path}:2" in str(info.value) and "not_utf8" in str(info.value)
-    result = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
-    assert len(result.samples) == 2 and result.manifest_counts["dropped"] == {"not_utf8": 1}
+    assert_one_bad_record(tiny_tokenizer, path, line=2, reason="not_utf8", kept=2)
 
 
 def test_non_utf8_json_array_names_file_and_line(tiny_tokenizer, tmp_path):
@@ -219,7 +213,8 @@ def test_non_utf8_json_array_names_file_and_line(tiny_tokenizer, tmp_path):
     path.write_bytes(b'[\n{"conversations": []},\n{"x": "\xff"}\n]\n')
     with pytest.raises(StageError) as info:
         prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128))
-    assert f"{path}:3" in str(info.value) and "not_utf8" in str(info.value)
+    assert f"{path}:3" in str(info.value)
+    assert "not_utf8" in str(info.value)
 
 
 def test_each_record_counted_under_one_outcome(tiny_tokenizer, tmp_path):
@@ -262,7 +257,8 @@ def test_skip_with_nothing_kept_lists_every_bad_record(tiny_tokenizer, tmp_path)
     path = write_jsonl(tmp_path / "data.jsonl", [BAD_CASES["invalid_record"], EMPTY_TURN])
     with pytest.raises(StageError, match="no record survived") as info:
         prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=128, on_bad_record="skip"))
-    assert f"{path}:1" in str(info.value) and f"{path}:2" in str(info.value)
+    assert f"{path}:1" in str(info.value)
+    assert f"{path}:2" in str(info.value)
 
 
 def test_bad_record_table_wraps_long_details_instead_of_cutting(tiny_tokenizer, tmp_path):

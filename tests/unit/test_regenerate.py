@@ -313,7 +313,8 @@ def test_regenerate_writes_sharegpt_that_prepare_data_accepts(tokenizer_with_tem
     out = tmp_path / "regenerated.jsonl"
     write_jsonl_atomic(out, records)
     result = prepare_conversations([(out, "sharegpt")], tokenizer, preparation(max_seq_len=256))
-    assert len(result.samples) == 3 and not result.bad_records
+    assert len(result.samples) == 3
+    assert not result.bad_records
 
 
 def test_max_prompts_caps_after_deduplication(tokenizer_with_template, tmp_path):
@@ -344,7 +345,8 @@ def test_engine_kwargs_follow_the_vllm_section():
         RegenerateResponsesStage, vllm=vllm | {"kv_cache_memory_bytes": 1 << 28}, regenerate={"seed": 7}
     )
     kwargs = regeneration_engine_kwargs(Path("/m"), settings)
-    assert kwargs["kv_cache_memory_bytes"] == 1 << 28 and "gpu_memory_utilization" not in kwargs
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 28
+    assert "gpu_memory_utilization" not in kwargs
     assert (kwargs["dtype"], kwargs["seed"], kwargs["trust_remote_code"]) == ("bfloat16", 7, False)
     assert (kwargs["max_model_len"], kwargs["max_num_seqs"], kwargs["enforce_eager"]) == (1024, 8, True)
     settings = tiny_settings(RegenerateResponsesStage, vllm=vllm | {"kv_cache_memory_bytes": None})
@@ -394,5 +396,7 @@ def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     env = subprocess_env(VllmSettings.model_validate(with_schema_defaults(vllm={"cpu_threads": 2})["vllm"]))
-    assert "MKL_NUM_THREADS" not in env and "OPENBLAS_NUM_THREADS" not in env
-    assert env["OMP_NUM_THREADS"] == "2" and env["PYTHONPATH"].split(os.pathsep)[0].endswith("workflow/scripts")
+    assert "MKL_NUM_THREADS" not in env
+    assert "OPENBLAS_NUM_THREADS" not in env
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("workflow/scripts")

@@ -193,8 +193,10 @@ def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, t
     prompts.write_text("Name a colour.\n")
     settings = RegenerateSettings.model_validate(with_schema_defaults(regenerate={"max_tokens": 8})["regenerate"])
     _, stats = regenerate(tokenizer, generate, [prompts], settings, max_model_len=512)
-    assert requests and all(end_of_turn in s.stop_token_ids for s in requests)
-    assert end_of_turn in stats.stop_token_ids and tokenizer.eos_token_id in stats.stop_token_ids
+    assert requests
+    assert all(end_of_turn in s.stop_token_ids for s in requests)
+    assert end_of_turn in stats.stop_token_ids
+    assert tokenizer.eos_token_id in stats.stop_token_ids
 
 
 def test_evaluation_sampling_carries_the_stop_set_to_the_measurement_process(tmp_path):
