@@ -24,6 +24,7 @@ from eagle3_workflow.artefacts import (
     MeasurementProcess,
     Provenance,
     TargetInfo,
+    Throughput,
     TrainingSummary,
     ValidationReport,
     write,
@@ -41,7 +42,7 @@ def acceptance_report(num_speculative_tokens: int = 3, *, mismatches: int = 0) -
         per_pos = [int(r * drafts) for r in rates]
         found = [
             LosslessMismatch(prompt_index=i, origin=f"row {i}", position=3, expected_token=17, found_token=18,
-                             logprob_gap=0.0, tolerated=True, context="the cat", expected_text=" sat",
+                             reference_gap_steps=0.0, candidate_gap_steps=0.0, tie=True, context="the cat", expected_text=" sat",
                              found_text=" sits")
             for i in range(mismatches)
         ]  # fmt: skip
@@ -51,6 +52,8 @@ def acceptance_report(num_speculative_tokens: int = 3, *, mismatches: int = 0) -
             accepted_tokens=sum(per_pos), tokens_per_s=tps, accepted_per_position=per_pos,
             draft_acceptance_rate=sum(per_pos) / (drafts * num_speculative_tokens), generated_tokens=480,
             generate_s=480 / tps, speedup=tps / 100.0, engine_start_s=2.5, lossless=True, mismatches=found,
+            throughput=[Throughput(concurrency=1, prompts=8, generated_tokens=240, seconds=240 / tps, tokens_per_s=tps,
+                                   speedup=tps / 100.0, ms_per_step=10.0)],
         )  # fmt: skip
 
     return AcceptanceReport(
@@ -60,7 +63,10 @@ def acceptance_report(num_speculative_tokens: int = 3, *, mismatches: int = 0) -
         no_speculation_tokens_per_s=100.0, lossless=True, lossless_mismatches=2 * mismatches,
         num_prompts_requested=16, prompt_detail="prepared rows 240..255 of 256", device="cpu",
         vllm_version="0.32.0", no_speculation_generated_tokens=480, no_speculation_generate_s=4.8,
-        no_speculation_engine_start_s=2.4, lossless_logprob_tolerance=0.0, untrained_baseline="fresh weights",
+        no_speculation_engine_start_s=2.4, lossless_numerics="production", lossless_tie_steps=0,
+        lossless_criterion="exact", untrained_baseline="fresh weights",
+        no_speculation_throughput=[Throughput(concurrency=1, prompts=8, generated_tokens=240, seconds=2.4,
+                                              tokens_per_s=100.0, speedup=None, ms_per_step=10.0)],
         processes=[MeasurementProcess(runs=["no_speculation", "trained", "untrained"], wall_s=40.0, vllm_import_s=6.0,
                                       engine_start_s={"no_speculation": 2.4, "trained": 2.5, "untrained": 2.5},
                                       load_1m=1.5)],

@@ -11,6 +11,11 @@ layer (every layer 0..N is computed anyway), so only a canary that matches each 
 tell. The remaps (`REMAPS`) cover injective, non-injective and conditional shapes; `post_norm_last` takes id N
 after the final norm instead of before it. Works for the models that capture through vLLM's EagleModelMixin
 (llama, qwen3, ...). Nothing happens without the variable, so a stray PYTHONPATH entry is harmless.
+
+EAGLE3_FAULT=accept_any_draft makes vLLM's greedy verification accept every draft token, chosen by the verifier
+or not (then the bonus token after the last one): the wrong-acceptance bug class the lossless check exists for.
+Both rejection samplers are patched: the V1 model runner's (CPU, and GPU runs such as n-gram) and the V2 GPU
+model runner's (EAGLE-3 on CUDA).
 """
 
 import os
@@ -86,6 +91,45 @@ def _install_remap(name):
     interfaces.EagleModelMixin._maybe_add_hidden_state = remapped
 
 
+def _install_accept_any_draft():
+    from vllm.v1.sample import rejection_sampler as v1
+
+    v1_sample = v1.rejection_sample
+
+    def accept_any_v1(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                      target_logits, bonus_token_ids, *args, **kwargs):  # fmt: skip
+        out = v1_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                        target_logits, bonus_token_ids, *args, **kwargs)  # fmt: skip
+        start = 0
+        for row, count in enumerate(num_draft_tokens):
+            out[row, :count] = draft_token_ids[start : start + count].to(out.dtype)
+            out[row, count] = bonus_token_ids[row, 0].to(out.dtype)
+            start += count
+        return out
+
+    v1.rejection_sample = accept_any_v1
+    try:  # the V2 GPU model runner (needs triton: absent on CPU)
+        from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
+    except ImportError:
+        return
+    v2_sample = v2.rejection_sample
+
+    def accept_any_v2(target_logits, draft_logits, draft_sampled, cu_num_logits, *args, **kwargs):
+        sampled, num_sampled = v2_sample(target_logits, draft_logits, draft_sampled, cu_num_logits, *args, **kwargs)
+        bounds = cu_num_logits.tolist()
+        for row in range(len(bounds) - 1):
+            first, end = bounds[row], bounds[row + 1]
+            count = end - first - 1  # draft tokens verified for this request
+            if count <= 0:
+                continue
+            sampled[row, :count] = draft_sampled[first + 1 : end].to(sampled.dtype)
+            sampled[row, count] = target_logits[end - 1].argmax().to(sampled.dtype)
+            num_sampled[row] = count + 1
+        return sampled, num_sampled
+
+    v2.rejection_sample = accept_any_v2
+
+
 if FAULT == "shift_layers":
     from vllm.model_executor.models import deepseek_v2, interfaces
 
@@ -113,5 +157,7 @@ elif FAULT == "shift_up_if_count_kept":
         _mixin_set(self, shifted if len(shifted) == len(set(layers)) else tuple(layers))
 
     interfaces.EagleModelMixin._set_aux_hidden_state_layers = _shift_when_count_kept
+elif FAULT == "accept_any_draft":
+    _install_accept_any_draft()
 elif FAULT.startswith("remap:"):
     _install_remap(FAULT.split(":", 1)[1])

@@ -4,11 +4,12 @@ numbers and lossless=True; vLLM's n-gram proposer exercises the accept path. The
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import evaluation, rules_run, run_workflow, synthetic_run_config, tiny_settings
+from conftest import REPO, evaluation, rules_run, run_workflow, synthetic_run_config, tiny_settings
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
 from eagle3_workflow.artefacts import AcceptanceReport, load
@@ -18,13 +19,14 @@ from eagle3_workflow.evaluation.launch import (
     measurement_environment,
     run_measurement_process,
 )
-from eagle3_workflow.evaluation.lossless import compare_greedy
+from eagle3_workflow.evaluation.lossless import compare_greedy, non_argmax_steps
 from eagle3_workflow.evaluation.metrics import acceptance_result
 from eagle3_workflow.evaluation.prompts import load_prompts
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec
 from eagle3_workflow.settings import ServingStage
 
 VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)
+FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")
 
 
 # ---------------------------------------------------------------- the measurement process
@@ -35,7 +37,8 @@ def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
     # prompts that are not token ids, written unchecked: the child's artefacts.load refuses the spec before it
     # imports vLLM, and exits 1 with the cause and its traceback in the log
     spec = MeasurementSpec.model_construct(engine={}, prompts=["not token ids"], max_tokens=4, timing_repeats=1,
-                                           runs=[], top_logprobs=5, stop_token_ids=[], stop=[])  # fmt: skip
+                                           runs=[], top_logprobs=5, stop_token_ids=[], stop=[],
+                                           timing_concurrency=[1], timing_prompts=None)  # fmt: skip
     env = measurement_environment(device="cpu", cpu_threads=None, in_process=True)
     log_path = tmp_path / "eval.log"
     with pytest.raises(StageError) as failure:
@@ -89,36 +92,58 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
         assert result.tokens_per_s > 0
         assert result.engine_start_s > 0
     assert len(report.processes) == 1
-    assert report.processes[0].runs == ["no_speculation", "trained", "untrained"]
+    assert report.processes[0].runs == [f"{label} (production)" for label in ("no_speculation", "trained", "untrained")]
+    assert report.lossless_numerics == "production"
+    assert report.lossless_criterion.startswith("exact")
+    assert [t.concurrency for t in report.no_speculation_throughput] == [1, 8]
     assert (tmp_path / "results/t/eval/work/untrained_draft/model.safetensors").exists()
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
     assert "[eval-vllm]" in log
     assert "stage evaluate_draft: done" in log
     print(report.model_dump_json(indent=1)[:3000], file=sys.stderr)
 
+    # a rerun with nothing changed (as after a cut later in the stage) measures nothing again
+    run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
+                 extra=["--rerun-triggers=mtime", "--forcerun", "evaluate_draft"], timeout=900)  # fmt: skip
+    again = load(AcceptanceReport, tmp_path / "results/t/eval/acceptance.json")
+    assert again.processes == []
+    assert again.trained.mean_acceptance_length == report.trained.mean_acceptance_length
+    log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
+    assert log.count("reusing ") == 3
 
-@pytest.mark.slow
-def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, tiny_tokenizer, tmp_path):
-    """An untrained EAGLE-3 draft accepts nothing, which leaves the accept path untested: vLLM's n-gram
-    proposer (prompt lookup) gets real acceptances on the tiny target's repetitive greedy text, through the same
-    measurement process, counters and lossless diff."""
+
+def _ngram_measurement(prepared, tiny_tokenizer, work_dir):
+    """No speculation and vLLM's n-gram proposer (prompt lookup: real acceptances on the tiny target's repetitive
+    greedy text, where an untrained EAGLE-3 draft accepts nothing) in one measurement process, as the stage runs
+    them on CPU: the lossless pass and the timing passes on one engine each."""
     settings = evaluation(prompts="heldout", num_prompts=4, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
                               max_model_len=512)  # fmt: skip
     engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16", trust_remote_code=False,
                            seed=0, device="cpu", tensor_parallel_size=1, in_process=True)  # fmt: skip
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    overrides = {"logprobs_mode": "raw_logits"}
     spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=32,
-                           timing_repeats=1, runs=[MeasurementRun(label="no_speculation", speculative_config=None),
-                                                   MeasurementRun(label="ngram", speculative_config=ngram)])  # fmt: skip
+                           timing_repeats=1, timing_concurrency=[1, 2], timing_prompts=2,
+                           runs=[MeasurementRun(label="no_speculation", speculative_config=None, engine_overrides=overrides),
+                                 MeasurementRun(label="ngram", speculative_config=ngram, engine_overrides=overrides)])  # fmt: skip
     env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
-    result, _ = run_measurement_process(spec, tmp_path, "ngram", env=env, log_path=tmp_path / "log", timeout_s=600)
+    result, _ = run_measurement_process(spec, work_dir, "ngram", env=env, log_path=work_dir / "log", timeout_s=600)
     reference, run = result.runs
-    mismatches = compare_greedy(reference.outputs, run.outputs, origins=[p.origin for p in prompt_set.prompts],
-                                reference_logprobs=reference.logprobs, tolerance=0.0)  # fmt: skip
-    accepted = acceptance_result(run, draft_path=Path("ngram"), num_speculative_tokens=3, reference=reference,
-                                 mismatches=mismatches)  # fmt: skip
-    assert mismatches == []
+    mismatches = compare_greedy((reference.outputs, reference.top_logits), (run.outputs, run.top_logits),
+                                origins=[p.origin for p in prompt_set.prompts], dtype="bfloat16", tie_steps=0)  # fmt: skip
+    wrong = non_argmax_steps(run.outputs, run.top_logits) + non_argmax_steps(reference.outputs, reference.top_logits)
+    accepted = acceptance_result(run, run, draft_path=Path("ngram"), num_speculative_tokens=3,
+                                 reference_timing=reference, mismatches=mismatches, non_argmax=wrong)  # fmt: skip
+    return reference, accepted
+
+
+@pytest.mark.slow
+def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, tiny_tokenizer, tmp_path):
+    """The accept path through the same measurement process, counters and lossless judge as the stage."""
+    reference, accepted = _ngram_measurement(prepared, tiny_tokenizer, tmp_path)
+    assert accepted.mismatches == []
+    assert accepted.non_argmax_steps == []
     assert accepted.lossless
     assert accepted.accepted_tokens > 0
     assert accepted.mean_acceptance_length > 1.0
@@ -126,4 +151,25 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
     rates = accepted.per_position_acceptance
     assert rates[0] > 0
     assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    # every step carries the raw logits of its top-k (the emitted token among them)
+    assert all(token in step for ids, steps in zip(reference.outputs, reference.top_logits, strict=True)
+               for token, step in zip(ids, steps, strict=True))  # fmt: skip
+    assert [t.concurrency for t in accepted.throughput] == [1, 2]
+    assert all(t.tokens_per_s > 0 and t.prompts == 2 for t in accepted.throughput)
+    assert accepted.throughput[0].ms_per_step > 0
     print(f"ngram: acceptance length {accepted.mean_acceptance_length:.3f}, per position {rates}", file=sys.stderr)
+
+
+@pytest.mark.slow
+def test_a_wrongly_accepted_draft_token_fails_the_lossless_check(prepared, tiny_tokenizer, tmp_path, monkeypatch):
+    """Fault injection (tests/fault_plugins, EAGLE3_FAULT=accept_any_draft): vLLM's verification accepts every
+    proposed token. The check must fail on the emitted tokens that are not the speculative run's own argmax, even
+    with a tie allowance, and name them."""
+    monkeypatch.setenv("EAGLE3_FAULT", "accept_any_draft")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAULT_PLUGINS, os.environ.get("PYTHONPATH")])))
+    _, accepted = _ngram_measurement(prepared, tiny_tokenizer, tmp_path)
+    assert not accepted.lossless
+    assert accepted.non_argmax_steps, "the wrongly accepted tokens are not the verifier's argmax"
+    assert "argmax" in accepted.non_argmax_steps[0]
+    assert accepted.mismatches, "accepting every n-gram guess changes the greedy output"
+    assert not any(m.tie for m in accepted.mismatches)

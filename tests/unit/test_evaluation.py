@@ -16,7 +16,14 @@ from synthetic_run import build_scratch_draft
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.launch import measurement_engine_kwargs, measurement_environment
-from eagle3_workflow.evaluation.lossless import compare_greedy, describe_mismatch, first_divergence, lossless_failure
+from eagle3_workflow.evaluation.lossless import (
+    compare_greedy,
+    describe_mismatch,
+    dtype_step,
+    first_divergence,
+    lossless_failure,
+    non_argmax_steps,
+)
 from eagle3_workflow.evaluation.metrics import (
     SpecDecodeCounters,
     acceptance_from_counters,
@@ -170,36 +177,77 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2]) == 2  # one stopped early
 
 
-def test_compare_greedy_reports_the_first_divergence_with_the_reference_gap():
+def test_dtype_step_is_the_spacing_of_bf16_values_at_that_magnitude():
+    assert dtype_step(1.0, "bfloat16") == 2**-7
+    assert dtype_step(20.0, "bfloat16") == 0.125  # 16 <= 20 < 32: 2**4 * 2**-7
+    assert dtype_step(-20.0, "bfloat16") == 0.125
+    assert dtype_step(20.0, "float32") == 2**-19
+    assert dtype_step(20.0, "float16") == 2**-6
+
+
+def test_exact_mode_fails_every_divergence_and_records_both_runs_gaps():
     reference = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
     candidate = [[1, 2, 3, 4], [5, 9, 9], [8]]
-    logprobs = [[{}] * 4, [{5: -0.1}, {6: -0.50, 9: -0.50}, {7: -0.2}], [{8: -0.1}, {9: -0.1}]]
-    found = compare_greedy(reference, candidate, origins=["a", "b", "c"], reference_logprobs=logprobs,
-                           tolerance=0.0)  # fmt: skip
+    ref_logits = [[{}] * 4, [{5: 10.0}, {6: 20.0, 9: 20.0}, {7: 3.0}], [{8: 1.0}, {9: 1.0}]]
+    cand_logits = [[{}] * 4, [{5: 10.0}, {9: 20.0, 6: 20.0}, {9: 3.0}], [{8: 1.0}]]
+    found = compare_greedy((reference, ref_logits), (candidate, cand_logits), origins=["a", "b", "c"],
+                           dtype="bfloat16", tie_steps=0)  # fmt: skip
     assert [(m.prompt_index, m.position, m.expected_token, m.found_token) for m in found] == [(1, 1, 6, 9),
                                                                                               (2, 1, 9, None)]  # fmt: skip
-    assert found[0].logprob_gap == 0.0
-    assert found[0].tolerated  # an exact tie
-    assert found[1].logprob_gap is None
-    assert not found[1].tolerated
+    assert found[0].reference_gap_steps == 0.0
+    assert found[0].candidate_gap_steps == 0.0
+    assert not found[0].tie  # exact: even an exact tie of logits is recorded as a divergence that fails
+    assert found[1].reference_gap_steps is None
+    assert not found[1].tie
     assert found[1].found_text == "<end>"
-    logprobs[1][1] = {6: -0.40, 9: -0.55}
-    strict = compare_greedy(reference, candidate, origins=["a", "b", "c"], reference_logprobs=logprobs,
-                            tolerance=0.1)[0]  # fmt: skip
-    assert strict.logprob_gap == pytest.approx(0.15)
-    assert not strict.tolerated
 
 
-def test_lossless_failure_shows_the_first_real_mismatch_readably():
-    mismatches = compare_greedy([[10, 11, 12]], [[10, 11, 99]], origins=["data.jsonl:7"],
-                                reference_logprobs=[[{10: 0.0}, {11: 0.0}, {12: -0.1, 99: -2.0}]], tolerance=0.0,
+def test_a_tie_passes_only_within_the_stated_steps_in_both_runs():
+    reference, candidate = [[5, 6]], [[5, 9]]
+
+    def judge(ref_top, cand_top, steps):
+        ref_logits, cand_logits = [[{5: 1.0}, ref_top]], [[{5: 1.0}, cand_top]]
+        return compare_greedy((reference, ref_logits), (candidate, cand_logits), origins=["a"], dtype="bfloat16",
+                              tie_steps=steps)[0]  # fmt: skip
+
+    # at a logit of ~20 a bf16 step is 0.125: one step apart in each run, each run's own argmax
+    one_step = judge({6: 20.125, 9: 20.0}, {9: 20.125, 6: 20.0}, 1)
+    assert one_step.reference_gap_steps == pytest.approx(1.0)
+    assert one_step.candidate_gap_steps == pytest.approx(1.0)
+    assert one_step.tie
+    assert not judge({6: 20.125, 9: 20.0}, {9: 20.125, 6: 20.0}, 0).tie  # exact mode
+    assert not judge({6: 20.5, 9: 20.0}, {9: 20.125, 6: 20.0}, 2).tie  # 4 steps in the reference
+    # the speculative run did not emit its own argmax at the divergence: a wrong acceptance, never a tie
+    wrong = judge({6: 20.125, 9: 20.0}, {6: 20.125, 9: 20.0}, 8)
+    assert wrong.candidate_gap_steps == pytest.approx(-1.0)
+    assert not wrong.tie
+    assert not judge({6: 20.125}, {9: 20.125, 6: 20.0}, 8).tie  # a token outside the reference's top-k
+
+
+def test_a_token_that_is_not_its_runs_argmax_is_named():
+    outputs = [[3, 4], [5]]
+    top_logits = [[{3: 2.0, 8: 1.0}, {4: 1.0, 7: 1.5}], [{5: 0.5, 6: 0.5}]]  # an exact tie passes
+    assert non_argmax_steps(outputs, top_logits) == [
+        "prompt 0 token 1: emitted 4 (logit 1.0000), argmax 7 (logit 1.5000)"
+    ]
+
+
+def test_lossless_failure_shows_the_first_real_divergence_and_wrong_acceptances_readably():
+    mismatches = compare_greedy(([[10, 11, 12]], [[{10: 0.0}, {11: 0.0}, {12: 2.0, 99: -2.0}]]),
+                                ([[10, 11, 99]], [[{10: 0.0}, {11: 0.0}, {12: 2.0, 99: -2.0}]]),
+                                origins=["data.jsonl:7"], dtype="bfloat16", tie_steps=0,
                                 decode=lambda ids: "".join(chr(96 + i % 26) for i in ids))  # fmt: skip
-    message = lossless_failure({"trained": mismatches, "untrained": []}, num_prompts=4, tolerance=0.0)
+    wrong = ["prompt 0 token 2: emitted 99 (logit -2.0000), argmax 12 (logit 2.0000)"]
+    message = lossless_failure({"trained": mismatches, "untrained": []}, {"trained": wrong, "untrained": []},
+                               num_prompts=4, tie_steps=0, numerics="batch_invariant")  # fmt: skip
     assert "1/4 prompts with the trained draft, 0/4 prompts with the untrained draft" in message
+    assert "batch_invariant kernels" in message
+    assert "not the argmax of its own logits" in message
+    assert wrong[0] in message
     assert "data.jsonl:7" in message
     assert "token 12" in message
     assert "token 99" in message
-    assert "1.9000" in message
+    assert "256.00" in message  # 4.0 apart at magnitude 2 (bf16 step 2**-6)
     assert describe_mismatch("trained", mismatches[0]) in message
 
 
@@ -276,3 +324,102 @@ def test_untrained_draft_has_the_trained_shape_vocab_and_frozen_tensors(scratch_
     config = json.loads((baseline.path / "config.json").read_text())  # speculators' file, checked key by key
     assert config["speculators_model_type"] == "eagle3"
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(Path(prepared["target"]).resolve())
+
+
+# ---------------------------------------------------------------- the plan: which engines, which kernels, reuse
+
+
+def _labelled():
+    from eagle3_workflow.evaluation.protocol import MeasurementRun
+
+    return [MeasurementRun(label="no_speculation", speculative_config=None), eagle3_run("trained", Path("d"), 3),
+            eagle3_run("untrained", Path("u"), 3)]  # fmt: skip
+
+
+def test_cpu_runs_the_lossless_and_timing_passes_on_one_engine_per_label_in_one_process():
+    from eagle3_workflow.evaluation.stage import lossless_numerics, plan_measurements
+
+    settings = evaluation()
+    assert lossless_numerics("auto", "cpu") == "production"
+    plan = plan_measurements(_labelled(), settings=settings, vllm_settings=VLLM_SETTINGS, device="cpu",
+                             numerics="production")  # fmt: skip
+    assert len(plan) == 1
+    assert not plan[0].batch_invariant
+    assert [(r.label, r.lossless_pass, r.timing_pass) for r in plan[0].runs] == [
+        ("no_speculation", True, True), ("trained", True, True), ("untrained", True, True)]  # fmt: skip
+    assert all(r.engine_overrides == {"logprobs_mode": "raw_logits"} for r in plan[0].runs)  # no CUDA graphs on CPU
+    with pytest.raises(StageError, match="batch-invariant kernels exist for CUDA only"):
+        lossless_numerics("batch_invariant", "cpu")
+
+
+def test_cuda_times_with_cuda_graphs_and_checks_losslessness_in_batch_invariant_processes():
+    from eagle3_workflow.evaluation.stage import lossless_numerics, plan_measurements
+
+    settings = evaluation(timing_concurrency=[1, 8])
+    vllm_settings = VLLM_SETTINGS.model_copy(update={"enforce_eager": True, "generation_cuda_graphs": True})
+    assert lossless_numerics("auto", "cuda") == "batch_invariant"
+    timing, exact = plan_measurements(_labelled(), settings=settings, vllm_settings=vllm_settings, device="cuda",
+                                      numerics="batch_invariant")  # fmt: skip
+    assert not timing.batch_invariant
+    assert exact.batch_invariant
+    assert all(r.timing_pass and not r.lossless_pass for r in timing.runs)
+    assert all(r.engine_overrides == {"enforce_eager": False, "max_num_seqs": 8} for r in timing.runs)
+    assert all(r.lossless_pass and not r.timing_pass for r in exact.runs)
+    assert all(r.engine_overrides == {"logprobs_mode": "raw_logits"} for r in exact.runs)  # eager per the config
+    isolated = plan_measurements(_labelled(), settings=evaluation(isolate_runs=True), vllm_settings=vllm_settings,
+                                 device="cuda", numerics="batch_invariant")  # fmt: skip
+    assert [len(p.runs) for p in isolated] == [1] * 6
+    assert [p.batch_invariant for p in isolated] == [False] * 3 + [True] * 3
+
+
+def test_a_measured_engine_is_reused_only_while_its_key_holds(tmp_path):
+    from eagle3_workflow.artefacts import write
+    from eagle3_workflow.evaluation.protocol import RunResult
+    from eagle3_workflow.evaluation.stage import keyed_run, reusable_result
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"weights v1")
+    run = eagle3_run("trained", draft, 3)
+    fields = {"prompts": [[1, 2]], "max_tokens": 8}
+    keyed = keyed_run(run, {"model": str(tmp_path)}, fields, batch_invariant=True, work_dir=tmp_path / "work")
+    assert keyed.result_path == str(tmp_path / "work" / "runs" / "trained.both.json")
+    assert reusable_result(keyed) is None  # nothing measured yet
+    result = RunResult(label="trained", key=keyed.key, engine_start_s=1.0, generate_s=1.0, generated_tokens=2,
+                       outputs=[[3, 4]], finish_reasons=["stop"], top_logits=[[{3: 1.0}, {4: 1.0}]],
+                       metrics_before=[], metrics_after=[], load_1m=0.0)  # fmt: skip
+    write(keyed.result_path, result)
+    assert reusable_result(keyed) == result
+    same = keyed_run(run, {"model": str(tmp_path)}, fields, batch_invariant=True, work_dir=tmp_path / "work")
+    assert same.key == keyed.key
+    (draft / "model.safetensors").write_bytes(b"weights v2")  # retrained: same path, other bytes
+    retrained = keyed_run(run, {"model": str(tmp_path)}, fields, batch_invariant=True, work_dir=tmp_path / "work")
+    assert retrained.key != keyed.key
+    assert reusable_result(retrained) is None
+    other_kernels = keyed_run(run, {"model": str(tmp_path)}, fields, batch_invariant=False, work_dir=tmp_path / "w")
+    assert other_kernels.key != retrained.key
+
+
+def test_throughput_rows_give_the_speedup_at_each_concurrency_and_the_step_time_at_one():
+    from eagle3_workflow.evaluation.metrics import throughput
+    from eagle3_workflow.evaluation.protocol import ConcurrencyTiming, RunResult
+
+    def run(label, timings):
+        return RunResult(label=label, engine_start_s=1.0, generate_s=0.0, generated_tokens=0, outputs=[],
+                         finish_reasons=[], top_logits=[], metrics_before=[], metrics_after=[], load_1m=0.0,
+                         timings=timings)  # fmt: skip
+
+    plain = run("no_speculation", [ConcurrencyTiming(concurrency=1, prompts=4, generated_tokens=400, seconds=2.0,
+                                                     seconds_passes=[2.0, 2.5]),
+                                   ConcurrencyTiming(concurrency=8, prompts=4, generated_tokens=400, seconds=0.5,
+                                                     seconds_passes=[0.5])])  # fmt: skip
+    spec = run("trained", [ConcurrencyTiming(concurrency=1, prompts=4, generated_tokens=400, seconds=1.0,
+                                             seconds_passes=[1.0], verify_steps=160),
+                           ConcurrencyTiming(concurrency=8, prompts=4, generated_tokens=400, seconds=0.4,
+                                             seconds_passes=[0.4], verify_steps=160)])  # fmt: skip
+    rows = throughput(spec, plain)
+    assert [(r.concurrency, r.tokens_per_s, r.speedup) for r in rows] == [(1, 400.0, 2.0), (8, 1000.0, 1.25)]
+    assert rows[0].ms_per_step == pytest.approx(6.25)  # 1 s over 160 verification steps
+    assert rows[1].ms_per_step is None
+    assert throughput(plain, None)[0].ms_per_step == pytest.approx(5.0)  # one token per step
+    assert throughput(plain, None)[0].speedup is None

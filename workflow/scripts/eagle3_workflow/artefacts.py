@@ -407,11 +407,26 @@ class LosslessMismatch(Artefact):
     position: int  # index into the generated tokens
     expected_token: int | None  # None: the run without speculation stopped here
     found_token: int | None  # None: the speculative run stopped here
-    logprob_gap: float | None  # reference logprob(expected) - logprob(found); None: found not in its top-k
-    tolerated: bool  # a numerical near-tie within evaluate.lossless_logprob_tolerance
+    # logit(expected) - logit(found) in steps of the logits' dtype at that magnitude, in the run without
+    # speculation; and logit(found) - logit(expected) in the speculative run. None: a token not in the top-k.
+    reference_gap_steps: float | None
+    candidate_gap_steps: float | None
+    tie: bool  # both gaps within evaluate.lossless_tie_steps (never with 0: exact)
     context: str  # the generated text just before the divergence
     expected_text: str
     found_text: str
+
+
+class Throughput(Artefact):
+    """One engine's timing passes at one concurrency (production settings: CUDA graphs on a GPU)."""
+
+    concurrency: int
+    prompts: int
+    generated_tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float | None  # over no speculation at the same concurrency; None for no speculation itself
+    ms_per_step: float | None  # at concurrency 1: seconds per target forward (a verification step, or one token)
 
 
 class AcceptanceResult(Artefact):
@@ -424,7 +439,7 @@ class AcceptanceResult(Artefact):
     num_drafts: int
     draft_tokens: int
     accepted_tokens: int
-    tokens_per_s: float
+    tokens_per_s: float  # at the first evaluate.timing_concurrency
     accepted_per_position: list[int]
     draft_acceptance_rate: float  # accepted / draft tokens
     generated_tokens: int
@@ -433,6 +448,9 @@ class AcceptanceResult(Artefact):
     engine_start_s: float
     lossless: bool
     mismatches: list[LosslessMismatch]
+    non_argmax_steps: list[str] = Field(default_factory=list)  # emitted tokens that are not the run's own argmax
+    # tokens/s at each evaluate.timing_concurrency (production settings); tokens_per_s and speedup are the first's
+    throughput: list[Throughput] = Field(default_factory=list)
 
 
 class MeasurementProcess(Artefact):
@@ -458,7 +476,7 @@ class AcceptanceReport(Artefact):
     untrained: AcceptanceResult
     no_speculation_tokens_per_s: float
     lossless: bool
-    lossless_mismatches: int  # mismatches counted over both drafts (tolerated near-ties included)
+    lossless_mismatches: int  # first divergences counted over both drafts (ties included)
     num_prompts_requested: int
     prompt_detail: str  # where the prompts came from (rows, file, package)
     device: str
@@ -466,12 +484,16 @@ class AcceptanceReport(Artefact):
     no_speculation_generated_tokens: int
     no_speculation_generate_s: float
     no_speculation_engine_start_s: float
-    lossless_logprob_tolerance: float
+    lossless_numerics: str  # batch_invariant | production: the kernels of the lossless pass
+    lossless_tie_steps: int  # 0 = exact
+    lossless_criterion: str  # the criterion in words, as applied
     untrained_baseline: str  # how the untrained draft was built, and whether its frozen tensors match
     processes: list[MeasurementProcess]
     notes: list[str]
     stop_token_ids: list[int] = Field(default_factory=list)  # where answers ended (eos + end-of-turn)
     stop_strings: list[str] = Field(default_factory=list)
+    no_speculation_throughput: list[Throughput] = Field(default_factory=list)
+    logit_dtype: str = "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------------------- provenance

@@ -133,14 +133,18 @@ def _training_section(inputs: CardInputs) -> list[str]:
 
 def _acceptance_section(inputs: CardInputs) -> list[str]:
     acc = inputs.acceptance
+    levels = [t.concurrency for t in acc.no_speculation_throughput]
     rows = []
     for result in (acc.trained, acc.untrained):
         per_position = " / ".join(f"{p:.3f}" for p in result.per_position_acceptance)
+        speeds = " | ".join(f"{_fmt(t.tokens_per_s, 1)} (x{_fmt(t.speedup, 2)})" for t in result.throughput)
         rows.append(
             f"| {result.label} | **{_fmt(result.mean_acceptance_length)}** | {per_position or 'n/a'} | "
-            f"{_fmt(result.num_drafts)} | {_fmt(result.tokens_per_s, 1)} | {_fmt(result.speedup, 2)} |"
+            f"{_fmt(result.num_drafts)} | {speeds} |"
         )
-    rows.append(f"| no speculation | - | - | - | {_fmt(acc.no_speculation_tokens_per_s, 1)} | 1.00 |")
+    plain = " | ".join(f"{_fmt(t.tokens_per_s, 1)} (x1.00)" for t in acc.no_speculation_throughput)
+    rows.append(f"| no speculation | - | - | - | {plain} |")
+    speed_headers = " | ".join(f"tokens/s at concurrency {c} (speedup)" for c in levels)
     trained, untrained = acc.trained.mean_acceptance_length, acc.untrained.mean_acceptance_length
     ratio = f"{trained / untrained:.2f}x the untrained draft" if trained and untrained else "n/a"
     lossless = "yes" if acc.lossless else "NO"
@@ -152,13 +156,13 @@ def _acceptance_section(inputs: CardInputs) -> list[str]:
         f"{acc.vllm_version} on {acc.device}. Mean acceptance length = tokens per "
         f"verification step including the bonus token (1 + accepted / drafts): trained {ratio}.",
         "",
-        "| draft | mean acceptance length | acceptance per position | drafts | tokens/s | speedup |",
-        "|---|---|---|---|---|---|",
+        f"| draft | mean acceptance length | acceptance per position | drafts | {speed_headers} |",
+        "|---|---|---|---|" + "---|" * len(levels),
         *rows,
         "",
-        f"Lossless (speculative output identical to greedy decoding without speculation): {lossless} "
-        f"({_fmt(acc.lossless_mismatches)} divergences at near-ties, logprob gap tolerance "
-        f"{acc.lossless_logprob_tolerance}). "
+        f"Lossless: {lossless}, {acc.lossless_criterion} ({acc.lossless_numerics} kernels; "
+        f"{_fmt(acc.lossless_mismatches)} first divergences). Tokens/s: production settings, the first "
+        f"prompts at each concurrency. "
         f"The untrained draft: {acc.untrained_baseline}.",
         *[f"Note: {note}" for note in acc.notes],
         "",

@@ -136,6 +136,7 @@ class VllmSettings(VllmDevice):
     max_model_len: int
     max_num_seqs: int
     enforce_eager: bool
+    generation_cuda_graphs: bool
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: Number
     ready_timeout_s: Number
@@ -234,7 +235,10 @@ class EvaluationSettings(View):
     seed: int
     isolate_runs: bool | None
     timing_repeats: int
-    lossless_logprob_tolerance: Number
+    timing_concurrency: tuple[int, ...]
+    timing_prompts: int
+    lossless_numerics: Literal["auto", "batch_invariant", "production"]
+    lossless_tie_steps: int
     timeout_s: Number
 
 

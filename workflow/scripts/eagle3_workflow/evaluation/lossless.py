@@ -1,12 +1,25 @@
 """The lossless check (pure): the first token where a speculative run differs from the reference, per prompt,
-with the reference's logprob gap between the two tokens, and the StageError message that spells them out."""
+judged by both runs' own raw logits, and the StageError message that spells them out.
+
+The criterion (``evaluate.lossless_tie_steps``):
+- every token either run emitted is the argmax of that run's own logits at that step (a wrong acceptance, a
+  draft token the verifier did not choose, fails here whatever the setting);
+- with 0 steps (the default) no prompt may differ at all;
+- with N > 0 steps a first divergence passes only as a tie: in both runs the two tokens' logits are within N steps
+  of the logits' dtype at that magnitude (bf16 has 8 significant bits: at a logit of 20 one step is 0.125).
+Every divergence is recorded, tie or not."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from eagle3_workflow.artefacts import LosslessMismatch
 from eagle3_workflow.errors import render_table
+
+# significant bits after the leading one of each floating dtype the logits can come in
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "half": 10, "float32": 23, "float": 23, "auto": 7}
+MAX_ARGMAX_EXAMPLES = 8
 
 
 def first_divergence(expected: Sequence[int], found: Sequence[int]) -> int | None:
@@ -18,29 +31,69 @@ def first_divergence(expected: Sequence[int], found: Sequence[int]) -> int | Non
     return None
 
 
+def dtype_step(magnitude: float, dtype: str) -> float:
+    """The spacing of representable `dtype` values at `magnitude` (one unit in the last place)."""
+    bits = MANTISSA_BITS.get(dtype, 7)
+    magnitude = abs(magnitude)
+    if magnitude == 0 or not math.isfinite(magnitude):
+        return 2.0 ** (-126 - bits)
+    return 2.0 ** (math.floor(math.log2(magnitude)) - bits)
+
+
+def gap_in_steps(top: dict[int, float], winner: int | None, loser: int | None, dtype: str) -> float | None:
+    """How many dtype steps `winner`'s logit is above `loser`'s in one step's top-k; None if either is missing."""
+    if winner is None or loser is None or winner not in top or loser not in top:
+        return None
+    a, b = top[winner], top[loser]
+    return (a - b) / dtype_step(max(abs(a), abs(b)), dtype)
+
+
+def non_argmax_steps(outputs: Sequence[Sequence[int]], top_logits: Sequence[Sequence[dict[int, float]]]) -> list[str]:
+    """Every (prompt, step) whose emitted token is not the highest logit of that step (ties pass), as text."""
+    found = []
+    for prompt, (tokens, steps) in enumerate(zip(outputs, top_logits, strict=True)):
+        for position, (token, top) in enumerate(zip(tokens, steps, strict=False)):
+            if top and token in top and top[token] < max(top.values()):
+                best = max(top, key=top.__getitem__)
+                found.append(
+                    f"prompt {prompt} token {position}: emitted {token} (logit {top[token]:.4f}), argmax {best} "
+                    f"(logit {top[best]:.4f})"
+                )
+    return found
+
+
 def compare_greedy(
-    reference: Sequence[Sequence[int]],
-    candidate: Sequence[Sequence[int]],
+    reference: tuple[Sequence[Sequence[int]], Sequence[Sequence[dict[int, float]]]],
+    candidate: tuple[Sequence[Sequence[int]], Sequence[Sequence[dict[int, float]]]],
     *,
     origins: Sequence[str],
-    reference_logprobs: Sequence[Sequence[dict[int, float]]] | None,
-    tolerance: float,
+    dtype: str,
+    tie_steps: int,
     decode: Callable[[Sequence[int]], str] = lambda ids: " ".join(map(str, ids)),
     context_tokens: int = 12,
 ) -> list[LosslessMismatch]:
-    """The first divergence of each prompt whose candidate output differs from the reference."""
+    """The first divergence of each prompt whose candidate output differs from the reference. Each run is
+    (outputs, top_logits): token ids per prompt, and per generated token the top-k raw logits."""
     mismatches = []
-    for index, (expected, found) in enumerate(zip(reference, candidate, strict=True)):
+    reference_ids, reference_logits = reference
+    candidate_ids, candidate_logits = candidate
+    for index, (expected, found) in enumerate(zip(reference_ids, candidate_ids, strict=True)):
         position = first_divergence(expected, found)
         if position is None:
             continue
         expected_token = expected[position] if position < len(expected) else None
         found_token = found[position] if position < len(found) else None
-        gap = None
-        if expected_token is not None and found_token is not None and reference_logprobs is not None:
-            top = reference_logprobs[index][position] if position < len(reference_logprobs[index]) else {}
-            if expected_token in top and found_token in top:
-                gap = float(top[expected_token] - top[found_token])
+        ref_top = _step(reference_logits, index, position)
+        cand_top = _step(candidate_logits, index, position)
+        reference_gap = gap_in_steps(ref_top, expected_token, found_token, dtype)
+        candidate_gap = gap_in_steps(cand_top, found_token, expected_token, dtype)
+        tie = (
+            tie_steps > 0
+            and reference_gap is not None
+            and candidate_gap is not None
+            and 0 <= reference_gap <= tie_steps
+            and 0 <= candidate_gap <= tie_steps
+        )
         mismatches.append(
             LosslessMismatch(
                 prompt_index=index,
@@ -48,8 +101,9 @@ def compare_greedy(
                 position=position,
                 expected_token=expected_token,
                 found_token=found_token,
-                logprob_gap=gap,
-                tolerated=gap is not None and gap <= tolerance,
+                reference_gap_steps=reference_gap,
+                candidate_gap_steps=candidate_gap,
+                tie=tie,
                 context=decode(expected[max(0, position - context_tokens) : position]),
                 expected_text=decode(expected[position : position + 8]) if expected_token is not None else "<end>",
                 found_text=decode(found[position : position + 8]) if found_token is not None else "<end>",
@@ -58,44 +112,64 @@ def compare_greedy(
     return mismatches
 
 
+def _step(top_logits: Sequence[Sequence[dict[int, float]]], prompt: int, position: int) -> dict[int, float]:
+    steps = top_logits[prompt] if prompt < len(top_logits) else []
+    return steps[position] if position < len(steps) else {}
+
+
+def _steps_text(gap: float | None) -> str:
+    return "not in the top-k" if gap is None else f"{gap:.2f}"
+
+
 def describe_mismatch(label: str, mismatch: LosslessMismatch) -> str:
-    gap = "not in the reference's top-5" if mismatch.logprob_gap is None else f"{mismatch.logprob_gap:.4f}"
     return (
         f"prompt {mismatch.prompt_index} ({mismatch.origin}), generated token {mismatch.position}:\n"
         f"  context:                 ...{mismatch.context!r}\n"
         f"  without speculation:     {mismatch.expected_text!r} (token {mismatch.expected_token})\n"
         f"  with the {label} draft: {mismatch.found_text!r} (token {mismatch.found_token})\n"
-        f"  reference logprob gap:   {gap}"
+        f"  logit gap in dtype steps: {_steps_text(mismatch.reference_gap_steps)} without speculation, "
+        f"{_steps_text(mismatch.candidate_gap_steps)} with it"
     )
 
 
-def lossless_failure(results: dict[str, list[LosslessMismatch]], num_prompts: int, tolerance: float) -> str:
-    """The StageError message: counts, the first real mismatch spelled out, then a table of all of them."""
-    rows = []
-    for label, mismatches in results.items():
-        for m in mismatches:
-            gap = "-" if m.logprob_gap is None else f"{m.logprob_gap:.4f}"
-            rows.append(
-                (
-                    label,
-                    m.prompt_index,
-                    m.origin,
-                    m.position,
-                    m.expected_token,
-                    m.found_token,
-                    gap,
-                    "yes" if m.tolerated else "NO",
-                )
-            )
-    label, first = next((lbl, m) for lbl, ms in results.items() for m in ms if not m.tolerated)
+def lossless_failure(
+    results: dict[str, list[LosslessMismatch]],
+    non_argmax: dict[str, list[str]],
+    *,
+    num_prompts: int,
+    tie_steps: int,
+    numerics: str,
+) -> str:
+    """The StageError message: counts, the first real failure spelled out, then a table of every divergence."""
+    parts = []
     counts = ", ".join(
-        f"{sum(not m.tolerated for m in ms)}/{num_prompts} prompts with the {lbl} draft" for lbl, ms in results.items()
+        f"{sum(not m.tie for m in ms)}/{num_prompts} prompts with the {lbl} draft" for lbl, ms in results.items()
     )
-    table = render_table(["draft", "prompt", "origin", "token", "expected", "found", "gap", "tolerated"], rows)
-    return (
-        f"speculative decoding changed the greedy output (not lossless): {counts}.\n"
-        f"First mismatch:\n{describe_mismatch(label, first)}\n\nAll first divergences:\n{table}\n"
-        "EAGLE-3 verification must reproduce greedy decoding exactly, so this points at the spec-decode path of "
-        "this vLLM for this target (or the draft config). If every gap is a tiny numerical near-tie (batched bf16 "
-        f"on GPU), raise evaluate.lossless_logprob_tolerance (now {tolerance}) after reading them."
+    parts.append(f"speculative decoding changed the greedy output (not lossless, {numerics} kernels): {counts}.")
+    for label, examples in non_argmax.items():
+        if examples:
+            shown = "\n  ".join(examples[:MAX_ARGMAX_EXAMPLES])
+            parts.append(
+                f"The {label} run emitted {len(examples)} token(s) that are not the argmax of its own logits (a "
+                f"draft token accepted that the verifier did not choose):\n  {shown}"
+            )
+    first = next(((lbl, m) for lbl, ms in results.items() for m in ms if not m.tie), None)
+    if first is not None:
+        parts.append(f"First divergence that is not a tie:\n{describe_mismatch(*first)}")
+    rows = [
+        (label, m.prompt_index, m.origin, m.position, m.expected_token, m.found_token,
+         _steps_text(m.reference_gap_steps), _steps_text(m.candidate_gap_steps), "yes" if m.tie else "NO")
+        for label, mismatches in results.items()
+        for m in mismatches
+    ]  # fmt: skip
+    if rows:
+        headers = ["draft", "prompt", "origin", "token", "expected", "found", "gap (ref)", "gap (spec)", "tie"]
+        parts.append(f"All first divergences (gaps in steps of the logits' dtype):\n{render_table(headers, rows)}")
+    parts.append(
+        "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
+        "points at the spec-decode path of this vLLM (or the draft config). Divergences where both runs emitted "
+        f"their own argmax are numerics: evaluate.lossless_numerics: batch_invariant (CUDA) removes batch-"
+        f"composition effects; evaluate.lossless_tie_steps (now {tie_steps}) accepts ties within that many "
+        "dtype steps after you have read them."
     )
+    return "\n\n".join(parts)

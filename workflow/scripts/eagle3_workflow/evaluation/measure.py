@@ -4,12 +4,14 @@ up, times the greedy passes and reads vLLM's spec-decode counters before and aft
 output goes to the stage's log with a ``[eval-vllm]`` prefix. Only this module imports vLLM, inside the functions,
 so the stage process never does.
 
-Greedy decoding (temperature 0); the top-5 logprobs of every generated token are requested in every run (the
-same overhead for all) for the lossless check."""
+Greedy decoding (temperature 0). The lossless pass asks for the top-5 raw logits of every generated token
+(``logprobs_mode="raw_logits"`` among the engine's kwargs): the check compares tokens, and judges any divergence
+by the logits of both runs. The timing passes ask for no logprobs, as a user serving the draft would not."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -20,6 +22,7 @@ from typing import Any
 from eagle3_workflow.artefacts import load, write
 from eagle3_workflow.evaluation.protocol import (
     LOG_PREFIX,
+    ConcurrencyTiming,
     MeasurementResult,
     MeasurementRun,
     MeasurementSpec,
@@ -63,7 +66,7 @@ def measured_sampling(spec: MeasurementSpec) -> dict[str, Any]:
 
 
 def measure(spec: MeasurementSpec) -> MeasurementResult:
-    """Start each engine in turn, warm it up, generate greedily on every prompt, read its counters."""
+    """Start each engine in turn, warm it up, run its lossless and timing passes, read its counters."""
     started = time.perf_counter()
     import vllm
 
@@ -71,18 +74,24 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
 
     import_s = time.perf_counter() - started
     progress_bar = engine_progress_bar()  # one marker per finished request: the parent's stall watch
-    print(f"{LOG_PREFIX}vllm {vllm.__version__} imported in {import_s:.1f} s", flush=True)
+    print(f"{LOG_PREFIX}vllm {vllm.__version__} imported in {import_s:.1f} s ({numerics()} kernels)", flush=True)
     results = [measure_run(spec, run, progress_bar) for run in spec.runs]
     return MeasurementResult(vllm_version=vllm.__version__, import_s=import_s, runs=results)
 
 
+def numerics() -> str:
+    """The kernels this process runs with: the stage sets VLLM_BATCH_INVARIANT=1 for a lossless process."""
+    return "batch_invariant" if os.environ.get("VLLM_BATCH_INVARIANT") == "1" else "production"
+
+
 def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any) -> RunResult:
-    """One engine: start it, warm it up (excluded), time the measured passes; shut it down even on failure."""
+    """One engine: start it, warm it up (excluded), run its passes; shut it down even on failure. The result is
+    written to run.result_path at once, so a cut later in this process loses nothing measured."""
     from vllm import LLM, SamplingParams
 
     from eagle3_workflow.runtime.child import BUSY_MARKER, IDLE_MARKER, print_marker
 
-    kwargs = dict(spec.engine)
+    kwargs = dict(spec.engine) | dict(run.engine_overrides)
     if run.speculative_config:
         kwargs["speculative_config"] = dict(run.speculative_config)
     print_marker(IDLE_MARKER)  # loading an engine is bounded by evaluate.timeout_s, not the stall watch
@@ -91,70 +100,110 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any) -
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids in spec.prompts]
+    lossless = LosslessPass(outputs=[], generate_s=0.0, before=[], after=[])
+    timings: list[ConcurrencyTiming] = []
     try:
         print_marker(BUSY_MARKER)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS), use_tqdm=progress_bar)
-        before = _spec_metrics(llm)
-        outputs, after, passes = timed_passes(llm, prompts, SamplingParams(**measured_sampling(spec)),
-                                              repeats=spec.timing_repeats, progress_bar=progress_bar)  # fmt: skip
+        if run.lossless_pass:
+            lossless = lossless_pass(llm, prompts, SamplingParams(**measured_sampling(spec)), progress_bar)
+        if run.timing_pass:
+            timed = prompts[: spec.timing_prompts or len(prompts)]
+            sampling = SamplingParams(**(measured_sampling(spec) | {"logprobs": None}))
+            timings = [timed_at_concurrency(llm, timed, sampling, concurrency=c, repeats=spec.timing_repeats,
+                                            progress_bar=progress_bar) for c in spec.timing_concurrency]  # fmt: skip
     finally:
         _shutdown(llm)
         del llm
         gc.collect()
-    return run_result(run.label, outputs, engine_start_s=engine_start_s, passes=passes, before=before, after=after)
+        _free_device_memory()
+    result = run_result(run, lossless, engine_start_s=engine_start_s, timings=timings)
+    if run.result_path:
+        write(run.result_path, result)
+    return result
 
 
-def timed_passes(
-    llm: Any, prompts: list[dict[str, Any]], sampling: Any, *, repeats: int, progress_bar: Any
-) -> tuple[list[Any], list[dict[str, Any]], list[float]]:
-    """The wall time of each measured pass; the outputs and counters of the first one only (the later passes
-    only time, as the counters are cumulative)."""
-    passes = []
-    outputs = after = None
-    for _ in range(repeats):
+def _free_device_memory() -> None:
+    """Give the engine's GPU memory back before the next engine of this process starts."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclasses.dataclass
+class LosslessPass:
+    outputs: list[Any]
+    generate_s: float
+    before: list[dict[str, Any]]
+    after: list[dict[str, Any]]
+
+
+def lossless_pass(llm: Any, prompts: list[dict[str, Any]], sampling: Any, progress_bar: Any) -> LosslessPass:
+    """Every prompt at once, greedily, with the top-k raw logits of each step; the counters around it."""
+    before = _spec_metrics(llm)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, sampling, use_tqdm=progress_bar)
+    generate_s = time.perf_counter() - t0
+    return LosslessPass(outputs=outputs, generate_s=generate_s, before=before, after=_spec_metrics(llm))
+
+
+def timed_at_concurrency(
+    llm: Any, prompts: list[dict[str, Any]], sampling: Any, *, concurrency: int, repeats: int, progress_bar: Any
+) -> ConcurrencyTiming:
+    """`repeats` passes over `prompts`, `concurrency` requests at a time; the drafts proposed in the first."""
+    from eagle3_workflow.evaluation.metrics import counters_from_metrics
+
+    passes, generated, verify_steps = [], 0, None
+    for repeat in range(repeats):
+        before = counters_from_metrics(_spec_metrics(llm))
         t0 = time.perf_counter()
-        generated = llm.generate(prompts, sampling, use_tqdm=progress_bar)
+        tokens = 0
+        for start in range(0, len(prompts), concurrency):
+            batch = llm.generate(prompts[start : start + concurrency], sampling, use_tqdm=progress_bar)
+            tokens += sum(len(request.outputs[0].token_ids) for request in batch)
         passes.append(time.perf_counter() - t0)
-        if outputs is None:
-            outputs = generated
-            after = _spec_metrics(llm)
-    assert outputs is not None and after is not None
-    return outputs, after, passes
+        if repeat == 0:
+            generated = tokens
+            after = counters_from_metrics(_spec_metrics(llm))
+            if after is not None:
+                verify_steps = after.num_drafts - (before.num_drafts if before else 0)
+    timing = ConcurrencyTiming(concurrency=concurrency, prompts=len(prompts), generated_tokens=generated,
+                               seconds=min(passes), seconds_passes=passes, verify_steps=verify_steps)  # fmt: skip
+    print(f"{LOG_PREFIX}  concurrency {concurrency}: {generated} tokens in {timing.seconds:.2f} s "
+          f"({timing.tokens_per_s:.1f} tokens/s)", flush=True)  # fmt: skip
+    return timing
 
 
 def run_result(
-    label: str,
-    outputs: list[Any],
-    *,
-    engine_start_s: float,
-    passes: list[float],
-    before: list[dict[str, Any]],
-    after: list[dict[str, Any]],
+    run: MeasurementRun, lossless: LosslessPass, *, engine_start_s: float, timings: list[ConcurrencyTiming]
 ) -> RunResult:
-    """The RunResult of one engine from vLLM's RequestOutputs; its tokens/s line goes to the log."""
-    completions = [request.outputs[0] for request in outputs]
+    """The RunResult of one engine from vLLM's RequestOutputs; its summary line goes to the log."""
+    completions = [request.outputs[0] for request in lossless.outputs]
     token_ids = [list(c.token_ids) for c in completions]
     generated_tokens = sum(len(ids) for ids in token_ids)
     print(
-        f"{LOG_PREFIX}{label}: engine start {engine_start_s:.1f} s, {generated_tokens} tokens in "
-        f"{min(passes):.2f} s ({generated_tokens / min(passes):.1f} tokens/s)",
+        f"{LOG_PREFIX}{run.label}: engine start {engine_start_s:.1f} s, lossless pass {generated_tokens} tokens in "
+        f"{lossless.generate_s:.2f} s ({numerics()} kernels)",
         flush=True,
     )
     return RunResult(
-        label=label,
+        label=run.label,
+        key=run.key,
+        numerics=numerics(),
         engine_start_s=engine_start_s,
-        generate_s=min(passes),
-        generate_s_passes=passes,
+        generate_s=lossless.generate_s,
         generated_tokens=generated_tokens,
         outputs=token_ids,
         finish_reasons=[str(c.finish_reason) for c in completions],
-        logprobs=[
+        top_logits=[
             [{int(tok): float(lp.logprob) for tok, lp in step.items()} for step in (c.logprobs or [])]
             for c in completions
         ],
-        metrics_before=before,
-        metrics_after=after,
+        metrics_before=lossless.before,
+        metrics_after=lossless.after,
         load_1m=os.getloadavg()[0],
+        timings=timings,
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import AcceptanceReport, AcceptanceResult, LosslessMismatch
+from eagle3_workflow.artefacts import AcceptanceReport, AcceptanceResult, LosslessMismatch, Throughput
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.evaluation.protocol import NO_SPECULATION, RunResult
 
@@ -92,57 +92,88 @@ def acceptance_from_counters(counters: SpecDecodeCounters, num_speculative_token
     )
 
 
+def throughput(run: RunResult, reference: RunResult | None) -> list[Throughput]:
+    """The timing passes of one engine, with the speed-up over no speculation at the same concurrency and, at
+    concurrency 1, the time of one target forward pass (a verification step with speculation)."""
+    rows = []
+    for timing in run.timings:
+        same = reference.timing_at(timing.concurrency) if reference is not None else None
+        forwards = timing.verify_steps if timing.verify_steps is not None else timing.generated_tokens
+        rows.append(
+            Throughput(
+                concurrency=timing.concurrency,
+                prompts=timing.prompts,
+                generated_tokens=timing.generated_tokens,
+                seconds=timing.seconds,
+                tokens_per_s=timing.tokens_per_s,
+                speedup=timing.tokens_per_s / same.tokens_per_s if same is not None and same.tokens_per_s else None,
+                ms_per_step=1000 * timing.seconds / forwards if timing.concurrency == 1 and forwards else None,
+            )
+        )
+    return rows
+
+
 def acceptance_result(
-    run: RunResult,
+    lossless_run: RunResult,
+    timing_run: RunResult,
     *,
     draft_path: Path,
     num_speculative_tokens: int,
-    reference: RunResult,
+    reference_timing: RunResult,
     mismatches: list[LosslessMismatch],
+    non_argmax: list[str],
 ) -> AcceptanceResult:
-    after = counters_from_metrics(run.metrics_after)
+    """One draft: acceptance from the lossless pass's counters, tokens/s from the timing passes."""
+    after = counters_from_metrics(lossless_run.metrics_after)
     if after is None:
-        found = sorted({m["name"] for m in run.metrics_after}) or "none"
+        found = sorted({m["name"] for m in lossless_run.metrics_after}) or "none"
         raise StageError(
-            f"the {run.label} run exposed no vLLM spec-decode counters (expected {sorted(SPEC_COUNTERS)}; found "
-            f"{found}): speculation did not run or this vLLM renamed its metrics; check_api should pin them"
+            f"the {lossless_run.label} run exposed no vLLM spec-decode counters (expected {sorted(SPEC_COUNTERS)}; "
+            f"found {found}): speculation did not run or this vLLM renamed its metrics; check_api should pin them"
         )
-    counters = counters_delta(counters_from_metrics(run.metrics_before), after)
+    counters = counters_delta(counters_from_metrics(lossless_run.metrics_before), after)
     stats = acceptance_from_counters(counters, num_speculative_tokens)
-    tokens_per_s, reference_tps = run.tokens_per_s, reference.tokens_per_s
+    rows = throughput(timing_run, reference_timing)
+    first = rows[0] if rows else None
     return AcceptanceResult(
-        label=run.label,
+        label=lossless_run.label,
         draft_path=str(draft_path),
         mean_acceptance_length=stats.mean_acceptance_length,
         per_position_acceptance=stats.per_position_acceptance,
         num_drafts=counters.num_drafts,
         draft_tokens=counters.num_draft_tokens,
         accepted_tokens=counters.num_accepted_tokens,
-        tokens_per_s=tokens_per_s,
+        tokens_per_s=first.tokens_per_s if first else 0.0,
         accepted_per_position=stats.accepted_per_position,
         draft_acceptance_rate=stats.draft_acceptance_rate,
-        generated_tokens=run.generated_tokens,
-        generate_s=run.generate_s,
-        speedup=tokens_per_s / reference_tps if reference_tps else 0.0,
-        engine_start_s=run.engine_start_s,
-        lossless=all(m.tolerated for m in mismatches),
+        generated_tokens=lossless_run.generated_tokens,
+        generate_s=lossless_run.generate_s,
+        speedup=(first.speedup or 0.0) if first else 0.0,
+        engine_start_s=timing_run.engine_start_s,
+        lossless=all(m.tie for m in mismatches) and not non_argmax,
         mismatches=mismatches,
+        non_argmax_steps=non_argmax,
+        throughput=rows,
     )
 
 
 def summary_table(report: AcceptanceReport) -> str:
+    levels = [t.concurrency for t in report.no_speculation_throughput]
+    tps = [f"tokens/s @{c}" for c in levels]
     rows: list[tuple[object, ...]] = [
-        (NO_SPECULATION, "-", "-", f"{report.no_speculation_tokens_per_s:.1f}", "1.00", "-"),
-    ]
+        (NO_SPECULATION, "-", "-", *(f"{t.tokens_per_s:.1f}" for t in report.no_speculation_throughput),
+         "1.00", "-"),
+    ]  # fmt: skip
     for result in (report.trained, report.untrained):
         rows.append(
             (
                 result.label,
                 f"{result.mean_acceptance_length:.3f}",
                 " ".join(f"{r:.2f}" for r in result.per_position_acceptance),
-                f"{result.tokens_per_s:.1f}",
+                *(f"{t.tokens_per_s:.1f}" for t in result.throughput),
                 f"{result.speedup:.2f}",
-                "yes" if result.lossless else f"NO ({len(result.mismatches)})",
+                "yes" if result.lossless else f"NO ({sum(not m.tie for m in result.mismatches)})",
             )
         )
-    return render_table(["run", "acceptance length", "per position", "tokens/s", "speedup", "lossless"], rows)
+    headers = ["run", "acceptance length", "per position", *tps, f"speedup @{levels[0] if levels else '-'}"]
+    return render_table([*headers, "lossless"], rows)

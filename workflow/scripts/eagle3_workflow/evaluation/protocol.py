@@ -18,8 +18,21 @@ NO_SPECULATION = "no_speculation"
 
 
 class MeasurementRun(Artefact):
+    """One engine of a measurement process and the passes it runs.
+
+    The lossless pass generates greedily on every prompt with the top-k raw logits of each step and reads the
+    spec-decode counters around it (acceptance); the timing passes time the first `timing_prompts` prompts at each
+    concurrency. `engine_overrides` are this engine's own vllm.LLM keyword arguments (eager or CUDA graphs,
+    logprobs mode). The child writes the RunResult to `result_path` as soon as the engine is measured, so a rerun
+    after a cut reuses every engine whose `key` (a hash of everything that decides its result) is unchanged."""
+
     label: str
     speculative_config: dict[str, Any] | None  # None: no speculation (the reference)
+    lossless_pass: bool = True
+    timing_pass: bool = True
+    engine_overrides: dict[str, Any] = Field(default_factory=dict)
+    key: str = ""
+    result_path: str | None = None
 
 
 def eagle3_run(label: str, draft: Path, num_speculative_tokens: int) -> MeasurementRun:
@@ -40,25 +53,44 @@ class MeasurementSpec(Artefact):
     top_logprobs: int = TOP_LOGPROBS
     stop_token_ids: list[int] = Field(default_factory=list)  # eos + the template's end-of-turn
     stop: list[str] = Field(default_factory=list)
+    timing_concurrency: list[int] = Field(default_factory=lambda: [1])
+    timing_prompts: int | None = None  # None: every prompt
+
+
+class ConcurrencyTiming(Artefact):
+    """The timing passes of one engine at one concurrency: the first `prompts` prompts, `concurrency` at a time
+    (each batch waits for its slowest request, as a static batch does)."""
+
+    concurrency: int
+    prompts: int
+    generated_tokens: int
+    seconds: float  # the fastest pass
+    seconds_passes: list[float]
+    verify_steps: int | None = None  # drafts proposed in the first pass (speculative runs): target forward passes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class RunResult(Artefact):
     label: str
     engine_start_s: float
-    generate_s: float  # the fastest measured pass
-    generate_s_passes: list[float]
+    # the lossless pass (empty lists when the run had none)
+    generate_s: float
     generated_tokens: int
     outputs: list[list[int]]
     finish_reasons: list[str]
-    logprobs: list[list[dict[int, float]]]  # per prompt, per generated token: top-k token -> logprob
+    top_logits: list[list[dict[int, float]]]  # per prompt, per generated token: top-k token -> raw logit
     metrics_before: list[dict[str, Any]]
     metrics_after: list[dict[str, Any]]
     load_1m: float
+    timings: list[ConcurrencyTiming] = Field(default_factory=list)
+    key: str = ""
+    numerics: str = "production"  # production | batch_invariant: the kernels the engine ran with
 
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens over the fastest pass (0 when nothing was timed)."""
-        return self.generated_tokens / self.generate_s if self.generate_s > 0 else 0.0
+    def timing_at(self, concurrency: int) -> ConcurrencyTiming | None:
+        return next((t for t in self.timings if t.concurrency == concurrency), None)
 
 
 class MeasurementResult(Artefact):

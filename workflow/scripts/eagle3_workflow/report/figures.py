@@ -208,5 +208,6 @@ def plot_acceptance(report: AcceptanceReport, path: Path) -> None:
             f"x{ratio:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9
         )
     speed_ax.set_ylabel("generated tokens / s")
-    speed_ax.set_title(f"throughput on {report.device} (greedy, max_tokens {report.max_tokens})")
+    level = report.no_speculation_throughput[0].concurrency if report.no_speculation_throughput else "?"
+    speed_ax.set_title(f"tokens/s on {report.device} at concurrency {level} (greedy, max_tokens {report.max_tokens})")
     _save(fig, path)

@@ -140,6 +140,7 @@ def extraction_page(manifests: Sequence[ExtractionManifest]) -> str:
 def acceptance_page(report: AcceptanceReport) -> str:
     sections = [
         ("Results", _acceptance_results(report)),
+        ("Tokens / s by concurrency (production settings)", _throughput_table(report)),
         ("Setup", _acceptance_setup(report)),
         ("Measurement processes", _measurement_processes(report)),
     ]
@@ -148,7 +149,20 @@ def acceptance_page(report: AcceptanceReport) -> str:
         sections.append(
             (
                 "Greedy divergences",
-                html_table(["draft", "prompt", "origin", "token", "expected", "found", "gap", "tolerated"], mismatches),
+                html_table(
+                    [
+                        "draft",
+                        "prompt",
+                        "origin",
+                        "token",
+                        "expected",
+                        "found",
+                        "gap steps (ref)",
+                        "gap steps (spec)",
+                        "tie",
+                    ],
+                    mismatches,
+                ),
             )
         )
     if report.notes:
@@ -160,7 +174,9 @@ def _acceptance_results(report: AcceptanceReport) -> str:
     """One row per run: no speculation (the baseline), then the trained and the untrained draft."""
     k = report.num_speculative_tokens
     headers = ["run", "mean acceptance length", "draft acceptance rate"] + [f"pos {i + 1}" for i in range(k)]
-    headers += ["drafts", "accepted", "tokens", "seconds", "tokens / s", "speedup", "engine start s", "lossless"]
+    first = report.no_speculation_throughput[0].concurrency if report.no_speculation_throughput else "-"
+    headers += ["drafts", "accepted", "tokens", "seconds", f"tokens / s @{first}", f"speedup @{first}",
+                "engine start s", "lossless"]  # fmt: skip
     rows = [
         ["no speculation", "", ""]
         + [""] * k
@@ -193,6 +209,22 @@ def _acceptance_results(report: AcceptanceReport) -> str:
     return html_table(headers, rows)
 
 
+def _throughput_table(report: AcceptanceReport) -> str:
+    """tokens/s of each engine at each timing concurrency, the speed-up over no speculation, the step time."""
+    rows = []
+    for label, timings in (
+        ("no speculation", report.no_speculation_throughput),
+        (report.trained.label, report.trained.throughput),
+        (report.untrained.label, report.untrained.throughput),
+    ):
+        for t in timings:
+            speedup = 1.0 if t.speedup is None and label == "no speculation" else t.speedup
+            rows.append([label, t.concurrency, t.prompts, t.generated_tokens, t.seconds, t.tokens_per_s, speedup,
+                         "" if t.ms_per_step is None else t.ms_per_step])  # fmt: skip
+    headers = ["run", "concurrency", "prompts", "tokens", "seconds", "tokens / s", "speedup", "ms per target step"]
+    return html_table(headers, rows)
+
+
 def _acceptance_setup(report: AcceptanceReport) -> str:
     return key_value_table(
         [
@@ -203,7 +235,9 @@ def _acceptance_setup(report: AcceptanceReport) -> str:
             ("device", report.device),
             ("vLLM", report.vllm_version),
             ("lossless", report.lossless),
-            ("lossless mismatches (incl. tolerated)", report.lossless_mismatches),
+            ("lossless criterion", report.lossless_criterion),
+            ("lossless pass kernels", report.lossless_numerics),
+            ("first divergences (ties included)", report.lossless_mismatches),
             ("untrained baseline", report.untrained_baseline),
         ]
     )
@@ -228,8 +262,9 @@ def _greedy_divergences(report: AcceptanceReport) -> list[tuple[Any, ...]]:
             m.position,
             m.expected_text,
             m.found_text,
-            "-" if m.logprob_gap is None else m.logprob_gap,
-            m.tolerated,
+            "-" if m.reference_gap_steps is None else m.reference_gap_steps,
+            "-" if m.candidate_gap_steps is None else m.candidate_gap_steps,
+            m.tie,
         )
         for r in (report.trained, report.untrained)
         for m in r.mismatches
