@@ -11,6 +11,7 @@
 #     CONFIG="preset.yaml overlay.yaml"   several config files, merged in order (run name and target from the first)
 #     SNAKE_ARGS="-R train_draft" ...     extra snakemake arguments
 #   bash bench/gpu/device_run.sh bench      bench/gpu/bench_gpu.py (extraction and training side by side)
+#   bash bench/gpu/device_run.sh faultcheck the lossless check on this GPU against EAGLE3_FAULT=accept_any_draft
 #   bash bench/gpu/device_run.sh collect    logs and small artefacts into $OUT
 # Several steps in one call: bash bench/gpu/device_run.sh copy install pipeline collect
 set -uo pipefail
@@ -142,11 +143,19 @@ step_bench() {
   return "${PIPESTATUS[0]}"
 }
 
+# the lossless check against a deliberately wrong acceptance, on this GPU (bench/gpu/lossless_fault.py): exit 0
+# when the check fails the faulty run, as it must
+step_faultcheck() {
+  use_site
+  timeout "${FAULT_TIMEOUT:-400}" python3 bench/gpu/lossless_fault.py "$WORK/results/$RUN" --out "$OUT/lossless_fault.json" 2>&1 | tail -30
+  return "${PIPESTATUS[0]}"
+}
+
 step_collect() {
   [ -d "$WORK/results/$RUN" ] || return 0
   tar -czf "$OUT/results-$RUN.tar.gz" --exclude='hidden_states/files' --exclude='*.safetensors' \
     --exclude='train_work/checkpoints' --exclude='*.pt' --exclude='*.npy' --exclude='canary_work/model' \
-    --exclude='scratch_replica_*' --exclude='*.arrow' -C "$WORK/results" "$RUN" 2>/dev/null
+    --exclude='scratch_replica_*' --exclude='*.arrow' --exclude='measure_*.result.json' -C "$WORK/results" "$RUN" 2>/dev/null
   # a file over 16 MiB does not come back from the device (the prepared data's .arrow files are left out above:
   # ~50 MB for 3M tokens, and prepare_data remakes them from regenerated.jsonl)
   [ "$(stat -c %s "$OUT/results-$RUN.tar.gz")" -le $((16 * 1024 * 1024)) ] \

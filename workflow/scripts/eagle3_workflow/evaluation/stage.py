@@ -263,9 +263,30 @@ def keyed_run(
         "spec": spec_fields,
         "batch_invariant": batch_invariant,
         "models": {m: model_fingerprint(Path(m)) for m in models if Path(m).is_dir()},
+        # vLLM's switches and the test fault plugins change results without changing a setting
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "EAGLE3_FAULT"))},
     }
-    key = hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
-    return run.model_copy(update={"key": key, "result_path": str(work_dir / "runs" / f"{run.label}.{role}.json")})
+    text = json.dumps(content, sort_keys=True, default=str, indent=1)
+    key = hashlib.sha256(text.encode()).hexdigest()
+    result_path = work_dir / "runs" / f"{run.label}.{role}.json"
+    explain_changed_key(result_path.with_suffix(".key.json"), json.loads(text))
+    return run.model_copy(update={"key": key, "result_path": str(result_path)})
+
+
+def explain_changed_key(path: Path, content: dict[str, Any]) -> None:
+    """Keep what the key was made of beside the result; when it changed since the last attempt, log which part
+    did (the engine is measured again)."""
+    if path.is_file():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, ValueError):
+            earlier = {}
+        changed = sorted(k for k in content.keys() | earlier.keys() if content.get(k) != earlier.get(k))
+        if changed:
+            log.info("%s: measured again, what decides its result changed since the last attempt: %s",
+                     path.name.removesuffix(".key.json"), ", ".join(changed))  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content, sort_keys=True, indent=1))
 
 
 # files up to this size are hashed by content (drafts, a small target); larger ones by size and mtime

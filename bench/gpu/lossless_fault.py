@@ -1,0 +1,85 @@
+"""On the GPU machine, after evaluate_draft ran: does the lossless check still catch a wrong acceptance there?
+
+Takes the stage's own lossless process spec (<run>/eval/work/measure_<i>.spec.json, the batch-invariant one on
+CUDA), keeps the trained-draft engine only, and runs it again with the fault plugin EAGLE3_FAULT=accept_any_draft
+(tests/fault_plugins: vLLM's verification accepts every draft token). The output is judged with the stage's own
+functions against the reference the stage measured (eval/work/runs/no_speculation.lossless.json). Exit 0 when
+the check FAILS the faulty run, as it must; 1 when the fault went unnoticed; 2 when it could not run.
+
+    python3 bench/gpu/lossless_fault.py results/<run> --out fault.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "workflow" / "scripts"))
+
+from eagle3_workflow.artefacts import load  # noqa: E402
+from eagle3_workflow.evaluation.launch import measurement_environment, run_measurement_process  # noqa: E402
+from eagle3_workflow.evaluation.lossless import compare_greedy, non_argmax_steps  # noqa: E402
+from eagle3_workflow.evaluation.protocol import MeasurementSpec, RunResult  # noqa: E402
+
+
+def lossless_spec(work: Path) -> MeasurementSpec:
+    """The stage's spec whose runs ran the lossless pass (the batch-invariant process on CUDA)."""
+    for path in sorted(work.glob("measure_*.spec.json")):
+        spec = load(MeasurementSpec, path)
+        if any(r.lossless_pass and r.label == "trained" for r in spec.runs):
+            return spec
+    raise SystemExit(f"no lossless measurement spec with the trained draft under {work}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="results/<run> of a finished evaluate_draft")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    work = args.run_dir / "eval" / "work"
+    spec = lossless_spec(work)
+    fault_dir = work / "fault"
+    trained = next(r for r in spec.runs if r.label == "trained" and r.lossless_pass)
+    run = trained.model_copy(update={"result_path": str(fault_dir / "trained.accept_any_draft.json"), "key": ""})
+    spec = spec.model_copy(update={"runs": [run]})
+    plugins = str(REPO / "tests" / "fault_plugins")
+    os.environ["EAGLE3_FAULT"] = "accept_any_draft"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [plugins, os.environ.get("PYTHONPATH")]))
+    batch_invariant = args.device == "cuda"
+    env = measurement_environment(
+        device=args.device, cpu_threads=None, in_process=True, batch_invariant=batch_invariant
+    )
+    result, wall_s = run_measurement_process(spec, fault_dir, "fault", env=env, log_path=fault_dir / "fault.log",
+                                             timeout_s=900)  # fmt: skip
+    faulty = result.runs[0]
+    runs = work / "runs"
+    reference_path = next(p for p in (runs / "no_speculation.lossless.json", runs / "no_speculation.both.json")
+                          if p.exists())  # fmt: skip
+    reference = load(RunResult, reference_path)
+    mismatches = compare_greedy((reference.outputs, reference.top_logits), (faulty.outputs, faulty.top_logits),
+                                origins=[str(i) for i in range(len(reference.outputs))], dtype="bfloat16",
+                                tie_steps=0)  # fmt: skip
+    wrong = non_argmax_steps(faulty.outputs, faulty.top_logits)
+    caught = bool(wrong) or bool(mismatches)
+    summary = {
+        "fault": "accept_any_draft",
+        "kernels": faulty.numerics,
+        "prompts": len(reference.outputs),
+        "prompts_diverging": len(mismatches),
+        "non_argmax_tokens": len(wrong),
+        "non_argmax_examples": wrong[:5],
+        "caught": caught,
+        "wall_s": round(wall_s, 1),
+    }
+    args.out.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0 if caught else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
