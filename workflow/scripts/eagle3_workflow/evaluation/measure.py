@@ -115,20 +115,22 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any) -
     finally:
         _shutdown(llm)
         del llm
-        gc.collect()
-        _free_device_memory()
+        _release_engine()
     result = run_result(run, lossless, engine_start_s=engine_start_s, timings=timings)
     if run.result_path:
         write(run.result_path, result)
     return result
 
 
-def _free_device_memory() -> None:
-    """Give the engine's GPU memory back before the next engine of this process starts."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def _release_engine() -> None:
+    """Give the engine's memory and distributed state back before the next engine of this process starts, as
+    vLLM's own tests do between engines (its cleanup also unfreezes the objects vLLM froze out of gc at start)."""
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError:
+        gc.collect()
+        return
+    cleanup_dist_env_and_memory()
 
 
 @dataclasses.dataclass
