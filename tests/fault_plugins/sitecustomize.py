@@ -11,6 +11,11 @@ layer (every layer 0..N is computed anyway), so only a canary that matches each 
 tell. The remaps (`REMAPS`) cover injective, non-injective and conditional shapes; `post_norm_last` takes id N
 after the final norm instead of before it. Works for the models that capture through vLLM's EagleModelMixin
 (llama, qwen3, ...). Nothing happens without the variable, so a stray PYTHONPATH entry is harmless.
+
+EAGLE3_FAULT=stop_after_optimizer_step:<n> makes a training process stop itself (SIGSTOP) right after its n-th
+optimizer step, inside that step (before the scheduler step and the step count), through torch's global optimizer
+post-hook. A test then signals the stage, whose teardown sends SIGTERM and SIGCONT to the trainer: the stop signal
+lands at exactly that point of training, whatever the machine's speed.
 """
 
 import os
@@ -86,6 +91,21 @@ def _install_remap(name):
     interfaces.EagleModelMixin._maybe_add_hidden_state = remapped
 
 
+def _install_stop_after_optimizer_step(count):
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    done = [0]
+
+    def stop_here(_optimizer, _args, _kwargs):
+        done[0] += 1
+        if done[0] == count:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    register_optimizer_step_post_hook(stop_here)
+
+
 if FAULT == "shift_layers":
     from vllm.model_executor.models import deepseek_v2, interfaces
 
@@ -115,3 +135,5 @@ elif FAULT == "shift_up_if_count_kept":
     interfaces.EagleModelMixin._set_aux_hidden_state_layers = _shift_when_count_kept
 elif FAULT.startswith("remap:"):
     _install_remap(FAULT.split(":", 1)[1])
+elif FAULT.startswith("stop_after_optimizer_step:"):
+    _install_stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))
