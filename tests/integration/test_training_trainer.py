@@ -207,6 +207,42 @@ def test_only_rank_0_writes_metrics(tmp_path):
     assert not (tmp_path / "rank1.jsonl").exists()
 
 
+# speculators' real shutdown decorator and handler around a trainer whose save is only a second SIGTERM
+SECOND_SIGTERM = r"""
+import os, signal, sys
+from pathlib import Path
+from eagle3_workflow.trainer_interrupt import apply_interrupt_patches
+from speculators.train.graceful_shutdown import with_graceful_shutdown
+if sys.argv[1] == "patched":
+    apply_interrupt_patches()
+
+class Trainer:
+    class checkpointer:
+        path = Path(".")
+
+    @with_graceful_shutdown()
+    def run_training(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # SLURM's, to every process of the job
+        raise AssertionError("not interrupted")
+
+    def maybe_save_checkpoint(self, label):
+        os.kill(os.getpid(), signal.SIGTERM)  # the stage's, passed on by its launcher while the save runs
+        print("saved", label, flush=True)
+
+Trainer().run_training()
+"""
+
+
+def test_a_second_sigterm_does_not_kill_the_interrupt_save():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    run = [sys.executable, "-c", SECOND_SIGTERM]
+    unpatched = subprocess.run([*run, "unpatched"], env=env, capture_output=True, text=True, timeout=120)
+    assert unpatched.returncode == -signal.SIGTERM  # speculators alone: killed mid-save
+    patched = subprocess.run([*run, "patched"], env=env, capture_output=True, text=True, timeout=120)
+    assert patched.returncode == 0, patched.stderr[-2000:]
+    assert patched.stdout == "saved interrupted\n"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Real training on CPU
 
@@ -267,28 +303,29 @@ run_stage("train_draft", None, lambda log: train_draft(settings, **paths, trust_
 """
 
 
-def trainer_stopped(proc: subprocess.Popen) -> bool:
-    """True once a process below the stage is stopped (SIGSTOP: the fault plugin's trainer)."""
+def stopped_below(proc: subprocess.Popen) -> list[int]:
+    """The pids of the stopped processes below the stage (SIGSTOP: the fault plugin's trainer)."""
     import psutil
 
     assert proc.poll() is None, f"the stage ended (exit {proc.returncode}) before its trainer stopped"
     try:
         below = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
-        return False
+        return []
     stopped = []
     for process in below:
         try:
-            stopped.append(process.status() == psutil.STATUS_STOPPED)
+            if process.status() == psutil.STATUS_STOPPED:
+                stopped.append(process.pid)
         except psutil.NoSuchProcess:
             continue
-    return any(stopped)
+    return stopped
 
 
 def stop_training_at(inputs: dict, tmp: Path, train: dict, *, optimizer_steps: int) -> str:
     """Run the train_draft stage in its own process until its trainer has made ``optimizer_steps`` optimizer steps
     (the fault plugin then stops the trainer inside that step, after the optimizer step and before the step
-    count), then SIGTERM the stage as SLURM or scancel would. The stage's stderr."""
+    count), then SIGTERM the trainer and the stage as SLURM does at a time limit. The stage's stderr."""
     spec = {
         "train": train,
         "paths": {**{k: str(v) for k, v in inputs.items()}, "work_dir": str(tmp / "train_work"), "out_dir": str(tmp / "draft")},
@@ -310,11 +347,16 @@ def stop_training_at(inputs: dict, tmp: Path, train: dict, *, optimizer_steps: i
         )
         try:
             # a state, not a clock: the trainer stopped itself; 600 s only guards against a hang
+            trainer: list[int] = []
             wait_until(
-                lambda: trainer_stopped(proc), 600, f"the trainer to stop after optimizer step {optimizer_steps}"
+                lambda: trainer.extend(stopped_below(proc)) or trainer,
+                600,
+                f"the trainer to stop after optimizer step {optimizer_steps}",
             )
-            # what SLURM sends at a time limit: the stage stops the trainer (SIGTERM, then SIGCONT), which saves
-            # `interrupted`; the stage logs one line and exits 143
+            # what SLURM does at a time limit: SIGTERM to every process of the job. The trainer's stays pending
+            # while it is stopped, so it lands exactly where the trainer stopped. The stage stops its trainer
+            # (one more SIGTERM, then SIGCONT), which saves `interrupted`; the stage logs one line and exits 143
+            os.kill(trainer[0], signal.SIGTERM)
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=300)
         finally:

@@ -12,7 +12,12 @@ are one step ahead of the step count the trainer holds. The trainer entry applie
 - before the interrupt save, a stale ``interrupted/`` from an earlier launch is removed (a save cut short must not
   leave old and new files side by side); after it, ``interrupted/training_state.json`` is written, last and
   atomically, in speculators' own format (``epoch``, ``local_step``, ``global_step``; ``local_step`` 0 = that epoch
-  finished), so a save cut short (SIGKILL after SLURM's KillWait) has none and the rerun ignores it.
+  finished), so a save cut short (SIGKILL after SLURM's KillWait) has none and the rerun ignores it;
+- once interrupted, the trainer ignores further SIGTERMs. speculators restores the default handlers before its
+  save ("send again to force exit"), but a SIGTERM seldom comes alone: SLURM signals every process of the job, and
+  the stage, signalled too, passes one on to the trainer (torchrun to its ranks), so the second one would kill the
+  save the first one asked for. SIGINT (a person's second Ctrl-C) still forces the exit; speculators' own limit on
+  the save (120 s) and the stage's (``training.launcher.INTERRUPT_SAVE_GRACE_S``) stay.
 
 The rerun (``training/checkpoints.py``) compares it with the numbered checkpoints by their recorded global step and
 moves the newest into the place speculators resumes from.
@@ -27,6 +32,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +47,10 @@ INTERRUPT_PATCH_POINTS: list[tuple[str, str]] = [
     ("speculators.train.trainer", "Trainer._optimizers_step"),
     ("speculators.train.trainer", "Trainer.maybe_save_checkpoint"),
     ("speculators.train.graceful_shutdown", "GracefulShutdownHandler._handler"),
+    ("speculators.train.graceful_shutdown", "GracefulShutdownHandler.restore"),
 ]
+# attributes of speculators' shutdown handler the wrappers read
+HANDLER_ATTRIBUTES = ("_interrupted", "_owner_pid")
 _PATCHED_MARKER = "_eagle3_interrupt_patches"
 
 log = logging.getLogger("speculators")  # the trainer's own logger: its lines land in the attempt's log
@@ -73,7 +83,20 @@ def interrupt_patch_points_present() -> list[tuple[str, bool, str]]:
         if attribute_path == "Trainer.train_epoch" and "step_callback" not in detail:
             present, detail = False, f"no step_callback parameter: {detail}"
         rows.append((name, present, detail))
+    rows.append(_handler_attributes_row())
     return rows
+
+
+def _handler_attributes_row() -> tuple[str, bool, str]:
+    name = f"speculators.train.graceful_shutdown:GracefulShutdownHandler({', '.join(HANDLER_ATTRIBUTES)})"
+    try:
+        from speculators.train.graceful_shutdown import GracefulShutdownHandler
+
+        handler = GracefulShutdownHandler()  # sets its fields only; installs nothing
+    except (ImportError, TypeError) as exc:
+        return name, False, repr(exc)
+    missing = [a for a in HANDLER_ATTRIBUTES if not hasattr(handler, a)]
+    return name, not missing, f"missing {missing}" if missing else "present"
 
 
 @dataclasses.dataclass
@@ -103,6 +126,15 @@ def _write_state(path: Path, record: dict[str, int]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(record), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _wrap_restore(original: Callable[..., Any]) -> Callable[..., Any]:
+    def restore(self: Any) -> None:
+        original(self)
+        if getattr(self, "_interrupted", False) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a duplicate must not kill the save it asked for
+
+    return restore
 
 
 def _wrap_train_epoch(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -193,4 +225,5 @@ def apply_interrupt_patches() -> None:
     cls.maybe_save_checkpoint = _wrap_maybe_save_checkpoint(cls.maybe_save_checkpoint)
     handler_cls = graceful_shutdown.GracefulShutdownHandler
     handler_cls._handler = _wrap_handler(handler_cls._handler)
+    handler_cls.restore = _wrap_restore(handler_cls.restore)
     setattr(cls, _PATCHED_MARKER, True)
