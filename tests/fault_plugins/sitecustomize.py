@@ -16,6 +16,11 @@ EAGLE3_FAULT=accept_any_draft makes vLLM's greedy verification accept every draf
 or not (then the bonus token after the last one): the wrong-acceptance bug class the lossless check exists for.
 Both rejection samplers are patched: the V1 model runner's (CPU, and GPU runs such as n-gram) and the V2 GPU
 model runner's (EAGLE-3 on CUDA).
+
+EAGLE3_FAULT=stop_after_optimizer_step:<n> makes a training process stop itself (SIGSTOP) right after its n-th
+optimizer step, inside that step (before the scheduler step and the step count), through torch's global optimizer
+post-hook. A test then signals the stage, whose teardown sends SIGTERM and SIGCONT to the trainer: the stop signal
+lands at exactly that point of training, whatever the machine's speed.
 """
 
 import os
@@ -130,6 +135,21 @@ def _install_accept_any_draft():
     v2.rejection_sample = accept_any_v2
 
 
+def _install_stop_after_optimizer_step(count):
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    done = [0]
+
+    def stop_here(_optimizer, _args, _kwargs):
+        done[0] += 1
+        if done[0] == count:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    register_optimizer_step_post_hook(stop_here)
+
+
 if FAULT == "shift_layers":
     from vllm.model_executor.models import deepseek_v2, interfaces
 
@@ -161,3 +181,5 @@ elif FAULT == "accept_any_draft":
     _install_accept_any_draft()
 elif FAULT.startswith("remap:"):
     _install_remap(FAULT.split(":", 1)[1])
+elif FAULT.startswith("stop_after_optimizer_step:"):
+    _install_stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, train_settings
+from conftest import REPO, kill_tree, train_settings, wait_until
 from tiny_training import TRAIN, train_record
 
 from eagle3_workflow.artefacts import ApiCompatReport, ValidationReport, write
@@ -207,6 +207,42 @@ def test_only_rank_0_writes_metrics(tmp_path):
     assert not (tmp_path / "rank1.jsonl").exists()
 
 
+# speculators' real shutdown decorator and handler around a trainer whose save is only a second SIGTERM
+SECOND_SIGTERM = r"""
+import os, signal, sys
+from pathlib import Path
+from eagle3_workflow.trainer_interrupt import apply_interrupt_patches
+from speculators.train.graceful_shutdown import with_graceful_shutdown
+if sys.argv[1] == "patched":
+    apply_interrupt_patches()
+
+class Trainer:
+    class checkpointer:
+        path = Path(".")
+
+    @with_graceful_shutdown()
+    def run_training(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # SLURM's, to every process of the job
+        raise AssertionError("not interrupted")
+
+    def maybe_save_checkpoint(self, label):
+        os.kill(os.getpid(), signal.SIGTERM)  # the stage's, passed on by its launcher while the save runs
+        print("saved", label, flush=True)
+
+Trainer().run_training()
+"""
+
+
+def test_a_second_sigterm_does_not_kill_the_interrupt_save():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    run = [sys.executable, "-c", SECOND_SIGTERM]
+    unpatched = subprocess.run([*run, "unpatched"], env=env, capture_output=True, text=True, timeout=120)
+    assert unpatched.returncode == -signal.SIGTERM  # speculators alone: killed mid-save
+    patched = subprocess.run([*run, "patched"], env=env, capture_output=True, text=True, timeout=120)
+    assert patched.returncode == 0, patched.stderr[-2000:]
+    assert patched.stdout == "saved interrupted\n"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Real training on CPU
 
@@ -253,95 +289,160 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
     print(f"tiny CPU training: {summary.steps} steps, {elapsed:.1f} s (trainer wall {summary.wall_s} s)")
 
 
-KILL_RUN = r"""
+STAGE_RUN = r"""
 import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
 from eagle3_workflow.settings import TrainSettings, with_schema_defaults
-from eagle3_workflow.training.stage import train_draft
+from eagle3_workflow.training.stage import rerun_after_stop, train_draft
 spec = json.loads(sys.argv[1])
 paths = {k: Path(v) for k, v in spec["paths"].items()}
 settings = TrainSettings.model_validate(with_schema_defaults(train=spec["train"])["train"])
 run_stage("train_draft", None, lambda log: train_draft(settings, **paths, trust_remote_code=False, cpu_threads=2),
-          resumes="the rerun resumes from the last checkpoint")
+          resumes=rerun_after_stop(paths["work_dir"], [settings.epochs]))
 """
 
 
-@pytest.mark.slow
-def test_killed_training_resumes_from_its_checkpoint_with_the_same_vocab_mapping(train_inputs, tmp_path):
-    import pandas as pd
+def stopped_below(proc: subprocess.Popen) -> list[int]:
+    """The pids of the stopped processes below the stage (SIGSTOP: the fault plugin's trainer)."""
+    import psutil
 
-    # The kill waits for a state (epoch 0's checkpoint complete), never a clock. What must not happen is the whole
-    # stage finishing first (it did once in CI with 2 epochs: one epoch of 3 steps was left when the checkpoint
-    # appeared). With 4 epochs, 9 steps, 3 validations and 3 checkpoint saves (>= 10 s here) are left at that
-    # state, against one 0.1 s poll and a signal.
-    train = dict(TRAIN, epochs=4)
+    assert proc.poll() is None, f"the stage ended (exit {proc.returncode}) before its trainer stopped"
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    stopped = []
+    for process in below:
+        try:
+            if process.status() == psutil.STATUS_STOPPED:
+                stopped.append(process.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return stopped
+
+
+def stop_training_at(inputs: dict, tmp: Path, train: dict, *, optimizer_steps: int) -> str:
+    """Run the train_draft stage in its own process until its trainer has made ``optimizer_steps`` optimizer steps
+    (the fault plugin then stops the trainer inside that step, after the optimizer step and before the step
+    count), then SIGTERM the trainer and the stage as SLURM does at a time limit. The stage's stderr."""
     spec = {
         "train": train,
-        "paths": {
-            **{k: str(v) for k, v in train_inputs.items()},
-            "work_dir": str(tmp_path / "train_work"),
-            "out_dir": str(tmp_path / "draft"),
-        },
+        "paths": {**{k: str(v) for k, v in inputs.items()}, "work_dir": str(tmp / "train_work"), "out_dir": str(tmp / "draft")},
+    }  # fmt: skip
+    pythonpath = [str(SCRIPTS), str(REPO / "tests" / "fault_plugins"), os.environ.get("PYTHONPATH", "")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(pythonpath),
+        "EAGLE3_FAULT": f"stop_after_optimizer_step:{optimizer_steps}",
     }
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILL_RUN, json.dumps(spec)],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    first_checkpoint = tmp_path / "train_work" / "checkpoints" / "0" / "training_state.json"
-    give_up = time.monotonic() + 600  # only against a hang: the kill itself waits for the checkpoint
-    try:
-        while not first_checkpoint.exists():
-            assert proc.poll() is None, "training ended before its first checkpoint"
-            assert time.monotonic() < give_up, "no checkpoint within 600 s"
-            time.sleep(0.1)
-        # what SLURM or a person stopping the job sends: the stage stops the trainer (SIGTERM, which saves
-        # `interrupted`), logs one line and exits 143
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the stage and the trainer it started
-            proc.wait()
-    assert proc.returncode == 143, stderr[-3000:]
-    assert "stage train_draft stopped by SIGTERM; the rerun resumes from the last checkpoint" in stderr
-    assert "FAILED" not in stderr, stderr[-3000:]
-    assert (tmp_path / "train_work" / "checkpoints" / "interrupted").is_dir()  # saved, but not resumed from
+    stderr_path = tmp / "stage.stderr"
+    with open(stderr_path, "w", encoding="utf-8") as stderr:  # a file: a full pipe would block the stage
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STAGE_RUN, json.dumps(spec)],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        try:
+            # a state, not a clock: the trainer stopped itself; 600 s only guards against a hang
+            trainer: list[int] = []
+            wait_until(
+                lambda: trainer.extend(stopped_below(proc)) or trainer,
+                600,
+                f"the trainer to stop after optimizer step {optimizer_steps}",
+            )
+            # what SLURM does at a time limit: SIGTERM to every process of the job. The trainer's stays pending
+            # while it is stopped, so it lands exactly where the trainer stopped. The stage stops its trainer
+            # (one more SIGTERM, then SIGCONT), which saves `interrupted`; the stage logs one line and exits 143
+            os.kill(trainer[0], signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc)
+    text = stderr_path.read_text(encoding="utf-8")
+    assert proc.returncode == 143, text[-3000:]
+    assert "FAILED" not in text, text[-3000:]
+    return text
+
+
+def saved_step_counts(folder: Path) -> tuple[int, set[float]]:
+    """(the scheduler's steps, the optimizer's step count of every parameter) saved in a checkpoint folder."""
+    import torch
+
+    scheduler = torch.load(folder / "scheduler_state_dict.pt", weights_only=True)
+    optimizer = torch.load(folder / "optimizer_state_dict.pt", weights_only=True)
+    return scheduler["last_epoch"], {float(state["step"]) for state in optimizer["state"].values()}
+
+
+def train_rows(tmp: Path) -> object:
+    import pandas as pd
+
+    metrics = pd.read_csv(tmp / "draft" / "metrics.csv")
+    return metrics[metrics["split"] == "train"]
+
+
+# The tiny training has 3 steps per epoch (18 training rows packed into total_seq_len 512).
+
+
+@pytest.mark.slow
+def test_sigterm_in_epoch_0_resumes_from_the_interrupt_save_at_its_step(train_inputs, tmp_path):
+    """Issue 19: speculators saved checkpoints/interrupted during epoch 0, and the rerun started from scratch."""
+    save = tmp_path / "train_work" / "checkpoints"
+    stderr = stop_training_at(train_inputs, tmp_path, TRAIN, optimizer_steps=2)
+    assert (
+        f"stage train_draft stopped by SIGTERM; training was at epoch 0 step 2 (global step 2); speculators saved "
+        f"{save}/interrupted; the rerun resumes from epoch 0 step 2 (global step 2)"
+    ) in stderr
+    assert not [p.name for p in save.iterdir() if p.name.isdigit()]  # no numbered checkpoint to fall back on
+    state = json.loads((save / "interrupted" / "training_state.json").read_text())
+    assert state == {"epoch": 0, "local_step": 2, "global_step": 2}
+    # the signal came between the optimizer step and the step count; it was acted on at the end of the step, so
+    # the saved weights, optimizer and scheduler are all those of step 2 (not one optimizer step ahead)
+    assert saved_step_counts(save / "interrupted") == (2, {2.0})
+
+    summary = run_training(train_inputs, tmp_path)
+    assert (summary.resumed_from.epoch, summary.resumed_from.local_step, summary.resumed_from.global_step) == (0, 2, 2)
+    assert summary.resumed_from.path == str(save / "0")
+    assert summary.attempts == 2
+    second = (tmp_path / "train_work" / "logs" / "trainer-attempt-02.log").read_text()
+    # the start of each message (Rich wraps the rest at the console's width)
+    assert "Resuming mid-epoch from epoch=0" in second
+    assert "No previous training checkpoint found" not in second
+    steps = train_rows(tmp_path)
+    assert list(steps["global_step"]) == list(range(summary.steps))  # every step once, none trained twice
+    assert list(steps["attempt"]) == [1, 1] + [2] * (summary.steps - 2)  # the rerun went on at step 2
+    assert summary.steps == 2 * 3
+
+
+@pytest.mark.slow
+def test_sigterm_after_a_checkpoint_resumes_from_the_newer_interrupt_save_with_the_same_vocab_mapping(
+    train_inputs, tmp_path
+):
+    """checkpoints/0 (end of epoch 0, global step 3) and interrupted/ (epoch 1 step 2, global step 5): the newer
+    state wins by its recorded step, not by its folder's name."""
+    save = tmp_path / "train_work" / "checkpoints"
+    stderr = stop_training_at(train_inputs, tmp_path, TRAIN, optimizer_steps=5)
+    assert (
+        f"stage train_draft stopped by SIGTERM; training was at epoch 1 step 2 (global step 5); speculators saved "
+        f"{save}/interrupted; the rerun resumes from epoch 1 step 2 (global step 5)"
+    ) in stderr
+    assert json.loads((save / "0" / "training_state.json").read_text())["global_step"] == 3
     data = tmp_path / "train_work" / "data"
     mapping = {name: sha256(data / f"{name}-{TRAIN['draft_vocab_size']}.npy") for name in ("d2t", "t2d")}
     assert not (tmp_path / "draft").exists()
 
-    summary = train_draft(
-        train_settings(train),
-        **train_inputs,
-        work_dir=tmp_path / "train_work",
-        out_dir=tmp_path / "draft",
-        trust_remote_code=False,
-        cpu_threads=2,
-    )
-    assert summary.resumed_from is not None
-    assert summary.resumed_from.epoch == 0
-    assert summary.attempts == 2
+    summary = run_training(train_inputs, tmp_path)
+    assert (summary.resumed_from.epoch, summary.resumed_from.local_step, summary.resumed_from.global_step) == (1, 2, 5)
     assert summary.vocab_mapping_sha256 == mapping  # reused, not rebuilt
     assert {name: sha256(data / f"{name}-{TRAIN['draft_vocab_size']}.npy") for name in mapping} == mapping
     second = (tmp_path / "train_work" / "logs" / "trainer-attempt-02.log").read_text()
-    # the start of each message (Rich wraps the rest at the console's width)
-    assert "Resuming training on epoch 1" in second
-    assert "No previous training checkpoint found" not in second
-
-    metrics = pd.read_csv(tmp_path / "draft" / "metrics.csv")
-    steps = metrics[metrics["split"] == "train"]
-    resumed_steps = steps[steps["attempt"] == 2]
-    assert resumed_steps["global_step"].min() == summary.resumed_from.global_step > 0  # not from scratch
-    assert resumed_steps["epoch"].min() == 1
-    assert list(steps["global_step"]) == list(range(summary.steps))  # one row per step across both attempts
-    # the kill can land before epoch 0's validation, which the resumed run does not repeat
-    assert set(metrics[metrics["split"] == "val"]["epoch"]) >= {train["epochs"] - 1}
+    assert "Resuming mid-epoch from epoch=1" in second
+    steps = train_rows(tmp_path)
+    assert list(steps["global_step"]) == list(range(summary.steps))
+    assert list(steps["attempt"]) == [1] * 5 + [2] * (summary.steps - 5)
 
 
 @pytest.mark.slow

@@ -42,6 +42,15 @@ def test_check_api_rejects_layer_ids_out_of_range(tiny_targets, arch):
     assert "outside 1..8" in failed_rows(report)["layer ids"]
 
 
+def test_check_api_catches_a_missing_trainer_interrupt_patch_point(tiny_targets, monkeypatch):
+    """The trainer entry wraps these on every device so that a stop signal's save can be resumed from."""
+    from speculators.train import trainer
+
+    monkeypatch.delattr(trainer.Trainer, "_optimizers_step")
+    found = failed_rows(api_report(tiny_targets("llama")))["trainer interrupt patch points"]
+    assert "speculators.train.trainer:Trainer._optimizers_step" in found
+
+
 def test_check_api_rejects_unordered_layer_ids(tiny_targets):
     report = api_report(tiny_targets("llama"), configured_layer_ids=[3, 2, 4])
     assert "increasing order" in failed_rows(report)["layer ids"]

@@ -87,3 +87,21 @@ def test_the_engine_progress_bar_prints_one_marker_per_finished_request(capsys):
     for _ in engine_progress_bar()(range(2), desc="Adding requests"):  # vLLM also wraps iterables with it
         pass
     assert capsys.readouterr().out.splitlines() == [PROGRESS_MARKER] * 3
+
+
+# ---------------------------------------------------------------- the stop line's sentence
+
+
+def test_the_stop_line_says_a_fixed_sentence_or_what_a_function_reads_at_stop_time():
+    from eagle3_workflow.runtime.stage import rerun_sentence
+
+    assert rerun_sentence("the rerun resumes") == "the rerun resumes"
+    assert rerun_sentence(lambda: "the rerun resumes from epoch 0 step 3") == "the rerun resumes from epoch 0 step 3"
+
+    def unreadable() -> str:
+        raise PermissionError(13, "Permission denied")
+
+    # a stop still ends in its one line, never in a traceback
+    assert rerun_sentence(unreadable) == (
+        "what the rerun will do could not be worked out (PermissionError(13, 'Permission denied'))"
+    )

@@ -12,10 +12,20 @@ import pytest
 from conftest import train_settings
 from tiny_training import TRAIN, train_record
 
-from eagle3_workflow.artefacts import TrainingFingerprint, load
+from eagle3_workflow.artefacts import CheckpointInfo, TrainingFingerprint, load
 from eagle3_workflow.cpu_train_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import first_traceback
+from eagle3_workflow.trainer_interrupt import interrupt_patch_points_present, interrupt_record
+from eagle3_workflow.training.checkpoints import (
+    FoundCheckpoint,
+    latest_checkpoint,
+    outlook_on_disk,
+    plan_resume,
+    prepare_resume,
+    read_checkpoint,
+    rerun_outlook,
+)
 from eagle3_workflow.training.command import (
     TRAINER_FIELDS_USED,
     TrainDevice,
@@ -25,12 +35,7 @@ from eagle3_workflow.training.command import (
 )
 from eagle3_workflow.training.launcher import trainer_env
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
-from eagle3_workflow.training.workdir import (
-    drop_incomplete_checkpoints,
-    latest_checkpoint,
-    reconcile_work_dir,
-    stage_training_data,
-)
+from eagle3_workflow.training.workdir import reconcile_work_dir, stage_training_data
 
 # ---------------------------------------------------------------------------------------------------------------
 # Command building
@@ -260,7 +265,8 @@ def test_fingerprint_follows_the_data_the_target_weights_and_the_settings_that_m
     assert fingerprint() != before
 
 
-def fake_checkpoint(directory: Path, epoch: int, *, finished: bool = True) -> None:
+def fake_checkpoint(directory: Path, epoch: int, *, local_step: int = 0, global_step: int | None = None) -> None:
+    """A checkpoint folder with speculators' files, training_state.json written last (None: a save cut short)."""
     import torch
     from safetensors.torch import save_file
 
@@ -268,24 +274,141 @@ def fake_checkpoint(directory: Path, epoch: int, *, finished: bool = True) -> No
     (directory / "config.json").write_text("{}")
     save_file({"w": torch.zeros(2)}, str(directory / "model.safetensors"))
     torch.save({"state": {}}, directory / "optimizer_state_dict.pt")
-    if finished:
-        (directory / "training_state.json").write_text(
-            json.dumps({"epoch": epoch, "local_step": 0, "global_step": 3 * (epoch + 1)})
-        )
+    torch.save({"last_epoch": 0}, directory / "scheduler_state_dict.pt")
+    if global_step is not None:
+        state = {"epoch": epoch, "local_step": local_step, "global_step": global_step}
+        (directory / "training_state.json").write_text(json.dumps(state))
 
 
-def test_half_written_checkpoints_are_dropped_so_resume_takes_the_last_complete_one(tmp_path):
+def found(name: str, epoch: int, local_step: int, global_step: int) -> FoundCheckpoint:
+    return FoundCheckpoint(name, CheckpointInfo(epoch=epoch, local_step=local_step, global_step=global_step, path=name))
+
+
+def test_the_newest_state_is_chosen_by_its_recorded_step_not_by_its_folder():
+    end_of_0 = found("0", 0, 0, 30)
+    # interrupted in epoch 1 after 7 of its steps: newer than the end of epoch 0, moved to 1/ for speculators
+    plan = plan_resume([end_of_0, found("interrupted", 1, 7, 37)])
+    assert plan.newest.name == "interrupted"
+    assert plan.promote_to == "1"
+    assert plan.remove == ()
+    # interrupted during epoch 0's validation: the same state as 0/, which is kept (no move needed)
+    plan = plan_resume([end_of_0, found("interrupted", 0, 0, 30)])
+    assert plan.newest is end_of_0
+    assert plan.promote_to is None
+    assert plan.remove == (("interrupted", "it is not newer than 0/ (global step 30 against 30)"),)
+    # a mid-epoch checkpoint of epoch 1 (checkpoint_freq < 1) older than interrupted/: interrupted/ takes its place
+    plan = plan_resume([end_of_0, found("1", 1, 5, 35), found("interrupted", 1, 7, 37)])
+    assert (plan.newest.name, plan.promote_to) == ("interrupted", "1")
+    assert plan.remove == (("1", "interrupted/ is newer (global step 35 against 37) and takes its place"),)
+
+
+def test_incomplete_or_empty_states_are_never_resumed_from_and_say_why():
+    cut = FoundCheckpoint("1", None, "no training_state.json: the save did not finish")
+    plan = plan_resume([found("0", 0, 0, 30), cut, found("interrupted", -1, 0, 0)])
+    assert plan.newest.name == "0"
+    assert plan.remove == (
+        ("1", "no training_state.json: the save did not finish"),
+        ("interrupted", "it holds no trained step"),
+    )
+    # a complete folder numbered after the newest state but older (speculators takes the highest number)
+    plan = plan_resume([found("2", 2, 0, 20), found("interrupted", 1, 4, 25)])
+    assert plan.promote_to == "1"
+    assert plan.remove[0][0] == "2"
+    assert "numbered after it" in plan.remove[0][1]
+    plan = plan_resume([cut, FoundCheckpoint("interrupted", None, "no model.safetensors")])
+    assert plan.newest is None
+    assert [name for name, _ in plan.remove] == ["1", "interrupted"]
+
+
+def test_the_stop_sentence_says_what_the_rerun_does():
+    interrupted = found("interrupted", 0, 37, 37)
+    assert rerun_outlook([interrupted], epochs=2, label="ck") == (
+        "training was at epoch 0 step 37 (global step 37); speculators saved ck/interrupted; the rerun resumes from "
+        "epoch 0 step 37 (global step 37)"
+    )
+    assert rerun_outlook([], epochs=2, label="ck", last_logged=(0, 12)) == (
+        "speculators saved no ck/interrupted; the rerun starts training from scratch"
+    )
+    cut = FoundCheckpoint("interrupted", None, "no training_state.json: the save did not finish")
+    assert rerun_outlook([found("0", 0, 0, 30), cut], epochs=3, label="ck", last_logged=(1, 41)) == (
+        "ck/interrupted is incomplete and is ignored (no training_state.json: the save did not finish); the rerun "
+        "resumes from ck/0 at the start of epoch 1 (global step 30) (11 steps logged up to epoch 1 are trained again)"
+    )
+    assert rerun_outlook([found("0", 0, 0, 30), found("interrupted", 0, 0, 30)], epochs=3, label="ck") == (
+        "speculators saved ck/interrupted at the end of epoch 0 (global step 30), no newer than ck/0; the rerun "
+        "resumes from ck/0 at the start of epoch 1 (global step 30)"
+    )
+    assert rerun_outlook([found("1", 1, 0, 60)], epochs=2, label="ck") == (
+        "speculators saved no ck/interrupted; all 2 epochs are trained: the rerun publishes ck/1 without training"
+    )
+
+
+def test_a_checkpoint_folder_is_complete_only_when_its_state_was_written_last(tmp_path):
+    fake_checkpoint(tmp_path / "0", 0, global_step=3)
+    assert read_checkpoint(tmp_path / "0").state.global_step == 3
+    fake_checkpoint(tmp_path / "1", 1)  # killed before training_state.json
+    assert read_checkpoint(tmp_path / "1").problem == "no training_state.json: the save did not finish"
+    fake_checkpoint(tmp_path / "2", 2, global_step=9)
+    (tmp_path / "2" / "model.safetensors").write_bytes(b"\x00" * 3)  # cut short (before its state was written)
+    state_time = (tmp_path / "2" / "training_state.json").stat().st_mtime_ns
+    os.utime(tmp_path / "2" / "model.safetensors", ns=(state_time - 10**9, state_time - 10**9))
+    assert read_checkpoint(tmp_path / "2").problem.startswith("unreadable: SafetensorError(")
+    # a later mid-epoch save into the same folder rewrote the optimizer, then was killed before its state
+    fake_checkpoint(tmp_path / "3", 3, local_step=2, global_step=11)
+    state_time = (tmp_path / "3" / "training_state.json").stat().st_mtime_ns
+    os.utime(tmp_path / "3" / "optimizer_state_dict.pt", ns=(state_time + 10**9, state_time + 10**9))
+    assert read_checkpoint(tmp_path / "3").problem == (
+        "optimizer_state_dict.pt is newer than training_state.json: a later save into this folder did not finish"
+    )
+    fake_checkpoint(tmp_path / "4", 5, global_step=12)
+    assert read_checkpoint(tmp_path / "4").problem == "its training_state.json records epoch 5, not 4"
+    fake_checkpoint(tmp_path / "5", 5, global_step=13)
+    (tmp_path / "5" / "training_state.json").write_text('{"epoch": 5')
+    assert read_checkpoint(tmp_path / "5").problem.startswith("training_state.json is unreadable: JSONDecodeError(")
+
+
+def test_prepare_resume_moves_the_newest_interrupt_save_into_place_and_drops_half_written_ones(tmp_path, caplog):
     save = tmp_path / "checkpoints"
-    fake_checkpoint(save / "0", 0)
-    fake_checkpoint(save / "1", 1)
-    fake_checkpoint(save / "2", 2, finished=False)  # killed before training_state.json
-    (save / "1" / "model.safetensors").write_bytes(b"\x00" * 3)  # ... and one truncated before it
+    fake_checkpoint(save / "0", 0, global_step=3)
+    fake_checkpoint(save / "1", 1)  # the end-of-epoch save of epoch 1, cut short by the stop
+    fake_checkpoint(save / "interrupted", 1, local_step=3, global_step=6)  # saved after it
     (save / "epoch0_end").symlink_to("0")
-    removed = drop_incomplete_checkpoints(save)
-    assert [r.split(":")[0] for r in removed] == ["2", "1"]
-    info = latest_checkpoint(save)
-    assert info.epoch == 0
-    assert info.global_step == 3
+    (save / "epoch1_step1").symlink_to("1")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    record = {"train": {"loss": 1.0}, "epoch": 1, "global_step": 5}
+    (logs / "metrics-attempt-01.jsonl").write_text(json.dumps({"step": 5, "metrics": record}) + "\n")
+    assert outlook_on_disk(save, logs, 3) == (
+        f"training was at epoch 1 step 3 (global step 6); speculators saved {save}/interrupted; the rerun resumes "
+        "from epoch 1 step 3 (global step 6)"
+    )
+    with caplog.at_level("INFO", logger="eagle3.training"):
+        state = prepare_resume(save)
+    assert state == CheckpointInfo(epoch=1, local_step=3, global_step=6, path=str(save / "1"))
+    assert "ignoring checkpoint" in caplog.text and "no training_state.json: the save did not finish" in caplog.text
+    assert sorted(p.name for p in save.iterdir()) == ["0", "1", "epoch0_end", "epoch1_step3"]
+    assert os.readlink(save / "epoch1_step3") == "1"
+    assert latest_checkpoint(save) == state  # what speculators resumes from: the highest number
+    assert prepare_resume(save) == state  # nothing left to move
+    assert prepare_resume(tmp_path / "nothing") is None
+
+
+def test_the_interrupt_record_is_speculators_training_state_for_where_the_trainer_is():
+    assert interrupt_record(0, 37, 37, epoch_done=False) == {"epoch": 0, "local_step": 37, "global_step": 37}
+    assert interrupt_record(1, 4, 34, epoch_done=False) == {"epoch": 1, "local_step": 4, "global_step": 34}
+    # nothing trained in epoch 2 yet: the end of epoch 1; epoch 1 trained and being validated: its end
+    assert interrupt_record(2, 0, 60, epoch_done=False) == {"epoch": 1, "local_step": 0, "global_step": 60}
+    assert interrupt_record(1, 30, 60, epoch_done=True) == {"epoch": 1, "local_step": 0, "global_step": 60}
+    assert interrupt_record(0, 0, 0, epoch_done=False)["global_step"] == 0  # nothing to resume
+
+
+def test_interrupt_patch_points_exist():
+    rows = interrupt_patch_points_present()
+    assert all(present for _, present, _ in rows), rows
+    assert (
+        "step_callback"
+        in dict((name, detail) for name, _, detail in rows)["speculators.train.trainer:Trainer.train_epoch"]
+    )
 
 
 def test_staging_links_the_dataset_token_freq_and_hidden_states(tmp_path):

@@ -245,6 +245,14 @@ def check_trainer_shim() -> tuple[str, bool]:
     return (f"missing {missing}" if missing else f"{len(results)} patch points present"), not missing
 
 
+def check_interrupt_patches() -> tuple[str, bool]:
+    """The speculators trainer symbols the trainer entry wraps so that a stop signal's save can be resumed from."""
+    interrupt = importlib.import_module("eagle3_workflow.trainer_interrupt")
+    results = interrupt.interrupt_patch_points_present()
+    missing = [f"{name} ({detail})" for name, ok, detail in results if not ok]
+    return (f"missing {missing}" if missing else f"{len(results)} patch points present"), not missing
+
+
 def check_spec_decode_metrics() -> tuple[str, bool]:
     """evaluate_draft reads acceptance from these counters through LLM.get_metrics(); a rename would make it
     fail after two engine starts, so it is caught here."""
@@ -307,6 +315,7 @@ ROW_FIXES: dict[str, tuple[str, str]] = {
     "speculators model + transfer": ("environment", "speculators: install the version envs/ pins"),
     "speculators train fields": ("environment", "speculators: install the version envs/ pins"),
     "CPU trainer shim patch points": ("environment", "speculators: install the version envs/cpu.yaml pins"),
+    "trainer interrupt patch points": ("environment", "speculators: install the version envs/ pins"),
     "layer ids": ("config", "change hidden_states.layer_ids"),
     "target architecture": (
         "target",
@@ -364,6 +373,11 @@ def run_api_checks(
             "speculators train fields",
             "TrainConfig has every flag the rule passes",
             lambda: check_trainer_fields(trainer_fields or DEFAULT_TRAINER_FIELDS),
+        ),
+        _row(
+            "trainer interrupt patch points",
+            "the trainer symbols that make a stop signal's save resumable exist",
+            check_interrupt_patches,
         ),
     ]
     if need_render_endpoint:

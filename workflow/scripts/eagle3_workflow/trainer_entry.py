@@ -3,15 +3,17 @@
 Usage: ``python -m eagle3_workflow.trainer_entry <speculators train args>``, or under torchrun
 ``torch.distributed.run ... -m eagle3_workflow.trainer_entry <args>``. The arguments are ``speculators train``'s,
 unchanged; the entry runs speculators' own ``cli.main(TrainConfig.resolve(argv))`` (what ``python -m
-speculators.train`` runs) with two additions, chosen by the environment so that the trainer's flags stay exactly
-speculators' (bench/gpu/bench_gpu.py compares them flag by flag):
+speculators.train`` runs) with these additions, the last two chosen by the environment, so that the trainer's
+flags stay exactly speculators' (bench/gpu/bench_gpu.py compares them flag by flag):
 
+- always, ``trainer_interrupt``'s patches: a stop signal saves ``checkpoints/interrupted`` with the epoch and step
+  it holds (speculators records none there), at a step boundary, so that the rerun can resume from it;
 - ``EAGLE3_TRAIN_METRICS_JSONL=<path>``: rank 0 appends each record of speculators' ``speculators.metrics``
   logger that carries a step (``extra={"step": ...}``: train steps and validation epochs) to ``<path>`` as one
   JSON line ``{"step": <step>, "metrics": <the record's dict>}``. The metrics are read from the trainer's own
   dicts, not from its console text;
 - ``EAGLE3_TRAIN_DEVICE=cpu``: the CPU shim's patches and defaults (``cpu_train_shim``), for a machine with no
-  accelerator. On CUDA the entry adds only the metrics handler.
+  accelerator. On CUDA the entry adds only the metrics handler and the interrupt patches.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     metrics_path = os.environ.get(METRICS_ENV)
     install_metric_handler(Path(metrics_path) if metrics_path else None, process_rank(os.environ))
+    from eagle3_workflow.trainer_interrupt import apply_interrupt_patches
+
+    apply_interrupt_patches()
     if os.environ.get(DEVICE_ENV) == "cpu":
         from eagle3_workflow.cpu_train_shim import apply_cpu_patches, with_cpu_defaults
 

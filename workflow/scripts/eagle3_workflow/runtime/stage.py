@@ -2,8 +2,10 @@
 
 Signal policy (the whole package): SIGTERM or SIGINT to a stage process (Snakemake cancelling the job, SLURM
 preemption or time limit, scancel, Ctrl-C) raises StageStopped in the main thread. Children started through
-ChildProcess are stopped on the way out (their context managers), the stage logs one line saying so and exits
-128 + the signal number (143 for SIGTERM). Declared outputs are written last, so the rerun resumes.
+ChildProcess are stopped on the way out (their context managers), the stage logs one line saying so and what the
+rerun will do, and exits 128 + the signal number (143 for SIGTERM). Declared outputs are written last, so the rerun
+resumes. A stage whose rerun depends on what it left on disk (training: which checkpoint) passes a function that
+reads the disk once its children are stopped, so the line states what the rerun will actually do.
 """
 
 from __future__ import annotations
@@ -75,18 +77,30 @@ def install_stop_handlers() -> None:
             signal.signal(signum, _raise_stopped)
 
 
+def rerun_sentence(resumes: str | Callable[[], str]) -> str:
+    """What the rerun does: the fixed sentence, or the one the function works out now. A function that fails
+    still gives a line (a stop must never end in a traceback instead of its one line)."""
+    if isinstance(resumes, str):
+        return resumes
+    try:
+        return resumes()
+    except Exception as exc:  # noqa: BLE001 - the stop line is logged whatever went wrong here
+        return f"what the rerun will do could not be worked out ({exc!r})"
+
+
 def run_stage(
     name: str,
     log_path: str | Path | None,
     body: Callable[[logging.Logger], object],
     *,
-    resumes: str = "the rerun resumes",
+    resumes: str | Callable[[], str] = "the rerun resumes",
 ) -> None:
     """Run a stage body; on failure log the cause (repr + traceback) and exit non-zero.
 
     Snakemake deletes declared outputs of a failed job, and stages write their artefact last, so a failed
     stage never leaves a file the next stage could mistake for success. `resumes` says what a rerun after a
-    stop signal does (the one line logged then).
+    stop signal does (the one line logged then): a sentence, or a function called after the body's children
+    are stopped that works it out from what is on disk.
     """
     log = setup_logging(log_path)
     log.info("stage %s: start", name)
@@ -96,7 +110,7 @@ def run_stage(
         if _received:  # the exception was swallowed on its way up (a library's catch-all): still a stop
             raise StageStopped(_received[0])
     except StageStopped as stop:
-        log.warning("stage %s stopped by %s; %s", name, stop.signal_name, resumes)
+        log.warning("stage %s stopped by %s; %s", name, stop.signal_name, rerun_sentence(resumes))
         sys.exit(128 + stop.signum)
     except StageError as exc:
         log.error("stage %s FAILED:\n%s", name, exc)

@@ -3,7 +3,9 @@
 Which module owns what:
 
 - ``command``: the training paths and the trainer's command line from the ``train`` settings (settings.TrainSettings) (pure);
-- ``workdir``: the resumable ``train_work/``: fingerprint, data links, vocab mapping, checkpoint scan, launch files;
+- ``workdir``: the resumable ``train_work/``: fingerprint, data links, vocab mapping, launch files;
+- ``checkpoints``: which saved state is the newest complete one (``interrupted/`` included), putting it where
+  speculators resumes from, and the stop line's sentence saying what the rerun will do;
 - ``launcher``: one launch of the trainer through ``runtime.ChildProcess`` (torchrun on several GPUs), and what its
   exit means;
 - ``metrics``: the launches' metric records -> metrics.csv and the final losses (pure);
@@ -15,7 +17,9 @@ Layout of ``train_work/`` (kept across failures; Snakemake deletes only the decl
 - ``data/``: the data directory ``speculators train`` reads: symlinks to the prepared dataset's files,
   ``token_freq.pt`` and ``hidden_states -> <files_dir>``, plus the vocabulary mapping
   ``d2t-<size>.npy`` / ``t2d-<size>.npy`` (built once from the token frequencies, then only ever read);
-- ``checkpoints/<epoch>/``: speculators' checkpoints, from which a rerun resumes;
+- ``checkpoints/<epoch>/``: speculators' checkpoints (end of an epoch, or inside it with ``checkpoint_freq`` < 1),
+  and ``checkpoints/interrupted/``, its save on SIGTERM/SIGINT (with the epoch and step the trainer entry records
+  there, ``trainer_interrupt``); a rerun resumes from whichever holds the most steps;
 - ``logs/trainer-attempt-<n>.log``: the trainer's full output, one file per launch;
 - ``logs/metrics-attempt-<n>.jsonl``: the metric records of that launch, one JSON line each, written by the
   trainer's rank 0 (metrics.csv is built from these, so the steps of a killed attempt are not lost);
@@ -25,5 +29,6 @@ Layout of ``train_work/`` (kept across failures; Snakemake deletes only the decl
 The trainer runs as a subprocess: ``python -m eagle3_workflow.trainer_entry`` (CPU or one GPU) or
 ``torch.distributed.run ... -m eagle3_workflow.trainer_entry`` (several GPUs). The entry runs speculators' own
 ``speculators train`` with a handler on its metric logger (``speculators.metrics``) that writes each metric
-dict as a JSON line, and on CPU with the CPU shim's patches; the records are the same on every device.
+dict as a JSON line, with ``trainer_interrupt``'s patches (a resumable interrupt save), and on CPU with the CPU
+shim's patches; the records are the same on every device.
 """

@@ -13,12 +13,17 @@ from eagle3_workflow.artefacts import CheckpointInfo
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
 from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
+from eagle3_workflow.training.checkpoints import latest_checkpoint, outlook_on_disk
 from eagle3_workflow.training.command import TrainDevice
-from eagle3_workflow.training.workdir import attempt_files, latest_checkpoint
+from eagle3_workflow.training.workdir import attempt_files
 
 log = logging.getLogger("eagle3.training")
 
 TAIL_LINES = 40
+# how long a stopped trainer may take to save checkpoints/interrupted before its tree is killed: speculators' own
+# limit for that save (graceful_shutdown.DEFAULT_SHUTDOWN_TIMEOUT, after which it exits by itself), plus a margin.
+# Under SLURM the job's KillWait (30 s by default) ends it sooner; a save cut short is ignored by the rerun.
+INTERRUPT_SAVE_GRACE_S = 125.0
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _WORKER_SIGNAL = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([\w .]+)")
@@ -50,7 +55,7 @@ def run_trainer(
         clean=clean_trainer_line,
         head_lines=2000,  # a traceback is usually here (start-up) ...
         tail_lines=400,  # ... or here (a failure after hours)
-        stop_grace_s=10.0,
+        stop_grace_s=INTERRUPT_SAVE_GRACE_S,
     )
     with child:
         rc = child.wait()
@@ -101,7 +106,7 @@ def trainer_failure(rc: int, command: list[str], lines: list[str], attempt_log: 
     return StageError(
         f"speculators train {how}.\ncommand: {' '.join(command)}\n{context}\n"
         f"Full output: {attempt_log}. Checkpoints written so far stay in {attempt_log.parent.parent / 'checkpoints'} "
-        "and the rerun resumes from the last complete one."
+        "and the rerun resumes from the newest complete one."
     )
 
 
@@ -136,10 +141,9 @@ def run_attempt(
     rc, lines = run_trainer(command, env=env, attempt_log=attempt_log, on_line=on_line)
     stopped_by = stop_signal(rc, lines) if rc != 0 else None
     if stopped_by not in (None, "SIGKILL"):  # SIGKILL: more likely the OOM killer than a stop request
-        final = latest_checkpoint(save_dir)
         raise StageError(
-            f"speculators train was stopped by a signal ({stopped_by}); the rerun resumes from the last checkpoint "
-            f"({final.path if final else 'none yet: it starts over'}). Output: {attempt_log}"
+            f"speculators train was stopped by a signal ({stopped_by}); {outlook_on_disk(save_dir, logs_dir, epochs)}. "
+            f"Output: {attempt_log}"
         )
     if rc != 0:
         raise trainer_failure(rc, command, lines, attempt_log)
@@ -147,11 +151,10 @@ def run_attempt(
     if final is not None and final.ends_training(epochs):
         return final
     if any("Training interrupted" in line for line in lines):
+        # speculators catches the signal, saves interrupted/ and exits 0
         raise StageError(
-            f"speculators train was stopped by a signal (SIGTERM/SIGINT: a job time limit, scancel or Ctrl-C) and "
-            f"saved {save_dir / 'interrupted'}, which it does not resume from. The rerun resumes from the last "
-            f"complete checkpoint ({final.path if final else 'none yet'}); set train.checkpoint_freq below 1 to lose "
-            "less of an epoch next time."
+            "speculators train was stopped by a signal (SIGTERM/SIGINT: a job time limit, scancel or Ctrl-C); "
+            f"{outlook_on_disk(save_dir, logs_dir, epochs)}. Output: {attempt_log}"
         )
     raise StageError(
         f"speculators train exited 0 but the last complete checkpoint in {save_dir} is "

@@ -13,14 +13,13 @@ from typing import Any
 from eagle3_workflow.artefacts import ApiCompatReport, CheckpointInfo, TrainingSummary, ValidationReport, load
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.settings import TrainDraftStage, TrainSettings, stage_settings
+from eagle3_workflow.training.checkpoints import outlook_on_disk, prepare_resume, resume_point
 from eagle3_workflow.training.command import TrainDevice, TrainPaths, build_train_command, resolve_device
 from eagle3_workflow.training.launcher import run_attempt, trainer_env
 from eagle3_workflow.training.metrics import attempt_metrics, final_metrics, metrics_table
 from eagle3_workflow.training.publish import publish_draft
 from eagle3_workflow.training.workdir import (
-    drop_incomplete_checkpoints,
     ensure_vocab_mapping,
-    latest_checkpoint,
     reconcile_work_dir,
     sha256_file,
     stage_training_data,
@@ -131,16 +130,11 @@ def _prepare_work_dir(
 
 
 def _resume_point(save_dir: Path, kept: bool) -> CheckpointInfo | None:
-    """The last complete checkpoint of a kept work directory (half-written ones removed), or None: from scratch."""
-    drop_incomplete_checkpoints(save_dir)
-    resumed_from = latest_checkpoint(save_dir) if kept else None
+    """The newest complete state of a kept work directory (interrupted/ included, half-written ones removed),
+    or None: from scratch."""
+    resumed_from = prepare_resume(save_dir) if kept else None
     if resumed_from is not None:
-        log.info(
-            "resuming from checkpoint %s (epoch %d, global step %d)",
-            resumed_from.path,
-            resumed_from.epoch,
-            resumed_from.global_step,
-        )
+        log.info("resuming from checkpoint %s: %s", resumed_from.path, resume_point(resumed_from))
     else:
         log.info("no checkpoint in %s: training from scratch", save_dir)
     return resumed_from
@@ -275,13 +269,23 @@ def train_draft(
     return summary
 
 
+def rerun_after_stop(work_dir: str | Path, epochs: Sequence[int] = ()) -> Callable[[], str]:
+    """The stop line's sentence for ``run_stage``: what the rerun will do, read from ``work_dir`` once the trainer
+    has stopped (its interrupt save finished or cut short). ``epochs``: filled once the settings are read."""
+    work = Path(work_dir)
+    return lambda: outlook_on_disk(work / "checkpoints", work / "logs", epochs[-1] if epochs else None)
+
+
 def main(snakemake: Any) -> None:
     from eagle3_workflow.gpu_placement import holding_gpus
     from eagle3_workflow.runtime.stage import run_stage
 
+    epochs: list[int] = []  # known once the settings are read
+
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
         settings = stage_settings(TrainDraftStage, snakemake.params.settings)
+        epochs.append(settings.train.epochs)
         train_draft(
             settings.train,
             target=Path(snakemake.input.target),
@@ -296,4 +300,4 @@ def main(snakemake: Any) -> None:
             cpu_threads=snakemake.threads,
         )
 
-    run_stage("train_draft", snakemake.log[0], body, resumes="the rerun resumes from the last checkpoint")
+    run_stage("train_draft", snakemake.log[0], body, resumes=rerun_after_stop(snakemake.params.work_dir, epochs))

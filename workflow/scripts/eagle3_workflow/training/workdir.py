@@ -1,21 +1,20 @@
 """The resumable ``train_work/`` directory: its fingerprint (kept or cleared), the data directory speculators
-reads, the vocabulary mapping (built once, then only read), the checkpoint scan, and each launch's files.
+reads, the vocabulary mapping (built once, then only read), and each launch's files (the checkpoints:
+``checkpoints.py``).
 numpy, torch, safetensors and speculators are imported only inside the functions that need them."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import shutil
 import tempfile
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_workflow.artefacts import ArtefactError, CheckpointInfo, TrainingFingerprint, load, write
+from eagle3_workflow.artefacts import ArtefactError, TrainingFingerprint, load, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.settings import TrainSettings
 from eagle3_workflow.training.command import TrainPaths
@@ -171,61 +170,6 @@ def ensure_vocab_mapping(paths: TrainPaths, *, token_freq: Path, draft_vocab_siz
         np.save(tmp, array)
         os.replace(tmp, path)
     return True
-
-
-def _checkpoint_problem(directory: Path) -> str | None:
-    """None if a numbered checkpoint directory is complete, else what is wrong (a kill can land mid-save)."""
-    from safetensors import SafetensorError, safe_open
-
-    state = directory / "training_state.json"  # written last by speculators' save
-    for name in ("config.json", "model.safetensors", "optimizer_state_dict.pt"):
-        if not (directory / name).exists():
-            return f"no {name}"
-    if not state.exists():
-        return "no training_state.json (the save did not finish)"
-    try:
-        json.loads(state.read_text())
-        with safe_open(directory / "model.safetensors", framework="pt") as handle:
-            handle.keys()
-        with zipfile.ZipFile(directory / "optimizer_state_dict.pt") as archive:
-            archive.namelist()
-    except (OSError, ValueError, zipfile.BadZipFile, SafetensorError) as exc:
-        return f"unreadable: {exc!r}"
-    return None
-
-
-def _numbered_checkpoints(save_dir: Path) -> list[Path]:
-    if not save_dir.is_dir():
-        return []
-    found = [d for d in save_dir.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
-    return sorted(found, key=lambda d: int(d.name))
-
-
-def drop_incomplete_checkpoints(save_dir: Path) -> list[str]:
-    """Remove numbered checkpoints a kill left half-written, newest first, so speculators resumes from the last
-    complete one (it picks the highest number without checking). Returns what was removed and why."""
-    removed = []
-    for directory in reversed(_numbered_checkpoints(save_dir)):
-        problem = _checkpoint_problem(directory)
-        if problem is None:
-            break
-        log.warning("removing incomplete checkpoint %s: %s", directory, problem)
-        shutil.rmtree(directory)
-        removed.append(f"{directory.name}: {problem}")
-    return removed
-
-
-def latest_checkpoint(save_dir: Path) -> CheckpointInfo | None:
-    for directory in reversed(_numbered_checkpoints(save_dir)):
-        if _checkpoint_problem(directory) is None:
-            state = json.loads((directory / "training_state.json").read_text())
-            return CheckpointInfo(
-                epoch=int(state.get("epoch", directory.name)),
-                local_step=int(state.get("local_step", 0)),
-                global_step=int(state.get("global_step", 0)),
-                path=str(directory),
-            )
-    return None
 
 
 def attempt_files(logs_dir: Path, attempt: int) -> tuple[Path, Path]:

@@ -1,0 +1,229 @@
+"""In the trainer process: make speculators' interrupt save (``checkpoints/interrupted``) resumable (speculators 0.9.0).
+
+On SIGTERM/SIGINT speculators' trainer (``graceful_shutdown.with_graceful_shutdown`` around ``Trainer.run_training``)
+saves the model, optimizer and scheduler to ``checkpoints/interrupted``, but records no epoch or step there (its
+``training_state.json`` is written for numbered checkpoints only), and on start it ignores that folder. Its signal
+handler also raises wherever the main thread is: between the optimizer step and ``global_step += 1`` the weights
+are one step ahead of the step count the trainer holds. The trainer entry applies ``apply_interrupt_patches``:
+
+- a stop signal that arrives between the optimizer step and the end of that step (the ``step_callback`` speculators
+  calls right after ``global_step += 1``) is acted on at the end of the step, so weights, optimizer, scheduler and
+  step count agree in what is saved. Everywhere else speculators' handler raises at once, as before;
+- before the interrupt save, a stale ``interrupted/`` from an earlier launch is removed (a save cut short must not
+  leave old and new files side by side); after it, ``interrupted/training_state.json`` is written, last and
+  atomically, in speculators' own format (``epoch``, ``local_step``, ``global_step``; ``local_step`` 0 = that epoch
+  finished), so a save cut short (SIGKILL after SLURM's KillWait) has none and the rerun ignores it;
+- once interrupted, the trainer ignores further SIGTERMs. speculators restores the default handlers before its
+  save ("send again to force exit"), but a SIGTERM seldom comes alone: SLURM signals every process of the job, and
+  the stage, signalled too, passes one on to the trainer (torchrun to its ranks), so the second one would kill the
+  save the first one asked for. SIGINT (a person's second Ctrl-C) still forces the exit; speculators' own limit on
+  the save (120 s) and the stage's (``training.launcher.INTERRUPT_SAVE_GRACE_S``) stay.
+
+The rerun (``training/checkpoints.py``) compares it with the numbered checkpoints by their recorded global step and
+moves the newest into the place speculators resumes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+INTERRUPTED = "interrupted"
+STATE_FILE = "training_state.json"
+
+# (module, attribute path inside it) of every speculators object this module wraps
+INTERRUPT_PATCH_POINTS: list[tuple[str, str]] = [
+    ("speculators.train.trainer", "Trainer.train_epoch"),
+    ("speculators.train.trainer", "Trainer._optimizers_step"),
+    ("speculators.train.trainer", "Trainer.maybe_save_checkpoint"),
+    ("speculators.train.graceful_shutdown", "GracefulShutdownHandler._handler"),
+    ("speculators.train.graceful_shutdown", "GracefulShutdownHandler.restore"),
+]
+# attributes of speculators' shutdown handler the wrappers read
+HANDLER_ATTRIBUTES = ("_interrupted", "_owner_pid")
+_PATCHED_MARKER = "_eagle3_interrupt_patches"
+
+log = logging.getLogger("speculators")  # the trainer's own logger: its lines land in the attempt's log
+
+
+def interrupt_record(epoch: int, steps_in_epoch: int, global_step: int, *, epoch_done: bool) -> dict[str, int]:
+    """speculators' training_state for the trainer's state now (``local_step`` 0 means "that epoch finished")."""
+    if epoch_done:
+        return {"epoch": epoch, "local_step": 0, "global_step": global_step}
+    if steps_in_epoch <= 0:  # nothing trained in this epoch yet: the state is the end of the previous one
+        return {"epoch": epoch - 1, "local_step": 0, "global_step": global_step}
+    return {"epoch": epoch, "local_step": steps_in_epoch, "global_step": global_step}
+
+
+def interrupt_patch_points_present() -> list[tuple[str, bool, str]]:
+    """For each patch point: (``module:attribute``, present, what was found), plus ``step_callback`` in
+    ``Trainer.train_epoch``'s signature (the end of a step, where a deferred signal is acted on)."""
+    rows: list[tuple[str, bool, str]] = []
+    for module_name, attribute_path in INTERRUPT_PATCH_POINTS:
+        name = f"{module_name}:{attribute_path}"
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attribute_path.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            rows.append((name, False, repr(exc)))
+            continue
+        present = callable(obj)
+        detail = f"{attribute_path.rsplit('.', 1)[-1]}{inspect.signature(obj)}" if present else type(obj).__name__
+        if attribute_path == "Trainer.train_epoch" and "step_callback" not in detail:
+            present, detail = False, f"no step_callback parameter: {detail}"
+        rows.append((name, present, detail))
+    rows.append(_handler_attributes_row())
+    return rows
+
+
+def _handler_attributes_row() -> tuple[str, bool, str]:
+    name = f"speculators.train.graceful_shutdown:GracefulShutdownHandler({', '.join(HANDLER_ATTRIBUTES)})"
+    try:
+        from speculators.train.graceful_shutdown import GracefulShutdownHandler
+
+        handler = GracefulShutdownHandler()  # sets its fields only; installs nothing
+    except (ImportError, TypeError) as exc:
+        return name, False, repr(exc)
+    missing = [a for a in HANDLER_ATTRIBUTES if not hasattr(handler, a)]
+    return name, not missing, f"missing {missing}" if missing else "present"
+
+
+@dataclasses.dataclass
+class _Progress:
+    """Where the trainer is: the epoch train_epoch runs, the global step it started at, whether a step is
+    between its optimizer step and its end, and a stop signal held back until then."""
+
+    epoch: int
+    epoch_start_step: int
+    epoch_done: bool = False
+    in_step: bool = False
+    pending: Callable[[], None] | None = None
+
+
+_current: list[_Progress] = []  # the progress of the trainer in this process (at most one)
+
+
+def _progress_of(trainer: Any) -> _Progress:
+    """The trainer's progress; before its first train_epoch, the point it resumed from (or the start)."""
+    if _current:
+        return _current[-1]
+    epoch = int(getattr(trainer, "current_epoch", 0))
+    return _Progress(epoch, int(trainer.global_step) - int(getattr(trainer, "_resume_local_step", 0)))
+
+
+def _write_state(path: Path, record: dict[str, int]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _wrap_restore(original: Callable[..., Any]) -> Callable[..., Any]:
+    def restore(self: Any) -> None:
+        original(self)
+        if getattr(self, "_interrupted", False) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a duplicate must not kill the save it asked for
+
+    return restore
+
+
+def _wrap_train_epoch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def train_epoch(self: Any, epoch: int, *, step_callback: Callable[[], None] | None = None) -> Any:
+        # a resumed epoch starts with the steps speculators skips (mid-epoch resume) already done
+        skipped = int(getattr(self, "_resume_local_step", 0)) if epoch == getattr(self, "current_epoch", epoch) else 0
+        progress = _Progress(epoch, int(self.global_step) - skipped)
+        _current[:] = [progress]
+
+        def at_step_end() -> None:
+            progress.in_step = False
+            if step_callback is not None:
+                step_callback()
+            if progress.pending is not None:
+                act, progress.pending = progress.pending, None
+                act()  # speculators' handler: logs "Received SIGTERM", raises TrainingInterruptedError
+
+        try:
+            result = original(self, epoch, step_callback=at_step_end)
+        finally:
+            progress.in_step = False
+        progress.epoch_done = True
+        return result
+
+    return train_epoch
+
+
+def _wrap_optimizers_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def optimizers_step(self: Any) -> Any:
+        if _current:
+            _current[-1].in_step = True  # from here to the end of the step, a stop signal waits
+        return original(self)
+
+    return optimizers_step
+
+
+def _wrap_handler(original: Callable[..., Any]) -> Callable[..., Any]:
+    def handler(self: Any, signum: int, frame: Any) -> None:
+        progress = _current[-1] if _current else None
+        if progress is not None and progress.in_step and os.getpid() == getattr(self, "_owner_pid", None):
+            if progress.pending is None:  # no I/O here: a signal handler may interrupt a write to the same stream
+                progress.pending = lambda: original(self, signum, frame)
+            return
+        original(self, signum, frame)
+
+    return handler
+
+
+def _wrap_maybe_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    def maybe_save_checkpoint(self: Any, epoch: int | str, local_step: int = 0) -> Any:
+        if epoch != INTERRUPTED:
+            return original(self, epoch, local_step)
+        folder = Path(self.checkpointer.path) / INTERRUPTED
+        rank0 = int(getattr(self, "rank", 0)) == 0
+        progress = _progress_of(self)
+        record = interrupt_record(
+            progress.epoch,
+            int(self.global_step) - progress.epoch_start_step,
+            int(self.global_step),
+            epoch_done=progress.epoch_done,
+        )
+        if rank0 and folder.exists():
+            shutil.rmtree(folder)  # an earlier launch's: never mix its files with this save's
+        result = original(self, epoch, local_step)
+        if rank0:
+            _write_state(folder / STATE_FILE, record)
+            log.info("interrupt checkpoint %s records %s", folder, record)
+        return result
+
+    return maybe_save_checkpoint
+
+
+def apply_interrupt_patches() -> None:
+    """Wrap speculators' trainer and shutdown handler as the module docstring says (idempotent)."""
+    missing = [f"{name} ({detail})" for name, present, detail in interrupt_patch_points_present() if not present]
+    if missing:
+        raise RuntimeError(
+            f"the trainer entry cannot make speculators' interrupt save resumable: {missing} changed. The installed "
+            "speculators differs from 0.9.0; update eagle3_workflow/trainer_interrupt.py for it"
+        )
+    from speculators.train import graceful_shutdown, trainer
+
+    if getattr(trainer.Trainer, _PATCHED_MARKER, False):
+        return
+    cls = trainer.Trainer
+    cls.train_epoch = _wrap_train_epoch(cls.train_epoch)
+    cls._optimizers_step = _wrap_optimizers_step(cls._optimizers_step)
+    cls.maybe_save_checkpoint = _wrap_maybe_save_checkpoint(cls.maybe_save_checkpoint)
+    handler_cls = graceful_shutdown.GracefulShutdownHandler
+    handler_cls._handler = _wrap_handler(handler_cls._handler)
+    handler_cls.restore = _wrap_restore(handler_cls.restore)
+    setattr(cls, _PATCHED_MARKER, True)
