@@ -155,7 +155,8 @@ def _candidates(tokens: int = 12, hidden: int = 16, layers: int = 8):
     ],
 )
 def test_match_slots_names_every_remapped_slot(sources):
-    from eagle3_workflow.canary import convention_row, match_slots, squared_distances
+    from eagle3_workflow.canary import convention_row
+    from eagle3_workflow.layer_match import match_slots, squared_distances
 
     labels, candidates = _candidates()
     ids = [2, 4, 6, 8]
@@ -170,7 +171,8 @@ def test_match_slots_names_every_remapped_slot(sources):
 
 
 def test_match_slots_passes_a_correct_capture_and_reports_the_margin():
-    from eagle3_workflow.canary import convention_row, match_slots, squared_distances
+    from eagle3_workflow.canary import convention_row
+    from eagle3_workflow.layer_match import match_slots, squared_distances
 
     labels, candidates = _candidates()
     ids = [2, 4, 6, 8]
