@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -35,13 +34,19 @@ from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, L
 from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
 from eagle3_workflow.hidden_states import hs_file
-from eagle3_workflow.layer_match import POST_NORM, SlotMatch, match_slots, squared_distances
+from eagle3_workflow.layer_match import (
+    LAYER_KEY,
+    POST_NORM,
+    SlotMatch,
+    compare_layers,
+    match_slots,
+    squared_distances,
+)
 from eagle3_workflow.settings import CanaryStage, ExtractionStall, stage_settings
 from eagle3_workflow.vllm_server import VLLMServer
 
 log = logging.getLogger("eagle3.canary")
 
-LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -206,20 +211,6 @@ def convention_row(matches: list[SlotMatch], layers: int) -> CheckRow:
         f"next nearest layer {weakest.runner_up} at {weakest.runner_up_rel:.3g})"
     )
     return CheckRow(name="layer-id convention", expected=expected, found=found, passed=True)
-
-
-def compare_layers(
-    extracted: torch.Tensor, reference: torch.Tensor, layer_ids: list[int]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Per id against its own reference: max error / max |ref|, mean error / mean |ref|."""
-    max_rel, mean_rel = {}, {}
-    for j, layer_id in enumerate(layer_ids):
-        got = extracted[:, j].float()
-        ref = reference[:, j].float()
-        diff = (got - ref).abs()
-        max_rel[str(layer_id)] = float(diff.max() / ref.abs().max().clamp_min(1e-12))
-        mean_rel[str(layer_id)] = float(diff.mean() / ref.abs().mean().clamp_min(1e-12))
-    return max_rel, mean_rel
 
 
 def render_check(server: VLLMServer, messages: list[dict[str, str]], expected_ids: list[int]) -> str | None:

@@ -10,9 +10,12 @@ tokens of all samples, so one noisy token decides nothing. Pure: torch only.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
+# a checkpoint tensor of decoder layer k (group 2): "model.layers.3.mlp...", "language_model.model.layers.3..."
+LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
 POST_NORM = "post-norm"  # label of the final norm's output: a plausible wrong source for id N
 
 
@@ -60,3 +63,17 @@ def match_slots(
             )
         )
     return matches
+
+
+def compare_layers(
+    extracted: torch.Tensor, reference: torch.Tensor, layer_ids: list[int]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per id against its own reference: max error / max |ref|, mean error / mean |ref|."""
+    max_rel, mean_rel = {}, {}
+    for j, layer_id in enumerate(layer_ids):
+        got = extracted[:, j].float()
+        ref = reference[:, j].float()
+        diff = (got - ref).abs()
+        max_rel[str(layer_id)] = float(diff.max() / ref.abs().max().clamp_min(1e-12))
+        mean_rel[str(layer_id)] = float(diff.mean() / ref.abs().mean().clamp_min(1e-12))
+    return max_rel, mean_rel

@@ -193,6 +193,9 @@ class ExtractionClient(ExtractionStall):
 
 class ValidationSettings(View):
     max_bad_samples: int
+    full_depth_check: bool
+    full_depth_max_tokens: int
+    full_depth_relative_tolerance: Number
 
 
 # --- train, evaluate ---------------------------------------------------------------------------------------------
@@ -295,6 +298,7 @@ class ExtractHiddenStatesStage(ServingStage):
 
 class ValidateHiddenStatesStage(View):
     validation: ValidationSettings
+    target: TargetTrust
 
 
 class TrainDraftStage(View):
