@@ -51,11 +51,16 @@ Visit = Callable[[str, torch.Tensor], None]
 class UnsupportedTarget(StageError):
     """The streamed reference cannot run this checkpoint (architecture, quantization, tensor layout)."""
 
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
 
 def unsupported(target_dir: Path, reason: str) -> UnsupportedTarget:
     return UnsupportedTarget(
         f"the full-depth check cannot run an fp32 reference of {target_dir}: {reason}. The hidden states are not "
-        f"proven past the canary's slice. Fix: a transformers that runs this architecture, or {TURN_OFF}"
+        f"proven past the canary's slice. Fix: a transformers that runs this architecture, or {TURN_OFF}",
+        reason,
     )
 
 
@@ -171,6 +176,18 @@ def weight_bytes(module: Any, *, skip: str | None = None) -> int:
     return sum(t.numel() * t.element_size() for name, t in tensors if not (skip and name.startswith(skip + ".")))
 
 
+def preflight(target_dir: Path, *, trust_remote_code: bool) -> str:
+    """What check_api runs before any extraction: transformers builds the decoder from the config (no weights) and
+    the checkpoint holds tensors of every decoder layer. Raises UnsupportedTarget; returns what it found."""
+    model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
+    files = weight_files(target_dir)
+    _, per_layer = split_by_layer(list(files), len(decoder.layers))
+    empty = [index for index, names in per_layer.items() if not names]
+    if empty:
+        raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layers {empty[:8]}")
+    return f"{type(model).__name__}: {len(decoder.layers)} layers, {len(set(files.values()))} safetensors file(s)"
+
+
 def load_module(
     model: Any, module: Any, tensors: dict[str, torch.Tensor], what: str, *, skip: str | None = None
 ) -> int:
@@ -201,10 +218,8 @@ def load_module(
     if unloaded:
         problems.append(f"weights not in the checkpoint {unloaded[:5]}")
     if problems:
-        raise UnsupportedTarget(
-            f"{what}: the checkpoint's tensors do not load into transformers' {type(module).__name__}: "
-            f"{'; '.join(problems)}. The full-depth reference cannot run this checkpoint; {TURN_OFF}"
-        )
+        reason = f"{what}: its tensors do not load into transformers' {type(module).__name__}: {'; '.join(problems)}"
+        raise UnsupportedTarget(f"{reason}. The full-depth reference cannot run this checkpoint; {TURN_OFF}", reason)
     return weight_bytes(module, skip=skip)
 
 

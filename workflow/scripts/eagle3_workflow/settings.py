@@ -191,9 +191,14 @@ class ExtractionClient(ExtractionStall):
     greedy_probe_samples: int
 
 
-class ValidationSettings(View):
-    max_bad_samples: int
+class ValidationFullDepth(View):
+    """validation.full_depth_check: check_api proves early that the full-depth reference can run the target."""
+
     full_depth_check: bool
+
+
+class ValidationSettings(ValidationFullDepth):
+    max_bad_samples: int
     full_depth_max_tokens: int
     full_depth_relative_tolerance: Number
 
@@ -283,6 +288,7 @@ class RegenerateResponsesStage(ServingStage):
 class CheckApiStage(View):
     check_api: CheckApiSettings
     hidden_states: HiddenStatesSettings
+    validation: ValidationFullDepth
     target: TargetTrust
     vllm: VllmDevice
 
