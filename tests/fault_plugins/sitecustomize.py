@@ -9,7 +9,8 @@ the number of ids (a no-op on a contiguous 1..K set, [2, 4, 5, 8] -> [3, 5, 6, 8
 EAGLE3_FAULT=remap:<name> keeps the number and order of captured slots but fills each claimed id from another
 layer (every layer 0..N is computed anyway), so only a canary that matches each slot against every layer can
 tell. The remaps (`REMAPS`) cover injective, non-injective and conditional shapes; `post_norm_last` takes id N
-after the final norm instead of before it. Works for the models that capture through vLLM's EagleModelMixin
+after the final norm instead of before it; `deep_off_by_one` moves only ids past the canary's 8-layer slice (every
+id above 8 but the last from one layer deeper), which only the full-depth check of validate_hidden_states sees. Works for the models that capture through vLLM's EagleModelMixin
 (llama, qwen3, ...). Nothing happens without the variable, so a stray PYTHONPATH entry is harmless.
 
 EAGLE3_FAULT=accept_any_draft makes vLLM's greedy verification accept every draft token, chosen by the verifier
@@ -26,6 +27,7 @@ lands at exactly that point of training, whatever the machine's speed.
 import os
 
 FAULT = os.environ.get("EAGLE3_FAULT", "")
+CANARY_SLICE = 8  # the canary's slice on a tiny target (canary.MIN_SHAPED_LAYERS)
 
 
 def _shift_up_below_last(claimed, last):
@@ -53,6 +55,12 @@ def _middle_off_by_one(claimed, last):
     return {k: (k + 1 if claimed[0] < k < claimed[-1] else k) for k in claimed}
 
 
+def _deep_off_by_one(claimed, last):
+    # only past the canary's slice (K = 8 layers on the tiny targets): every id above 8 but the last from one layer
+    # deeper, keeping the count ([2, 16, 29, 32] -> [2, 17, 30, 32] on 32 layers; nothing moves on [2, 4, 6, 8])
+    return {k: (k + 1 if CANARY_SLICE < k < last else k) for k in claimed}
+
+
 def _post_norm_last(claimed, last):
     return {k: ("post_norm" if k == last else k) for k in claimed}
 
@@ -68,6 +76,7 @@ REMAPS = {
     "swap_first_two": _swap_first_two,
     "all_from_first": _all_from_first,
     "middle_off_by_one": _middle_off_by_one,
+    "deep_off_by_one": _deep_off_by_one,
     "post_norm_last": _post_norm_last,
 }
 

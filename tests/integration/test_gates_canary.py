@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,45 @@ def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
     assert "layer-id convention" in log
     assert not (tmp_path / "results" / "shifted" / "checks" / "canary.json").exists()
     assert_extraction_never_ran(tmp_path, "shifted")
+
+
+# ---------------------------------------------------------------- past the canary's slice: the full-depth check
+
+DEEP_BUILD = {"kind": "tiny", "arch": "llama", "num_layers": 32, "hidden_size": 64, "head_dim": 32, "vocab_size": 1024,
+              "seed": 0}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_path):
+    """A 32-layer target, production ids [2, 16, 29, 32]; the fault moves every id above 8 but the last one layer
+    deeper (16 -> 17, 29 -> 30), keeping the count. The canary's 8-layer slice ([2, 4, 6, 8]) cannot see it and
+    id 32 is right (the greedy cross-check passes): only the full-depth check of validate_hidden_states stops it,
+    naming both slots, and train_draft never starts. The same run without the fault passes."""
+    from eagle3_workflow.artefacts import ValidationReport, load
+
+    config = tiny_config(run="deep", target={"build": DEEP_BUILD}, data={"max_samples": 24})
+    env = {
+        "EAGLE3_FAULT": "remap:deep_off_by_one",
+        "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
+    }
+    run = tmp_path / "results" / "deep"
+    proc = run_workflow(tmp_path, config, check=False, env=env)
+    assert proc.returncode != 0
+    assert (run / "checks" / "canary.json").exists(), "the canary passed: the fault is past its slice"
+    assert (run / "hidden_states" / "replica_0.json").exists()
+    log = (run / "logs" / "validate_hidden_states.log").read_text()
+    assert "greedy-token cross-check: " in log and "give the server's token" in log, "id N is right"
+    assert "full-depth check FAILED: 2 of 4 captured ids" in log
+    assert "WRONG LAYER: id 16 is layer 17" in log
+    assert "WRONG LAYER: id 29 is layer 30" in log
+    assert not (run / "hidden_states" / "validation.json").exists()
+    assert not (run / "logs" / "train_draft.log").exists()
+    assert not (run / "draft").exists()
+
+    shutil.rmtree(run / "hidden_states")  # the faulty capture; extraction and validation run again, without the fault
+    validation = run / "hidden_states" / "validation.json"
+    run_workflow(tmp_path, config, targets=[str(validation.relative_to(tmp_path))])
+    report = load(ValidationReport, validation).full_depth
+    assert report is not None and report.enabled and report.passed
+    assert report.num_layers == 32 and report.layer_ids == [2, 16, 29, 32]
+    assert [s.best for s in report.slots] == ["2", "16", "29", "32"]

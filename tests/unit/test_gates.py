@@ -100,6 +100,21 @@ def test_check_api_catches_an_unsupported_architecture(tiny_targets, tmp_path):
     assert "not in vLLM's model registry" in failed_rows(report)["target architecture"]
 
 
+def test_check_api_refuses_a_target_the_full_depth_reference_cannot_run(tiny_targets, tmp_path):
+    """A quantized checkpoint: validate_hidden_states could not prove it after extraction, so check_api says so
+    before any server starts; turned off (unsafe), the row says it did not check."""
+    target = tmp_path / "model"
+    target.mkdir()
+    for path in tiny_targets("llama").iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (target / "config.json").write_text(json.dumps(config))
+    assert "quantized (compressed-tensors)" in failed_rows(api_report(target))["full-depth reference"]
+    row = next(r for r in api_report(target, full_depth_check=False).checks if r.name == "full-depth reference")
+    assert row.passed and "not checked" in row.found and "unsafe" in row.found
+
+
 def test_check_api_catches_a_renamed_acceptance_counter(tiny_targets, monkeypatch):
     from eagle3_workflow.evaluation import metrics
 
@@ -164,7 +179,8 @@ def _candidates(tokens: int = 12, hidden: int = 16, layers: int = 8):
     ],
 )
 def test_match_slots_names_every_remapped_slot(sources):
-    from eagle3_workflow.canary import convention_row, match_slots, squared_distances
+    from eagle3_workflow.canary import convention_row
+    from eagle3_workflow.layer_match import match_slots, squared_distances
 
     labels, candidates = _candidates()
     ids = [2, 4, 6, 8]
@@ -179,7 +195,8 @@ def test_match_slots_names_every_remapped_slot(sources):
 
 
 def test_match_slots_passes_a_correct_capture_and_reports_the_margin():
-    from eagle3_workflow.canary import convention_row, match_slots, squared_distances
+    from eagle3_workflow.canary import convention_row
+    from eagle3_workflow.layer_match import match_slots, squared_distances
 
     labels, candidates = _candidates()
     ids = [2, 4, 6, 8]

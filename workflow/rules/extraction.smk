@@ -60,10 +60,13 @@ rule validate_hidden_states:
         log_of("validate_hidden_states"),
     conda:
         CONDA_ENV
+    # the full-depth check runs an fp32 forward of the whole target on CPU: threads help a large one (locally
+    # Snakemake caps them at --cores)
+    threads: 8
     resources:
         **gpu_resources(0),
     params:
         files_dir=out("hidden_states", "files"),
-        settings=config_subset("validation/max_bad_samples"),
+        settings=config_subset("validation", "target/trust_remote_code"),
     script:
         "../scripts/validate_hidden_states.py"

@@ -17,7 +17,11 @@ rule check_api:
         **gpu_resources(0),
     params:
         settings=config_subset(
-            "check_api", "hidden_states/layer_ids", "target/trust_remote_code", "vllm/device"
+            "check_api",
+            "hidden_states/layer_ids",
+            "target/trust_remote_code",
+            "validation/full_depth_check",
+            "vllm/device",
         ),
     script:
         "../scripts/check_api.py"

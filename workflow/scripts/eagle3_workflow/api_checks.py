@@ -322,6 +322,12 @@ ROW_FIXES: dict[str, tuple[str, str]] = {
         "this vLLM cannot capture hidden states of this architecture; use a target whose architecture is "
         "listed, or a vLLM that adds SupportsEagle3 to its model class",
     ),
+    "full-depth reference": (
+        "target",
+        "validate_hidden_states compares every captured id with an fp32 reference of the whole target, which "
+        "transformers must build and load; use an unquantized checkpoint whose architecture transformers knows, or "
+        "set validation.full_depth_check: false (unsafe: ids past the canary's slice are then never proven)",
+    ),
     "chat template": (
         "target",
         "give target.path a tokenizer with a chat template (tokenizer_config.json or chat_template.jinja); "
@@ -333,6 +339,18 @@ FIX_HEADINGS = {
     "target": "Target model (target.path)",
     "environment": "Environment (install the pinned package named; envs/ lists the verified versions)",
 }
+
+
+def check_full_depth_reference(target_dir: str, trust_remote_code: bool, enabled: bool) -> tuple[str, bool]:
+    """validate_hidden_states' full-depth reference can run this target (checked now, not after extraction)."""
+    from eagle3_workflow.full_depth import UnsupportedTarget, preflight
+
+    if not enabled:
+        return "not checked: validation.full_depth_check is false (unsafe)", True
+    try:
+        return preflight(Path(target_dir), trust_remote_code=trust_remote_code), True
+    except UnsupportedTarget as exc:
+        return exc.reason, False
 
 
 def failure_advice(failed: list[CheckRow], capable_architectures: list[str] | None = None) -> str:
@@ -363,6 +381,7 @@ def run_api_checks(
     trust_remote_code: bool,
     trainer_fields: list[str] | None = None,
     need_render_endpoint: bool = True,
+    full_depth_check: bool = True,
 ) -> ApiCompatReport:
     """All rows; pure apart from imports. The report's `passed` is the AND of the rows."""
     target = read_target_info(target_dir)
@@ -380,6 +399,13 @@ def run_api_checks(
             check_interrupt_patches,
         ),
     ]
+    rows.append(
+        _row(
+            "full-depth reference",
+            "transformers builds the decoder; the checkpoint has every layer",
+            lambda: check_full_depth_reference(target_dir, trust_remote_code, full_depth_check),
+        )
+    )
     if need_render_endpoint:
         rows.append(_row("render endpoint", "--enable-scale-out available", check_render_endpoint))
     if device == "cpu":
@@ -487,6 +513,7 @@ def main(snakemake: Any) -> None:
             device=resolve_device(settings.vllm.device),
             trust_remote_code=settings.target.trust_remote_code,
             trainer_fields=trainer_fields_used(),
+            full_depth_check=settings.validation.full_depth_check,
         )
         table = check_table(report.checks)
         if not report.passed:

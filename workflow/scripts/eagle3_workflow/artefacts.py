@@ -312,6 +312,34 @@ class GreedyCheck(Artefact):
     ok: bool
 
 
+class DepthSlot(LayerMatch):
+    """One captured id of the full-depth check: its nearest layer of the whole target (LayerMatch's fields), its
+    largest error against its own layer (max |slot - own| / max |own|, per sample, the worst sample) and the verdict."""
+
+    max_rel_error: float
+    ok: bool
+    problem: str  # "" when ok; else why, in the words of the failure table
+
+
+class FullDepthReport(Artefact):
+    """validate_hidden_states' full-depth check: every captured id of a few extracted samples against an fp32
+    reference of the whole target, streamed from its checkpoint one decoder layer at a time."""
+
+    enabled: bool  # false: validation.full_depth_check was turned off (unsafe), nothing below was checked
+    passed: bool | None  # None when not enabled
+    reference: str
+    num_layers: int
+    layer_ids: list[int]
+    rows: list[int]  # the samples compared: the longest and the shortest
+    tokens: list[int]  # tokens compared per row (a prefix of at most max_tokens_per_sample)
+    max_tokens_per_sample: int
+    tolerance: float
+    slots: list[DepthSlot]
+    largest_layer_bytes: int  # the most weight bytes (fp32) held at once: one decoder layer, or the embedding
+    wall_s: float
+    note: str = ""
+
+
 class ValidationReport(Artefact):
     """hidden_states/validation.json."""
 
@@ -328,6 +356,7 @@ class ValidationReport(Artefact):
     hidden_size: int
     files_dir: list[str]
     greedy_check: list[GreedyCheck] = Field(default_factory=list)
+    full_depth: FullDepthReport | None = None  # None: written before the check existed
 
 
 # ------------------------------------------------------------------------------------------------------ training

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -35,12 +34,19 @@ from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, L
 from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
 from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.layer_match import (
+    LAYER_KEY,
+    POST_NORM,
+    SlotMatch,
+    compare_layers,
+    match_slots,
+    squared_distances,
+)
 from eagle3_workflow.settings import CanaryStage, ExtractionStall, stage_settings
 from eagle3_workflow.vllm_server import VLLMServer
 
 log = logging.getLogger("eagle3.canary")
 
-LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -165,9 +171,6 @@ def build_truncated_target(target_dir: Path, out_dir: Path, layers: int) -> dict
     return config
 
 
-POST_NORM = "post-norm"  # label of the final norm's output: a plausible wrong source for id K
-
-
 def reference_all_layers(input_ids: list[int], model: Any) -> tuple[list[str], torch.Tensor]:
     """HF fp32 forward; every candidate source in vLLM's convention: labels and [T, K + 2, H].
 
@@ -194,52 +197,6 @@ def reference_all_layers(input_ids: list[int], model: Any) -> tuple[list[str], t
     return labels, torch.stack([s.float() for s in states], dim=1)
 
 
-def squared_distances(extracted: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """[L, C]: sum over tokens and features of (slot l - candidate c)^2 (fp32)."""
-    got = extracted.float()
-    return torch.stack([(got[:, j, None, :] - candidates).pow(2).sum(dim=(0, 2)) for j in range(got.shape[1])])
-
-
-@dataclasses.dataclass
-class SlotMatch:
-    claimed: int
-    best: str
-    best_rel: float  # ||slot - best|| / ||slot||
-    runner_up: str
-    runner_up_rel: float
-    own_rel: float
-
-    @property
-    def ok(self) -> bool:
-        return self.best == str(self.claimed)
-
-    @property
-    def margin(self) -> float:
-        """How much farther the second-nearest layer is than the nearest one (>1; large = unambiguous)."""
-        return self.runner_up_rel / max(self.best_rel, 1e-12)
-
-
-def match_slots(
-    layer_ids: list[int], labels: list[str], sq_dist: torch.Tensor, sq_norm: torch.Tensor
-) -> list[SlotMatch]:
-    """Each captured slot's nearest reference layer (plain distance, so every candidate is judged alike)."""
-    matches = []
-    for j, claimed in enumerate(layer_ids):
-        rel = (sq_dist[j] / sq_norm[j].clamp_min(1e-24)).sqrt().tolist()
-        order = sorted(range(len(labels)), key=rel.__getitem__)
-        matches.append(
-            SlotMatch(
-                claimed=claimed,
-                best=labels[order[0]],
-                best_rel=rel[order[0]],
-                runner_up=labels[order[1]],
-                runner_up_rel=rel[order[1]],
-                own_rel=rel[labels.index(str(claimed))],
-            )
-        )
-    return matches
-
-
 def convention_row(matches: list[SlotMatch], layers: int) -> CheckRow:
     expected = f"each id nearest to its own layer of all 0..{layers} (+ post-norm)"
     wrong = [m for m in matches if not m.ok]
@@ -254,20 +211,6 @@ def convention_row(matches: list[SlotMatch], layers: int) -> CheckRow:
         f"next nearest layer {weakest.runner_up} at {weakest.runner_up_rel:.3g})"
     )
     return CheckRow(name="layer-id convention", expected=expected, found=found, passed=True)
-
-
-def compare_layers(
-    extracted: torch.Tensor, reference: torch.Tensor, layer_ids: list[int]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Per id against its own reference: max error / max |ref|, mean error / mean |ref|."""
-    max_rel, mean_rel = {}, {}
-    for j, layer_id in enumerate(layer_ids):
-        got = extracted[:, j].float()
-        ref = reference[:, j].float()
-        diff = (got - ref).abs()
-        max_rel[str(layer_id)] = float(diff.max() / ref.abs().max().clamp_min(1e-12))
-        mean_rel[str(layer_id)] = float(diff.mean() / ref.abs().mean().clamp_min(1e-12))
-    return max_rel, mean_rel
 
 
 def render_check(server: VLLMServer, messages: list[dict[str, str]], expected_ids: list[int]) -> str | None:

@@ -192,8 +192,16 @@ class ExtractionClient(ExtractionStall):
     greedy_probe_samples: int
 
 
-class ValidationSettings(View):
+class ValidationFullDepth(View):
+    """validation.full_depth_check: check_api proves early that the full-depth reference can run the target."""
+
+    full_depth_check: bool
+
+
+class ValidationSettings(ValidationFullDepth):
     max_bad_samples: int
+    full_depth_max_tokens: int
+    full_depth_relative_tolerance: Number
 
 
 # --- train, evaluate ---------------------------------------------------------------------------------------------
@@ -284,6 +292,7 @@ class RegenerateResponsesStage(ServingStage):
 class CheckApiStage(View):
     check_api: CheckApiSettings
     hidden_states: HiddenStatesSettings
+    validation: ValidationFullDepth
     target: TargetTrust
     vllm: VllmDevice
 
@@ -299,6 +308,7 @@ class ExtractHiddenStatesStage(ServingStage):
 
 class ValidateHiddenStatesStage(View):
     validation: ValidationSettings
+    target: TargetTrust
 
 
 class TrainDraftStage(View):

