@@ -209,12 +209,22 @@ def test_only_rank_0_writes_metrics(tmp_path):
 
 # speculators' real shutdown decorator and handler around a trainer whose save is only a second SIGTERM
 SECOND_SIGTERM = r"""
-import os, signal, sys
+import logging, os, signal, sys
 from pathlib import Path
 from eagle3_workflow.trainer_interrupt import apply_interrupt_patches
 from speculators.train.graceful_shutdown import with_graceful_shutdown
 if sys.argv[1] == "patched":
     apply_interrupt_patches()
+
+class Resend(logging.Handler):
+    sent = False
+
+    def emit(self, record):  # speculators logs "Received SIGTERM" inside its handler's lock
+        if sys.argv[2] == "resend" and not Resend.sent and record.getMessage().startswith("Received"):
+            Resend.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)  # a re-send that arrives while that lock is held
+
+logging.getLogger("speculators").addHandler(Resend())
 
 class Trainer:
     class checkpointer:
@@ -236,11 +246,15 @@ Trainer().run_training()
 def test_a_second_sigterm_does_not_kill_the_interrupt_save():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     run = [sys.executable, "-c", SECOND_SIGTERM]
-    unpatched = subprocess.run([*run, "unpatched"], env=env, capture_output=True, text=True, timeout=120)
+    unpatched = subprocess.run([*run, "unpatched", "-"], env=env, capture_output=True, text=True, timeout=120)
     assert unpatched.returncode == -signal.SIGTERM  # speculators alone: killed mid-save
-    patched = subprocess.run([*run, "patched"], env=env, capture_output=True, text=True, timeout=120)
+    patched = subprocess.run([*run, "patched", "-"], env=env, capture_output=True, text=True, timeout=120)
     assert patched.returncode == 0, patched.stderr[-2000:]
     assert patched.stdout == "saved interrupted\n"
+    # one more, inside speculators' handler (alone, it waits forever there for its own lock)
+    resent = subprocess.run([*run, "patched", "resend"], env=env, capture_output=True, text=True, timeout=120)
+    assert resent.returncode == 0, resent.stderr[-2000:]
+    assert resent.stdout == "saved interrupted\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ are one step ahead of the step count the trainer holds. The trainer entry applie
 
 - a stop signal that arrives between the optimizer step and the end of that step (the ``step_callback`` speculators
   calls right after ``global_step += 1``) is acted on at the end of the step, so weights, optimizer, scheduler and
-  step count agree in what is saved. Everywhere else speculators' handler raises at once, as before;
+  step count agree in what is saved. Everywhere else speculators' handler raises at once, as before. Signals
+  after the first are ignored before speculators' handler takes its lock (it ignores them inside it, where a
+  re-send that interrupts the first signal's handler waits forever);
 - before the interrupt save, a stale ``interrupted/`` from an earlier launch is removed (a save cut short must not
   leave old and new files side by side); after it, ``interrupted/training_state.json`` is written, last and
   atomically, in speculators' own format (``epoch``, ``local_step``, ``global_step``; ``local_step`` 0 = that epoch
@@ -52,6 +54,7 @@ INTERRUPT_PATCH_POINTS: list[tuple[str, str]] = [
 # attributes of speculators' shutdown handler the wrappers read
 HANDLER_ATTRIBUTES = ("_interrupted", "_owner_pid")
 _PATCHED_MARKER = "_eagle3_interrupt_patches"
+_STOPPING = "_eagle3_stopping"  # set on speculators' shutdown handler by the first stop signal it gets
 
 log = logging.getLogger("speculators")  # the trainer's own logger: its lines land in the attempt's log
 
@@ -173,10 +176,19 @@ def _wrap_optimizers_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_handler(original: Callable[..., Any]) -> Callable[..., Any]:
     def handler(self: Any, signum: int, frame: Any) -> None:
+        if os.getpid() != getattr(self, "_owner_pid", None):
+            original(self, signum, frame)  # a forked DataLoader worker: speculators' handler ignores it
+            return
+        if getattr(self, _STOPPING, False):
+            # a re-send (SLURM and the stage's launcher, torchrun): speculators ignores it too, but only inside its
+            # lock, which the first signal's handler may hold right now (seen in a test: the trainer hung until
+            # the stage killed it 125 s later, with no interrupt save). So it is ignored here, before the lock.
+            return
+        setattr(self, _STOPPING, True)
         progress = _current[-1] if _current else None
-        if progress is not None and progress.in_step and os.getpid() == getattr(self, "_owner_pid", None):
-            if progress.pending is None:  # no I/O here: a signal handler may interrupt a write to the same stream
-                progress.pending = lambda: original(self, signum, frame)
+        if progress is not None and progress.in_step:
+            # no I/O here: a signal handler may interrupt a write to the same stream
+            progress.pending = lambda: original(self, signum, frame)
             return
         original(self, signum, frame)
 
