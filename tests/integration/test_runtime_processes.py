@@ -5,6 +5,7 @@ The pure parts (log prefixes, first_traceback, the progress watch): tests/unit/t
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import REGENERATE_SETTINGS, REPO, fill_up, tiny_settings, wait_until
 
+from eagle3_workflow.files import write_text_atomic
 from eagle3_workflow.runtime.child import BUSY_MARKER, PROGRESS_MARKER, ChildFailure, ChildProcess, ProgressWatch
 
 SCRIPTS = REPO / "workflow" / "scripts"
@@ -274,6 +276,22 @@ def test_a_stage_log_on_a_full_disk_is_said_once_and_the_failure_stays_last(smal
     assert proc.stderr.count("cannot write the log file") == 1
     assert proc.stderr.rstrip().endswith("stage demo FAILED:\nthe cause, and the fix"), proc.stderr[-2000:]
     assert "working 49" in proc.stderr
+
+
+def test_a_status_file_gets_its_last_word_on_a_full_disk(small_disk):
+    """A full disk refuses the atomic write's temporary file (naming the file it was for); in place, the text
+    goes into the blocks the file already holds, and one that would need more is refused, the old text intact."""
+    status = small_disk / "progress.json"
+    write_text_atomic(status, '{"state": "running"}\n')
+    fill_up(small_disk / "another_jobs_file")
+    with pytest.raises(OSError) as refused:
+        write_text_atomic(status, '{"state": "failed"}\n')
+    assert (refused.value.errno, refused.value.filename) == (errno.ENOSPC, str(status))
+    write_text_atomic(status, '{"state": "failed", "message": "disk full"}\n', in_place_when_full=True)
+    assert status.read_text() == '{"state": "failed", "message": "disk full"}\n'
+    with pytest.raises(OSError):
+        write_text_atomic(status, "x" * 100_000, in_place_when_full=True)
+    assert status.read_text() == '{"state": "failed", "message": "disk full"}\n'
 
 
 # ---------------------------------------------------------------- real vLLM trees (slow)
