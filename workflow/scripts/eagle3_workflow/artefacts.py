@@ -292,7 +292,8 @@ class ProgressSnapshot(Artefact):
 
     written_by: ClassVar[str] = "extract_hidden_states"
 
-    state: Literal["starting", "running", "done", "failed", "stalled"]  # stalled: server alive, no sample finished
+    # the last state is one of done, failed, stalled (server alive, no sample finished), stopped (a stop signal)
+    state: Literal["starting", "running", "done", "failed", "stalled", "stopped"]
     replica: int
     samples_done: int
     samples_total: int
