@@ -8,6 +8,7 @@ per architecture is built once per session (a few seconds each).
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import re
 import shutil
@@ -245,6 +246,34 @@ def api_report(target: Path, **overrides):
         trust_remote_code=False,
     )
     return run_api_checks(**(kwargs | overrides))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB tmpfs of the test's own: a file system a test can fill up without touching the host's disk
+    (mounting needs root; without it the test is skipped with the reason)."""
+    mount_point = tmp_path / "small_disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()!r}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
+
+
+def fill_up(path: Path) -> None:
+    """Another job's file: written until the file system says ENOSPC, down to its last page."""
+    with open(path, "wb", buffering=0) as filler:
+        for chunk in (1 << 20, 4096):
+            try:
+                while True:
+                    filler.write(b"\0" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, repr(exc)
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "s
 NODE_NAME = "eagle3ci"
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "sacct", "salloc")
 GPUS_PER_NODE = 8
+KEEP_FINISHED_JOBS_S = 7 * 24 * 3600  # MinJobAge: longer than any test session
 
 
 class SlurmUnavailable(RuntimeError):
@@ -187,9 +188,12 @@ class SlurmCluster:
                     "SelectTypeParameters=CR_Core",
                     "SlurmdParameters=config_overrides",
                     "ReturnToService=2",
-                    # finished jobs stay visible to squeue/scontrol for 10 min: snakemake's squeue status
-                    # queries need MinJobAge >= 3 x the first status check delay, the test reads jobs back
-                    "MinJobAge=600",
+                    # finished jobs stay known to squeue/scontrol for the cluster's lifetime, however slow the
+                    # machine: the tests read a run's jobs back after it (a run that took 876 s on a loaded 2-core
+                    # machine had lost its first jobs with MinJobAge=600), and snakemake's squeue status queries
+                    # need MinJobAge >= 3 x the first status check delay. Not 0 ("never purge"): the slurm plugin
+                    # reads 0 as too low for squeue and falls back to sacct, which has no database here.
+                    f"MinJobAge={KEEP_FINISHED_JOBS_S}",
                     "JobAcctGatherType=jobacct_gather/none",
                     "AccountingStorageType=accounting_storage/none",
                     "GresTypes=gpu",
@@ -302,7 +306,7 @@ class SlurmCluster:
         return proc
 
     def jobs(self) -> list[dict[str, str]]:
-        """Every job slurmctld still knows (MinJobAge keeps finished ones), as `scontrol show job -o` fields."""
+        """Every job slurmctld knows (MinJobAge keeps finished ones for a week), as `scontrol show job -o` fields."""
         proc = self.run(["scontrol", "show", "job", "-o"], check=False)
         if "No jobs in the system" in proc.stdout + proc.stderr:
             return []

