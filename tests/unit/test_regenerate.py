@@ -348,7 +348,12 @@ def test_engine_kwargs_follow_the_vllm_section():
     assert kwargs["kv_cache_memory_bytes"] == 1 << 28
     assert "gpu_memory_utilization" not in kwargs
     assert (kwargs["dtype"], kwargs["seed"], kwargs["trust_remote_code"]) == ("bfloat16", 7, False)
-    assert (kwargs["max_model_len"], kwargs["max_num_seqs"], kwargs["enforce_eager"]) == (1024, 8, True)
+    assert (kwargs["max_model_len"], kwargs["max_num_seqs"]) == (1024, 8)
+    assert kwargs["enforce_eager"] is False, "regeneration is launch-bound: CUDA graphs on a GPU despite enforce_eager"
+    eager = tiny_settings(RegenerateResponsesStage, vllm=vllm | {"generation_cuda_graphs": False})
+    assert regeneration_engine_kwargs(Path("/m"), eager)["enforce_eager"] is True
+    on_cpu = tiny_settings(RegenerateResponsesStage, vllm=vllm | {"device": "cpu"})
+    assert regeneration_engine_kwargs(Path("/m"), on_cpu)["enforce_eager"] is True
     settings = tiny_settings(RegenerateResponsesStage, vllm=vllm | {"kv_cache_memory_bytes": None})
     assert regeneration_engine_kwargs(Path("/m"), settings)["gpu_memory_utilization"] == 0.85
 

@@ -155,6 +155,12 @@ def hidden_states_server_spec(
     )
 
 
+def generation_cuda_graphs(vllm: VllmSettings, device: str) -> bool:
+    """Whether an offline engine whose speed is the point (regeneration, the evaluation's timing passes) captures
+    CUDA graphs although vllm.enforce_eager is set: on a GPU, with vllm.generation_cuda_graphs."""
+    return resolve_device(device) == "cuda" and vllm.generation_cuda_graphs
+
+
 def offline_engine_kwargs(
     vllm: VllmSettings,
     *,

@@ -49,6 +49,7 @@ from eagle3_workflow.evaluation.protocol import (
     eagle3_run,
 )
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
+from eagle3_workflow.vllm_server import generation_cuda_graphs
 
 log = logging.getLogger("eagle3.evaluation")
 
@@ -168,9 +169,9 @@ def plan_measurements(
     the timing passes. Batch-invariant: each label gets a timing engine (production settings) and a lossless
     engine in batch-invariant processes. Engines share a process unless evaluate.isolate_runs."""
     lossless_kwargs = {"logprobs_mode": "raw_logits"}
-    timing_kwargs: dict[str, Any] = {}
-    if device == "cuda" and vllm_settings.generation_cuda_graphs:
-        timing_kwargs = {"enforce_eager": False, "max_num_seqs": max(settings.timing_concurrency)}
+    timing_kwargs: dict[str, Any] = {"max_num_seqs": max(settings.timing_concurrency)} if device == "cuda" else {}
+    if generation_cuda_graphs(vllm_settings, device):
+        timing_kwargs["enforce_eager"] = False
     if numerics == "production":
         both = [run.model_copy(update={"engine_overrides": lossless_kwargs | timing_kwargs}) for run in labelled]
         groups = [(both, False)]
@@ -180,7 +181,9 @@ def plan_measurements(
         ]
         exact = [run.model_copy(update={"timing_pass": False, "engine_overrides": lossless_kwargs}) for run in labelled]
         groups = [(timing, False), (exact, True)]
-    isolate = bool(settings.isolate_runs)
+    # on a GPU a spec-decode engine left its 16 GiB KV cache allocated after vLLM's own cleanup, so the next engine
+    # of that process failed vLLM's free-memory check (H200, vLLM 0.26, 2026-12-01): one engine per process there
+    isolate = settings.isolate_runs if settings.isolate_runs is not None else device != "cpu"
     return [
         PlannedProcess(runs=[run] if isolate else runs, batch_invariant=invariant)
         for runs, invariant in groups

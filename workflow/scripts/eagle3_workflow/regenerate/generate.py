@@ -37,7 +37,7 @@ from eagle3_workflow.regenerate.prompts import (
     to_sharegpt,
 )
 from eagle3_workflow.settings import RegenerateResponsesStage, RegenerateSettings, as_config, stage_settings
-from eagle3_workflow.vllm_server import offline_engine_kwargs
+from eagle3_workflow.vllm_server import generation_cuda_graphs, offline_engine_kwargs
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -200,8 +200,9 @@ def write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> None:
 
 
 def regeneration_engine_kwargs(target: Path, settings: RegenerateResponsesStage) -> dict[str, Any]:
-    """The regeneration engine from the stage's target, vllm and extraction settings (served as in extraction)."""
-    return offline_engine_kwargs(
+    """The regeneration engine from the stage's target, vllm and extraction settings (served as in extraction);
+    CUDA graphs on a GPU (vllm.generation_cuda_graphs: a small target's decode step is launch-bound)."""
+    kwargs = offline_engine_kwargs(
         settings.vllm,
         model=str(target),
         dtype=settings.target.dtype,
@@ -210,6 +211,9 @@ def regeneration_engine_kwargs(target: Path, settings: RegenerateResponsesStage)
         tensor_parallel_size=settings.extraction.tensor_parallel_size,
         device=settings.vllm.device,
     )
+    if generation_cuda_graphs(settings.vllm, settings.vllm.device):
+        kwargs["enforce_eager"] = False
+    return kwargs
 
 
 def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
