@@ -143,7 +143,7 @@ def build_skeleton(target_dir: Path, *, trust_remote_code: bool) -> tuple[Any, A
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
         decoder = model.get_decoder()
-        layers = decoder.layers
+        layers, _ = decoder.layers, decoder.norm  # the decoder layers and the final norm the reference hooks
     except Exception as exc:  # noqa: BLE001
         raise unsupported(target_dir, f"transformers cannot build its decoder from the config ({exc!r})") from exc
     model.eval()
@@ -182,8 +182,8 @@ def load_module(
     model: Any, module: Any, tensors: dict[str, torch.Tensor], what: str, *, skip: str | None = None
 ) -> int:
     """Load checkpoint `tensors` into `module` of the meta `model` through transformers' own conversion (renames,
-    fused experts), in the skeleton's dtype (fp32). Returns the bytes now held; refuses when any weight of `module` (but those under
-    `skip.`, loaded later) stays unloaded."""
+    fused experts), in the skeleton's dtype (fp32). Returns the bytes now held; refuses when any weight of `module`
+    (but those under `skip.`, loaded later) stays unloaded."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
