@@ -10,7 +10,9 @@ llama8b-shape a random-weight checkpoint of Llama-3.1-8B's shape (bench/gpu/llam
               pass (bf16 copies of ids [2, 16, 29, 32]); the second pass is the check, timed. Its verdicts only say
               the machinery runs at this size: the number is the time.
 
-Prints one JSON line: seconds of the check, the most weight bytes it held at once, the process's peak RSS.
+The check runs in a fresh process (this script with --check-only), so its peak RSS is the check's own: the
+process that built the target or extracted is not counted. Prints one JSON line: seconds of the check, the most
+weight bytes it held at once (its own accounting), the check process's peak RSS.
 
 usage: .venv/bin/python bench/full_depth/bench_full_depth.py smollm2 [--work DIR]
        .venv/bin/python bench/full_depth/bench_full_depth.py llama8b-shape [--work /tmp/DIR] [--keep]
@@ -22,8 +24,8 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +44,12 @@ NEEDED_BYTES = 20 * 1024**3
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory (VmHWM). Not getrusage's ru_maxrss: across the exec of a child it keeps
+    the parent's peak (measured: 6.6 GB reported for a check whose own peak was 1.9 GB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def run_check(target: Path, files: Path, samples: dict[int, list[int]], layer_ids: list[int]) -> dict:
@@ -112,7 +119,7 @@ def yaml_preset(name: str) -> dict:
     return config
 
 
-def bench_smollm2(work: Path) -> dict:
+def prepare_smollm2(work: Path) -> dict:
     from eagle3_workflow.smollm2 import build_smollm2_target, locate_gguf
 
     target = work / "target"
@@ -124,9 +131,8 @@ def bench_smollm2(work: Path) -> dict:
     samples = dict(enumerate(chat_samples(target, 8)))
     if not all(hs_file(work / "files", row).exists() for row in samples):
         extract(target, work, samples, layer_ids, hidden)
-    return {"target": "SmolLM2-135M-Instruct", "layers": layers, "layer_ids": layer_ids} | run_check(
-        target, work / "files", samples, layer_ids
-    )
+    (work / "samples.json").write_text(json.dumps(samples))
+    return {"target": "SmolLM2-135M-Instruct (vLLM CPU extraction, bf16)"}
 
 
 # ---------------------------------------------------------------------------------------------------- llama8b-shape
@@ -191,31 +197,38 @@ def capture_from_reference(target: Path, files: Path, samples: dict[int, list[in
         save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(batch[b])}, str(hs_file(files, row)))
 
 
-def bench_llama8b_shape(work: Path, keep: bool) -> dict:
+def prepare_llama8b_shape(work: Path) -> dict:
     import torch
 
-    free = shutil.disk_usage(work).free
-    if free < NEEDED_BYTES and not (work / "target" / "model.safetensors.index.json").exists():
-        return {"target": "llama8b-shape", "skipped": f"{free / 1024**3:.1f} GiB free in {work}, needs 20"}
     target = work / "target"
-    result: dict = {"target": "Llama-3.1-8B shape (random bf16)"}
-    try:
-        if not (target / "model.safetensors.index.json").exists():
-            started = time.monotonic()
-            result["checkpoint_bytes"] = write_random_checkpoint(target)
-            result["write_s"] = round(time.monotonic() - started, 1)
-        layer_ids = eagle3_layer_ids(32)
-        generator = torch.Generator().manual_seed(1)
-        samples = {0: torch.randint(10, 128000, (600,), generator=generator).tolist(),
-                   1: torch.randint(10, 128000, (40,), generator=generator).tolist()}  # fmt: skip
+    result: dict = {"target": "Llama-3.1-8B shape (random bf16; files from a first streamed pass)"}
+    if not (target / "model.safetensors.index.json").exists():
+        free = shutil.disk_usage(work).free
+        if free < NEEDED_BYTES:
+            return result | {"skipped": f"{free / 1024**3:.1f} GiB free in {work}, needs 20"}
         started = time.monotonic()
-        capture_from_reference(target, work / "files", samples, layer_ids)
+        result["checkpoint_bytes"] = write_random_checkpoint(target)
+        result["write_s"] = round(time.monotonic() - started, 1)
+    generator = torch.Generator().manual_seed(1)
+    samples = {0: torch.randint(10, 128000, (600,), generator=generator).tolist(),
+               1: torch.randint(10, 128000, (40,), generator=generator).tolist()}  # fmt: skip
+    if not all(hs_file(work / "files", row).exists() for row in samples):
+        started = time.monotonic()
+        capture_from_reference(target, work / "files", samples, eagle3_layer_ids(32))
         result["capture_pass_s"] = round(time.monotonic() - started, 1)
-        result |= {"layer_ids": layer_ids} | run_check(target, work / "files", samples, layer_ids)
-    finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
+    (work / "samples.json").write_text(json.dumps(samples))
     return result
+
+
+def check_only(work: Path) -> dict:
+    """The check alone, in this (fresh) process: seconds, weights held, peak RSS."""
+    import torch
+
+    samples = {int(row): ids for row, ids in json.loads((work / "samples.json").read_text()).items()}
+    layers = int(json.loads((work / "target" / "config.json").read_text())["num_hidden_layers"])
+    layer_ids = eagle3_layer_ids(layers)
+    result = {"layers": layers, "layer_ids": layer_ids} | run_check(work / "target", work / "files", samples, layer_ids)
+    return result | {"check_peak_rss_bytes": peak_rss_bytes(), "torch_threads": torch.get_num_threads()}
 
 
 def main() -> None:
@@ -223,19 +236,25 @@ def main() -> None:
     parser.add_argument("target", choices=["smollm2", "llama8b-shape"])
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (llama8b-shape: 16 GB)")
+    parser.add_argument("--check-only", action="store_true", help="(internal) the check on a prepared work directory")
     args = parser.parse_args()
+    if args.check_only:
+        print(json.dumps(check_only(args.work)), flush=True)
+        return
     work = args.work or Path(tempfile.mkdtemp(prefix=f"full-depth-{args.target}-"))
     work.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    if args.target == "smollm2":
-        result = bench_smollm2(work)
-    else:
-        result = bench_llama8b_shape(work, args.keep)
+    try:
+        result = prepare_smollm2(work) if args.target == "smollm2" else prepare_llama8b_shape(work)
+        if "skipped" not in result:
+            command = [sys.executable, __file__, args.target, "--work", str(work), "--check-only"]
+            proc = subprocess.run(command, capture_output=True, text=True, check=True)
+            print(proc.stderr[-2000:], file=sys.stderr)
+            result |= json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        if args.target == "llama8b-shape" and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     result |= {
-        "peak_rss_bytes": peak_rss_bytes(),
-        "torch_threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "load_1m": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result), flush=True)

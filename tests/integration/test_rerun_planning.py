@@ -71,7 +71,13 @@ READS: dict[str, set[str]] = {
         "target/trust_remote_code",
         "vllm",
     },
-    "check_api": {"check_api", "hidden_states/layer_ids", "target/trust_remote_code", "vllm/device"},
+    "check_api": {
+        "check_api",
+        "hidden_states/layer_ids",
+        "target/trust_remote_code",
+        "validation/full_depth_check",
+        "vllm/device",
+    },
     "canary": {
         "canary",
         "extraction/tensor_parallel_size",
@@ -98,7 +104,7 @@ READS: dict[str, set[str]] = {
         "target/trust_remote_code",
         "vllm",
     },
-    "validate_hidden_states": {"validation/max_bad_samples"},
+    "validate_hidden_states": {"validation", "target/trust_remote_code"},
     "train_draft": {"train", "target/trust_remote_code"},
     "evaluate_draft": {
         "evaluate/prompts",

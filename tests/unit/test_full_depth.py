@@ -162,6 +162,16 @@ def test_full_depth_check_names_every_slot_taken_from_the_wrong_depth(deep_targe
     assert "do not raise the tolerance" in message
 
 
+def test_an_error_above_tolerance_on_the_right_layers_gets_the_drift_advice(deep_target, tmp_path):
+    write_capture(tmp_path / "files", deep_target, DEEP_SAMPLES, DEEP_IDS, {})
+    report = full_depth_check(deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=1e-4, max_tokens=16)
+    assert report.passed is False
+    assert all(s.best == str(s.claimed) for s in report.slots)
+    message = failure_message(report)
+    assert "TOO FAR: id 2 max rel error" in message
+    assert "Every id is nearest to its own layer" in message and "do not raise" not in message
+
+
 def test_turned_off_the_report_says_unsafe(tmp_path):
     settings = tiny_settings(ValidateHiddenStatesStage, validation={"full_depth_check": False})
     report = check_stage(settings, target_dir=tmp_path, files_dir=tmp_path, samples={0: [1, 2]}, layer_ids=[2, 4, 8])

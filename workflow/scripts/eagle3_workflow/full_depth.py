@@ -7,12 +7,13 @@ input of each layer 0..N-1 (HF ``output_hidden_states[k]``), the pre-norm output
 final norm's output. With the canary's matching (layer_match), each slot must be nearest to the layer it claims
 (so also nearer than its neighbours) and within tolerance of it; every wrong slot is named.
 
-Memory of one layer: the model is built from its config on the meta device (no weights). Its embedding and final
-norm are read first; each decoder layer is read from the safetensors files (safe_open, only that layer's tensors)
-just before its forward, converted by transformers' own checkpoint conversion (DeepSeek's per-expert tensors become
-its fused experts, as in from_pretrained) and freed right after. The samples go through as ONE right-padded batch,
-through HF's own model forward (its causal + padding mask, its rotary embeddings), so the weights are read once:
-an 8B target runs on a CPU node, a 1T MoE in the time of one read of its weights. Each reference state is compared
+Memory of one layer: the model is built from its config on the meta device (no weights). Its embedding (kept in
+the checkpoint's dtype: a lookup is exact) and final norm are read first; each decoder layer is read from the
+safetensors files (safe_open, only that layer's tensors, the file closed again) just before its forward, converted
+by transformers' own checkpoint conversion (DeepSeek's per-expert tensors become its fused experts, as in
+from_pretrained) and freed right after. The samples go through as ONE right-padded batch, through HF's own model
+forward (its causal + padding mask, its rotary embeddings), so the weights are read once: an 8B target runs on a
+CPU node, a 1T MoE in the time of one read of its weights. Each reference state is compared
 with the slots as it streams by; none is kept. No vLLM here, no subprocess.
 """
 
@@ -108,29 +109,18 @@ def split_by_layer(names: Sequence[str], num_layers: int) -> tuple[list[str], di
     return outside, per_layer
 
 
-class CheckpointReader:
-    """safe_open handles on the target's files, opened on first use; reads only the tensors asked for."""
+def read_tensors(target_dir: Path, files: Mapping[str, str], names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Only the tensors named, each file opened (safe_open) and closed again: no file stays mapped between layers."""
+    from safetensors import safe_open
 
-    def __init__(self, target_dir: Path, files: Mapping[str, str]) -> None:
-        self.target_dir, self.files = target_dir, files
-        self._stack = contextlib.ExitStack()
-        self._handles: dict[str, Any] = {}
-
-    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
-        tensors = {}
-        for name in names:
-            file = self.files[name]
-            if file not in self._handles:
-                self._handles[file] = self._stack.enter_context(
-                    safe_open(str(self.target_dir / file), framework="pt", device="cpu")
-                )
-            tensors[name] = self._handles[file].get_tensor(name)
-        return tensors
-
-    def close(self) -> None:
-        self._stack.close()
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    tensors = {}
+    for file, in_file in by_file.items():
+        with safe_open(str(target_dir / file), framework="pt", device="cpu") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in in_file})
+    return tensors
 
 
 # ------------------------------------------------------------------------------------------------ the model skeleton
@@ -153,7 +143,7 @@ def build_skeleton(target_dir: Path, *, trust_remote_code: bool) -> tuple[Any, A
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
         decoder = model.get_decoder()
-        layers = decoder.layers
+        layers, _ = decoder.layers, decoder.norm  # the decoder layers and the final norm the reference hooks
     except Exception as exc:  # noqa: BLE001
         raise unsupported(target_dir, f"transformers cannot build its decoder from the config ({exc!r})") from exc
     model.eval()
@@ -192,13 +182,14 @@ def load_module(
     model: Any, module: Any, tensors: dict[str, torch.Tensor], what: str, *, skip: str | None = None
 ) -> int:
     """Load checkpoint `tensors` into `module` of the meta `model` through transformers' own conversion (renames,
-    fused experts), in fp32. Returns the bytes now held; refuses when any weight of `module` (but those under
-    `skip.`, loaded later) stays unloaded."""
+    fused experts), in the skeleton's dtype (fp32). Returns the bytes now held; refuses when any weight of `module`
+    (but those under `skip.`, loaded later) stays unloaded."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(model))
+    # dtype None: each tensor takes the dtype of the skeleton's parameter (fp32; the embedding: keep_stored_dtype)
+    config = LoadStateDictConfig(dtype=None, weight_mapping=get_model_conversion_mapping(model))
     info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=tensors, load_config=config)
     problems = [
         f"{label} {sorted(keys)[:5]}"
@@ -221,6 +212,15 @@ def load_module(
         reason = f"{what}: its tensors do not load into transformers' {type(module).__name__}: {'; '.join(problems)}"
         raise UnsupportedTarget(f"{reason}. The full-depth reference cannot run this checkpoint; {TURN_OFF}", reason)
     return weight_bytes(module, skip=skip)
+
+
+def keep_stored_dtype(embed: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The input embedding stays in the checkpoint's dtype (a lookup is exact in any dtype; its rows become fp32 after
+    the lookup): a 128k-token vocabulary in fp32 would be twice the memory of an 8B model's layer."""
+    shape = tuple(embed.weight.shape)
+    stored = [t.dtype for t in tensors.values() if tuple(t.shape) == shape]
+    if stored and stored[0].is_floating_point:
+        embed.to(dtype=stored[0])
 
 
 def free(module: Any) -> None:
@@ -270,8 +270,8 @@ def stream_reference(
     model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
     layers = decoder.layers
     num_layers = len(layers)
-    reader = CheckpointReader(target_dir, weight_files(target_dir))
-    outside, per_layer = split_by_layer(list(reader.files), num_layers)
+    files = weight_files(target_dir)
+    outside, per_layer = split_by_layer(list(files), num_layers)
     held = {"now": 0, "peak": 0}
     started = time.monotonic()
 
@@ -283,7 +283,8 @@ def stream_reference(
         def hook(_module: Any, args: tuple, kwargs: dict) -> None:
             if not per_layer[index]:
                 raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layer {index}")
-            hold(load_module(model, layers[index], reader.read(per_layer[index]), f"decoder layer {index}"))
+            tensors = read_tensors(target_dir, files, per_layer[index])
+            hold(load_module(model, layers[index], tensors, f"decoder layer {index}"))
             visit(str(index), args[0] if args else kwargs["hidden_states"])
 
         return hook
@@ -304,9 +305,10 @@ def stream_reference(
 
     embed = decoder.get_input_embeddings()
 
-    def after_embedding(module: Any, _args: tuple, _output: Any) -> None:
+    def after_embedding(module: Any, _args: tuple, output: torch.Tensor) -> torch.Tensor:
         held["now"] -= weight_bytes(module)
         free(module)  # a large vocabulary's embedding is as big as a layer: not kept beside them
+        return output.float()  # rows of the stored dtype, exactly; from here on everything is fp32
 
     hooks = [embed.register_forward_hook(after_embedding)]
     hooks.append(decoder.norm.register_forward_hook(lambda _m, _a, out: visit(POST_NORM, _first_tensor(out))))
@@ -316,13 +318,15 @@ def stream_reference(
     input_ids, mask = right_padded(batch, pad_id=0)
     try:
         with _quiet_loading():
-            hold(load_module(model, decoder, reader.read(outside), "embedding and final norm", skip="layers"))
+            tensors = read_tensors(target_dir, files, outside)
+            keep_stored_dtype(embed, tensors)
+            hold(load_module(model, decoder, tensors, "embedding and final norm", skip="layers"))
+            del tensors
             with torch.inference_mode():
                 decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
     finally:
         for handle in hooks:
             handle.remove()
-        reader.close()
     return num_layers, held["peak"]
 
 
@@ -468,16 +472,27 @@ def slot_table(report: FullDepthReport) -> str:
     )
 
 
+WRONG_LAYER_ADVICE = (
+    "The capture is wrong past the canary's slice (a layer-id remap in this vLLM build or its model code): the "
+    "hidden states are unusable for training; do not raise the tolerance. Check the vLLM version against envs/, "
+    "then rerun extraction (snakemake --forcerun extract_hidden_states)."
+)
+TOO_FAR_ADVICE = (
+    "Every id is nearest to its own layer, but farther from it than the tolerance: numerical drift of the serving "
+    "dtype through the whole depth, or a capture that scales or corrupts the state. Compare with the canary's errors "
+    "(checks/canary.json) and the margins above; raise validation.full_depth_relative_tolerance only if the drift is "
+    "the dtype's (it grows with depth), then rerun validate_hidden_states."
+)
+
+
 def failure_message(report: FullDepthReport) -> str:
     wrong = [s for s in report.slots if not s.ok]
+    wrong_layer = any(s.best != str(s.claimed) for s in wrong)
     return (
         f"full-depth check FAILED: {len(wrong)} of {len(report.slots)} captured ids do not hold their own layer of the "
         f"{report.num_layers}-layer target (rows {report.rows}, {report.tokens} tokens, vs {report.reference}; each id "
         f"must be nearest to its own layer of all 0..{report.num_layers} (+ post-norm) and within max rel error "
-        f"{report.tolerance:g}):\n{slot_table(report)}\n"
-        "The capture is wrong past the canary's slice (a layer-id remap in this vLLM build or its model code): the "
-        "hidden states are unusable for training; do not raise the tolerance. Check the vLLM version against envs/, "
-        "then rerun extraction (snakemake --forcerun extract_hidden_states)."
+        f"{report.tolerance:g}):\n{slot_table(report)}\n{WRONG_LAYER_ADVICE if wrong_layer else TOO_FAR_ADVICE}"
     )
 
 
