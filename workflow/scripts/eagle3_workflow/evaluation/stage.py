@@ -263,7 +263,8 @@ def keyed_run(
     content = {
         "engine": engine,
         "run": run.model_dump(mode="json", exclude={"key", "result_path"}),
-        "spec": spec_fields,
+        # the prompts by digest: the key's parts are kept beside the result, and 164 prompts are ~250 KB
+        "spec": spec_fields | {"prompts": hashlib.sha256(json.dumps(spec_fields.get("prompts")).encode()).hexdigest()},
         "batch_invariant": batch_invariant,
         "models": {m: model_fingerprint(Path(m)) for m in models if Path(m).is_dir()},
         # vLLM's switches and the test fault plugins change results without changing a setting
