@@ -6,8 +6,8 @@ retrain or a config change, and what it leaves alone.
 - `-R train_draft --until train_draft` retrains without re-extracting;
 - a killed controller (and its jobs) recovers with `--unlock` then `--rerun-incomplete`;
 - a changed train.* value reruns training and what follows it, nothing before (Snakemake 9's default rerun
-  triggers include params; rules take the keys their stage reads through config_subset in common.smk; tests/integration/test_rerun_planning.py
-  checks every key).
+  triggers include params; a rule's params carry the keys its stage's settings model declares, through
+  stage_params in common.smk; tests/integration/test_rerun_planning.py checks every key).
 
 What ran is read from the "Job stats" table Snakemake prints before it starts jobs.
 """

@@ -1,6 +1,6 @@
 """A rule reruns exactly when a config value its stage reads changes (docs/reruns.md).
 
-Stages read config only from their rule's params (`config_subset(...)` in workflow/rules/common.smk). READS below
+Stages read config only from their rule's params (`stage_params(...)` in workflow/rules/common.smk). READS below
 says which keys each rule's stage reads; it is checked against the params the rules declare (loaded through
 Snakemake's API), so it cannot drift from them. Then, on a run whose every output is staged as complete
 (placeholders, recorded with Snakemake's touch executor), every config key is changed in turn and a dry run

@@ -1,7 +1,8 @@
 """Typed settings (eagle3_workflow.settings): defaults live only in the schema.
 
-- Every rule's params.settings (its config_subset(...), loaded through Snakemake's API for the presets that have
-  every rule) validates into its stage's model, and carries exactly the keys the model declares.
+- Every rule's params.settings (its stage_params("<rule>"), loaded through Snakemake's API for the presets that
+  have every rule) validates into its stage's model, and carries exactly the keys the model declares: the rule
+  names itself, and the derivation (settings.config_of) loses no key and adds none.
 - Every model field mirrors the schema: the key exists, same JSON type(s), same enum, null where the schema allows
   it; a section modelled whole has every key of the section; no field has a default.
 - config/README.md's table states the schema's defaults, for every key.
@@ -26,6 +27,7 @@ from eagle3_workflow.settings import (
     TargetBuild,
     View,
     as_config,
+    config_of,
     stage_settings,
     with_schema_defaults,
 )
@@ -131,7 +133,7 @@ def test_each_rule_passes_exactly_the_keys_its_stage_model_declares(rule_setting
 
 def test_a_key_the_stage_does_not_declare_is_refused_with_the_fix(rule_settings):
     settings = {**rule_settings["train_draft"], "vllm": {"device": "cpu"}}
-    with pytest.raises(StageError, match=r"(?s)TrainDraftStage.*extra_forbidden.*config_subset"):
+    with pytest.raises(StageError, match=r"(?s)TrainDraftStage.*extra_forbidden.*stage_params"):
         stage_settings(RULE_SETTINGS["train_draft"], settings)
     missing = {"train": rule_settings["train_draft"]["train"]}
     with pytest.raises(StageError, match=r"(?s)target.*missing"):
@@ -142,8 +144,32 @@ def test_a_user_target_without_build_reaches_the_model_card():
     config = with_schema_defaults(run="r", target={"path": "/models/t"})
     assert "build" not in config["target"]
     settings = {key: config[key] for key in PackageDraftStage.model_fields}
+    assert config_of(PackageDraftStage, config) == settings
     view = stage_settings(PackageDraftStage, settings)
     assert view.target.build is None and as_config(view) == settings
+
+
+def reversed_order(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: reversed_order(value[key]) for key in reversed(list(value))}
+    return value
+
+
+def test_params_do_not_depend_on_the_order_of_the_config():
+    """A param's repr is Snakemake's rerun trigger: the same values in another key order must give the same repr."""
+    config = with_schema_defaults(run="r", target={"path": "/models/t"})
+    for model in RULE_SETTINGS.values():
+        if model is not RULE_SETTINGS["build_tiny_target"]:  # reads target.build, absent here
+            assert repr(config_of(model, config)) == repr(config_of(model, reversed_order(config)))
+    params = config_of(RULE_SETTINGS["evaluate_draft"], reversed_order(config))
+    assert list(params) == sorted(params) and list(params["evaluate"]) == sorted(params["evaluate"])
+
+
+def test_params_of_a_config_without_a_key_the_stage_reads_name_it():
+    config = with_schema_defaults(run="r", target={"path": "/models/t"})
+    del config["train"]["lr"]
+    with pytest.raises(KeyError, match="TrainSettings reads 'lr'"):
+        config_of(RULE_SETTINGS["train_draft"], config)
 
 
 # ---------------------------------------------------------------- models <-> schema

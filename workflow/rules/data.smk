@@ -17,14 +17,6 @@ rule prepare_data:
         **gpu_resources(0),
     params:
         formats=data_source_formats(),
-        settings=config_subset(
-            "data/max_seq_len",
-            "data/overlength",
-            "data/on_bad_record",
-            "data/min_assistant_tokens",
-            "data/max_samples",
-            "data/seed",
-            "target/trust_remote_code",
-        ),
+        settings=stage_params("prepare_data"),
     script:
         "../scripts/prepare_data.py"

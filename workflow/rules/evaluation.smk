@@ -33,27 +33,7 @@ rule evaluate_draft:
         runtime=lambda wc, attempt: 120 * attempt,
     params:
         work_dir=out("eval", "work"),
-        # evaluate.gpus is a resource, not read by the stage
-        settings=config_subset(
-            "evaluate/prompts",
-            "evaluate/prompt_file",
-            "evaluate/num_prompts",
-            "evaluate/num_speculative_tokens",
-            "evaluate/max_tokens",
-            "evaluate/seed",
-            "evaluate/tensor_parallel_size",
-            "evaluate/isolate_runs",
-            "evaluate/timing_repeats",
-            "evaluate/timing_concurrency",
-            "evaluate/timing_prompts",
-            "evaluate/lossless_numerics",
-            "evaluate/lossless_tie_steps",
-            "evaluate/timeout_s",
-            "vllm",
-            "train/train_data_ratio",
-            "target/dtype",
-            "target/trust_remote_code",
-        ),
+        settings=stage_params("evaluate_draft"),
     script:
         "../scripts/evaluate_draft.py"
 

@@ -27,23 +27,7 @@ rule extract_hidden_states:
         files_dir=out("hidden_states", "files"),
         scratch_dir=lambda wc: out("hidden_states", f"scratch_replica_{wc.replica}"),
         progress=lambda wc: out("hidden_states", f"progress_replica_{wc.replica}.json"),
-        settings=config_subset(
-            "extraction/replicas",
-            "extraction/tensor_parallel_size",
-            "extraction/concurrency",
-            "extraction/request_timeout_s",
-            "extraction/max_retries",
-            "extraction/progress_interval_s",
-            "extraction/fail_after_samples",
-            "extraction/stall_timeout_s",
-            "extraction/stall_factor",
-            "extraction/disk_margin",
-            "extraction/available_bytes_override",
-            "extraction/greedy_probe_samples",
-            "target/dtype",
-            "target/trust_remote_code",
-            "vllm",
-        ),
+        settings=stage_params("extract_hidden_states"),
     script:
         "../scripts/extract_hidden_states.py"
 
@@ -67,6 +51,6 @@ rule validate_hidden_states:
         **gpu_resources(0),
     params:
         files_dir=out("hidden_states", "files"),
-        settings=config_subset("validation", "target/trust_remote_code"),
+        settings=stage_params("validate_hidden_states"),
     script:
         "../scripts/validate_hidden_states.py"

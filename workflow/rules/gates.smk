@@ -16,13 +16,7 @@ rule check_api:
     resources:
         **gpu_resources(0),
     params:
-        settings=config_subset(
-            "check_api",
-            "hidden_states/layer_ids",
-            "target/trust_remote_code",
-            "validation/full_depth_check",
-            "vllm/device",
-        ),
+        settings=stage_params("check_api"),
     script:
         "../scripts/check_api.py"
 
@@ -44,14 +38,6 @@ rule canary:
         runtime=lambda wc, attempt: 60 * attempt,
     params:
         work_dir=out("checks", "canary_work"),
-        settings=config_subset(
-            "canary",
-            "extraction/tensor_parallel_size",
-            "extraction/stall_timeout_s",
-            "extraction/stall_factor",
-            "target/dtype",
-            "target/trust_remote_code",
-            "vllm",
-        ),
+        settings=stage_params("canary"),
     script:
         "../scripts/canary.py"

@@ -24,6 +24,6 @@ rule package_draft:
     conda:
         CONDA_ENV
     params:
-        settings=config_subset("run", "target", "regenerate", "train", "evaluate", "vllm"),
+        settings=stage_params("package_draft"),
     script:
         "../scripts/package_draft.py"

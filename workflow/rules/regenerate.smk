@@ -21,14 +21,7 @@ if config["regenerate"]["enabled"]:
             **gpu_resources(config["extraction"]["gpus_per_replica"]),
             runtime=lambda wc, attempt: 60 * attempt,
         params:
-            settings=config_subset(
-                "target_check/max_tokens",
-                "target_check/request_timeout_s",
-                "extraction/tensor_parallel_size",
-                "target/dtype",
-                "target/trust_remote_code",
-                "vllm",
-            ),
+            settings=stage_params("check_target"),
         script:
             "../scripts/check_target.py"
 
@@ -51,12 +44,6 @@ if config["regenerate"]["enabled"]:
             **gpu_resources(config["extraction"]["gpus_per_replica"]),
             runtime=lambda wc, attempt: config["regenerate"]["runtime_minutes"] * attempt,
         params:
-            settings=config_subset(
-                "regenerate",
-                "extraction/tensor_parallel_size",
-                "target/dtype",
-                "target/trust_remote_code",
-                "vllm",
-            ),
+            settings=stage_params("regenerate_responses"),
         script:
             "../scripts/regenerate_responses.py"

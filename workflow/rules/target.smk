@@ -14,14 +14,7 @@ if target_build_kind() == "tiny":
         conda:
             CONDA_ENV
         params:
-            settings=config_subset(
-                "target/build/arch",
-                "target/build/num_layers",
-                "target/build/hidden_size",
-                "target/build/head_dim",
-                "target/build/vocab_size",
-                "target/build/seed",
-            ),
+            settings=stage_params("build_tiny_target"),
         script:
             "../scripts/build_tiny_target.py"
 
@@ -42,6 +35,6 @@ if target_build_kind() == "smollm2":
             **gpu_resources(0),
             runtime=lambda wc, attempt: 30 * attempt,
         params:
-            settings=config_subset("target/dtype"),
+            settings=stage_params("build_smollm2_target"),
         script:
             "../scripts/build_smollm2_target.py"

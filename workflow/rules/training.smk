@@ -23,6 +23,6 @@ rule train_draft:
     params:
         files_dir=out("hidden_states", "files"),
         work_dir=out("train_work"),
-        settings=config_subset("train", "target/trust_remote_code"),
+        settings=stage_params("train_draft"),
     script:
         "../scripts/train_draft.py"
