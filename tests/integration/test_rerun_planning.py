@@ -1,12 +1,20 @@
 """A rule reruns exactly when a config value its stage reads changes (docs/reruns.md).
 
-Stages read config only from their rule's params (`stage_params(...)` in workflow/rules/common.smk). READS below
-says which keys each rule's stage reads; it is checked against the params the rules declare (loaded through
-Snakemake's API), so it cannot drift from them. Then, on a run whose every output is staged as complete
-(placeholders, recorded with Snakemake's touch executor), every config key is changed in turn and a dry run
-plans, for the reason "params changed", exactly the rules that read it: each key a stage reads replans it, every
-other key leaves it alone. The dry runs use only the params trigger (`--rerun-triggers params`): the staged
-placeholders are empty files, which the code and input triggers would otherwise also flag.
+Stages read config only from their rule's params: `stage_params("<rule>")` in workflow/rules/common.smk, the keys
+the stage's settings model declares (eagle3_workflow.settings). READS below says, independently of those models,
+which keys each rule's stage is meant to read: whole sections where a stage uses a section whole, less the keys
+in NOT_READ that only size a job or decide which jobs exist. It is written by hand on purpose: an expectation
+derived from the models would agree with any model, so a model that reads too much (a rerun for nothing) or too
+little (a stale result) would pass. Coarse on purpose too: a new key in a section a rule reads whole (a new
+evaluate.* key) is expected to rerun that rule without an edit here, and the test fails until the stage's model
+declares it, or until the key is named in NOT_READ as a resource.
+
+The table is checked against the params the rules declare (loaded through Snakemake's API). Then, on a run whose
+every output is staged as complete (placeholders, recorded with Snakemake's touch executor), every config key is
+changed in turn and a dry run plans, for the reason "params changed", exactly the rules that read it: each key a
+stage reads replans it, every other key leaves it alone. The dry runs use only the params trigger
+(`--rerun-triggers params`): the staged placeholders are empty files, which the code and input triggers would
+otherwise also flag.
 """
 
 from __future__ import annotations
@@ -33,44 +41,18 @@ from snakemake.settings.types import (  # noqa: E402
 )
 
 EVERY_KEY = "*"
+# how a stage that serves the target with vLLM loads it: its dtype and trust, the vllm section, the TP of its server
+SERVES_TARGET = {"target/dtype", "target/trust_remote_code", "vllm", "extraction/tensor_parallel_size"}
 # rule -> the config keys ("section" or "section/key") its stage reads; EVERY_KEY: it records the whole config
 READS: dict[str, set[str]] = {
     "record_provenance": {EVERY_KEY},
     "report": {EVERY_KEY},
-    "build_tiny_target": {
-        "target/build/arch",
-        "target/build/num_layers",
-        "target/build/hidden_size",
-        "target/build/head_dim",
-        "target/build/vocab_size",
-        "target/build/seed",
-    },
+    "build_tiny_target": {"target/build"},
     "build_smollm2_target": {"target/dtype"},
-    "prepare_data": {
-        "data/max_seq_len",
-        "data/overlength",
-        "data/on_bad_record",
-        "data/min_assistant_tokens",
-        "data/max_samples",
-        "data/seed",
-        "target/trust_remote_code",
-    },
-    "check_target": {
-        "target_check/max_tokens",
-        "target_check/request_timeout_s",
-        "extraction/tensor_parallel_size",
-        "target/dtype",
-        "target/trust_remote_code",
-        "vllm",
-    },
+    "prepare_data": {"data", "target/trust_remote_code"},
+    "check_target": {"target_check", *SERVES_TARGET},
     # the whole section: its stats file records it
-    "regenerate_responses": {
-        "regenerate",
-        "extraction/tensor_parallel_size",
-        "target/dtype",
-        "target/trust_remote_code",
-        "vllm",
-    },
+    "regenerate_responses": {"regenerate", *SERVES_TARGET},
     "check_api": {
         "check_api",
         "hidden_states/layer_ids",
@@ -78,58 +60,27 @@ READS: dict[str, set[str]] = {
         "validation/full_depth_check",
         "vllm/device",
     },
-    "canary": {
-        "canary",
-        "extraction/tensor_parallel_size",
-        "extraction/stall_timeout_s",
-        "extraction/stall_factor",
-        "target/dtype",
-        "target/trust_remote_code",
-        "vllm",
-    },
-    "extract_hidden_states": {
-        "extraction/replicas",
-        "extraction/tensor_parallel_size",
-        "extraction/concurrency",
-        "extraction/request_timeout_s",
-        "extraction/max_retries",
-        "extraction/progress_interval_s",
-        "extraction/fail_after_samples",
-        "extraction/stall_timeout_s",
-        "extraction/stall_factor",
-        "extraction/disk_margin",
-        "extraction/available_bytes_override",
-        "extraction/greedy_probe_samples",
-        "target/dtype",
-        "target/trust_remote_code",
-        "vllm",
-    },
+    # the extraction client's stall limits: the canary goes through the production client
+    "canary": {"canary", "extraction/stall_timeout_s", "extraction/stall_factor", *SERVES_TARGET},
+    "extract_hidden_states": {"extraction", *SERVES_TARGET},
     "validate_hidden_states": {"validation", "target/trust_remote_code"},
+    # the whole section: train.gpus picks torchrun or the CPU shim, the work dir's fingerprint records the rest
     "train_draft": {"train", "target/trust_remote_code"},
-    "evaluate_draft": {
-        "evaluate/prompts",
-        "evaluate/prompt_file",
-        "evaluate/num_prompts",
-        "evaluate/num_speculative_tokens",
-        "evaluate/max_tokens",
-        "evaluate/seed",
-        "evaluate/tensor_parallel_size",
-        "evaluate/isolate_runs",
-        "evaluate/timing_repeats",
-        "evaluate/timing_concurrency",
-        "evaluate/timing_prompts",
-        "evaluate/lossless_numerics",
-        "evaluate/lossless_tie_steps",
-        "evaluate/timeout_s",
-        "vllm",
-        "train/train_data_ratio",
-        "target/dtype",
-        "target/trust_remote_code",
-    },
+    # train_data_ratio: the held-out prompts are the rows the trainer did not train on
+    "evaluate_draft": {"evaluate", "vllm", "train/train_data_ratio", "target/dtype", "target/trust_remote_code"},
     # the sections the model card quotes from
     "package_draft": {"run", "target", "regenerate", "train", "evaluate", "vllm"},
     "summarize_run": set(),
     "all": set(),
+}
+# rule -> keys inside what READS names that its stage does not read: they size the job (its resources) or decide
+# whether the job exists and what its inputs are
+NOT_READ: dict[str, set[str]] = {
+    "build_tiny_target": {"target/build/kind"},  # picks the build rule
+    "prepare_data": {"data/sources"},  # the rule's inputs (and params.formats)
+    "check_target": {"target_check/enabled"},  # whether the rule runs
+    "extract_hidden_states": {"extraction/gpus_per_replica", "extraction/runtime_minutes"},  # resources
+    "evaluate_draft": {"evaluate/gpus"},  # a resource
 }
 # Keys that change which jobs or files exist (a new run name, another target, other inputs): what they replan is
 # decided by missing outputs and inputs, not params, so they are left out of the per-key dry runs.
@@ -162,10 +113,11 @@ def at(config: dict, dpath: str) -> Any:
 
 
 def read_leaves(rule: str, config: dict) -> set[str]:
-    """READS of a rule as config leaves."""
+    """READS of a rule as config leaves, less its NOT_READ."""
     if EVERY_KEY in READS[rule]:
         return leaves(config, "")
-    return set().union(set(), *(leaves(at(config, d), d) for d in READS[rule]))
+    read = set().union(set(), *(leaves(at(config, d), d) for d in READS[rule]))
+    return read - set().union(set(), *(leaves(at(config, d), d) for d in NOT_READ.get(rule, set())))
 
 
 def declared_leaves(params: Any) -> set[str]:
