@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # test is waiting
 TEST_WORKERS ?= 3
 
-.PHONY: setup demo test test-fast test-integration test-e2e lint format dryrun install-profile clean-demo gpu-local
+.PHONY: setup demo test test-fast test-integration test-e2e lint format dryrun install-profile clean-demo gpu-local config-docs
 
 setup:
 	bash envs/setup_cpu.sh
@@ -56,6 +56,10 @@ test-integration: setup
 
 test-e2e: setup
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup tests/e2e $(PYTEST_ARGS)
+
+# config/README.md's table of keys, written from the schema's descriptions (tests/unit/test_config_docs.py checks it)
+config-docs: setup
+	PYTHONPATH=workflow/scripts $(PY) -m eagle3_workflow.config_docs
 
 install-profile:
 	mkdir -p "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake"

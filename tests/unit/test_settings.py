@@ -5,7 +5,6 @@
   names itself, and the derivation (settings.config_of) loses no key and adds none.
 - Every model field mirrors the schema: the key exists, same JSON type(s), same enum, null where the schema allows
   it; a section modelled whole has every key of the section; no field has a default.
-- config/README.md's table states the schema's defaults, for every key.
 """
 
 from __future__ import annotations
@@ -259,61 +258,3 @@ def test_no_field_has_a_default_the_schema_is_the_only_place():
     ]
     assert with_default == []
     assert not every_model()["TargetSettings"].model_fields["build"].is_required()  # absent is None (MAY_BE_ABSENT)
-
-
-# ---------------------------------------------------------------- config/README.md's table
-
-README = REPO / "config" / "README.md"
-NO_DEFAULT = {"required", "-"}
-
-
-def schema_keys(node: dict = SCHEMA, prefix: str = "") -> dict[str, dict]:
-    """Every key path of the schema (dotted) -> its schema; objects with properties are expanded, not listed."""
-    found = {}
-    for key, sub in node.get("properties", {}).items():
-        path = f"{prefix}.{key}" if prefix else key
-        if "properties" in sub and sub.get("type", "object") == "object":
-            found |= schema_keys(sub, path)
-        else:
-            found[path] = sub
-    return found
-
-
-def readme_rows() -> list[tuple[list[str], str]]:
-    """(key paths, default cell) of the table's rows that name config keys."""
-    rows = []
-    for line in README.read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[0].startswith("`") or not cells[0].endswith("`"):
-            continue
-        names = [n.strip() for n in cells[0].strip("`").split(" / ")]
-        first = names[0].removesuffix("[]")
-        parent = first.rsplit(".", 1)[0] if "." in first else ""
-        keys = [first] + [f"{parent}.{n}" if parent else n for n in names[1:]]
-        rows.append((keys, cells[1]))
-    return rows
-
-
-def test_readme_table_lists_every_key_with_the_schemas_default():
-    keys = schema_keys()
-    listed: dict[str, str] = {}
-    wrong = {}
-    for names, cell in readme_rows():
-        values = [v.strip() for v in cell.split(" / ")]
-        if len(values) == 1:
-            values *= len(names)
-        if len(values) != len(names):
-            wrong[" / ".join(names)] = f"{len(names)} keys but {len(values)} defaults: {cell!r}"
-            continue
-        for name, value in zip(names, values, strict=True):
-            listed[name] = value
-    for name, value in listed.items():
-        if name not in keys:
-            wrong[name] = "not a key of the schema"
-        elif "default" not in keys[name]:
-            if value not in NO_DEFAULT:
-                wrong[name] = f"the schema has no default; the table says {value!r} (write 'required' or '-')"
-        elif value in NO_DEFAULT or not value or yaml.safe_load(value) != keys[name]["default"]:
-            wrong[name] = f"the table says {value!r}, the schema's default is {keys[name]['default']!r}"
-    missing = sorted(set(keys) - set(listed))
-    assert wrong == {} and missing == [], f"wrong: {wrong}\nnot in config/README.md: {missing}"
