@@ -151,7 +151,9 @@ def gpu_placement_resource():
     placement = config["gpu_placement"]
     return json.dumps(
         {
-            "lock_dir": os.path.abspath(placement["lock_dir"] or "results/.gpu_locks"),
+            "lock_dir": os.path.abspath(
+                placement["lock_dir"] or package_module("gpu_placement").DEFAULT_LOCK_DIR
+            ),
             "machine_gpus": placement["machine_gpus"],
             "wait_timeout_s": placement["wait_timeout_s"],
             "device": config["vllm"]["device"],
