@@ -353,20 +353,30 @@ RULE_SETTINGS: dict[str, type[View]] = {
     "package_draft": PackageDraftStage,
 }
 
-# the sections modelled whole (their fields are the schema's keys of that section, no fewer)
-SECTIONS: dict[str, type[View]] = {
-    "target": TargetSettings,
-    "regenerate": RegenerateSettings,
-    "vllm": VllmSettings,
-    "hidden_states": HiddenStatesSettings,
-    "check_api": CheckApiSettings,
-    "canary": CanarySettings,
-    "validation": ValidationSettings,
-    "train": TrainSettings,
-    "evaluate": EvaluateSettings,
-}
-
 StageModel = TypeVar("StageModel", bound=View)
+
+
+def nested_view(annotation: Any) -> type[View] | None:
+    """The view a field holds (X, or X | None), else None: its keys are read one by one."""
+    candidates = (annotation, *typing.get_args(annotation))
+    return next((t for t in candidates if isinstance(t, type) and issubclass(t, View)), None)
+
+
+def config_of(model: type[View], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of the keys `model` declares, taken from `config` (a whole validated config, or the section a
+    section view models): nested as in the config, keys sorted at every level, so that a rule's params (whose
+    repr is the rerun trigger) do not depend on the order of the config file. A rule's params.settings are
+    config_of(its stage's model, config). A key the model declares without a default must be in `config`."""
+    picked: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        if name not in config:
+            if field.is_required():
+                raise KeyError(f"{model.__name__} reads {name!r}, which the config does not have")
+            continue  # target.build: absent when target.path is set
+        view = nested_view(field.annotation)
+        value = config[name]
+        picked[name] = config_of(view, value) if view is not None and isinstance(value, Mapping) else value
+    return _sorted(picked)
 
 
 def stage_settings(model: type[StageModel], settings: Mapping[str, Any]) -> StageModel:
@@ -406,29 +416,6 @@ def with_schema_defaults(**sections: Any) -> dict[str, Any]:
         config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
     validate_config(config, SCHEMA_PATH)
     return config
-
-
-def nested_view(annotation: Any) -> type[View] | None:
-    """The view a field holds (X, or X | None), else None: its keys are read one by one."""
-    candidates = (annotation, *typing.get_args(annotation))
-    return next((t for t in candidates if isinstance(t, type) and issubclass(t, View)), None)
-
-
-def config_of(model: type[View], config: Mapping[str, Any]) -> dict[str, Any]:
-    """The values of the keys `model` declares, taken from `config` (a whole validated config, or the section a
-    section view models): nested as in the config, keys sorted at every level, so that a rule's params (whose
-    repr is the rerun trigger) do not depend on the order of the config file. A rule's params.settings are
-    config_of(its stage's model, config). A key the model declares without a default must be in `config`."""
-    picked: dict[str, Any] = {}
-    for name, field in model.model_fields.items():
-        if name not in config:
-            if field.is_required():
-                raise KeyError(f"{model.__name__} reads {name!r}, which the config does not have")
-            continue  # target.build: absent when target.path is set
-        view = nested_view(field.annotation)
-        value = config[name]
-        picked[name] = config_of(view, value) if view is not None and isinstance(value, Mapping) else value
-    return _sorted(picked)
 
 
 def view_of(model: type[StageModel], config: Mapping[str, Any]) -> StageModel:
