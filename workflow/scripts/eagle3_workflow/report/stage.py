@@ -14,7 +14,8 @@ Why two rules: Snakemake marks the outputs of a running job incomplete, and ``--
 files (``create_report`` has no ``--ignore-incomplete``); when `report` runs, `summarize_run` has finished.
 ``--nolock`` because the outer Snakemake holds the working directory's lock (a report only reads). The nested
 call gets the outer run's resolved config (every default filled, every ``--config`` override applied), so it
-builds the same DAG. Tested end to end in tests/test_report.py.
+builds the same DAG. Tested end to end in tests/integration/test_last_rules.py; the nested command on its own in
+tests/unit/test_report.py.
 """
 
 from __future__ import annotations
