@@ -6,8 +6,7 @@ This walks the schema and fails where the workflow's code (workflow/, Snakefile,
   settings model (common.smk's stage_params), so no rule names keys;
 - a default written again: in a rule file, `.get("key", value)` or `lookup(..., default=...)`; in Python, a
   parameter, a class field or a `.get("key", value)` named as a config key whose value is that key's schema
-  default. Code that needs a default without a config reads the schema (settings.schema_default,
-  settings.with_schema_defaults).
+  default. Code that needs a default without a config reads the schema (settings.with_schema_defaults).
 
 Tests are not scanned: a value a test sets is a statement of what it tests. A copy in code this change did not
 edit is named in KNOWN with its reason; an entry that no longer matches fails too, so the list only shrinks.
@@ -27,8 +26,26 @@ SCHEMA = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").r
 PYTHON = sorted([*(REPO / "workflow").rglob("*.py"), *(REPO / "bench").rglob("*.py")])
 RULE_FILES = sorted([*(REPO / "workflow" / "rules").glob("*.smk"), REPO / "Snakefile"])
 
-# (file, what) -> why it stays for now
+# (file, what) -> why it stays for now: copies in modules this change did not edit (another branch is changing the
+# signatures of some; the others were outside its files), to remove with their next edit
 KNOWN: dict[tuple[str, str], str] = {
+    (
+        "workflow/scripts/eagle3_workflow/api_checks.py",
+        "parameter full_depth_check = True",
+    ): "run_api_checks(); its only rule caller passes validation.full_depth_check, tests/conftest.py's api_report relies "
+    "on the default",
+    (
+        "workflow/scripts/eagle3_workflow/smollm2.py",
+        "parameter dtype = 'bfloat16'",
+    ): "convert_gguf(); its only caller passes target.dtype",
+    (
+        "workflow/scripts/eagle3_workflow/gpu_placement.py",
+        "field wait_timeout_s = 300.0",
+    ): "PlacementSettings: the fallback of a job without the gpu_placement resource (and of tests)",
+    (
+        "workflow/scripts/eagle3_workflow/gpu_placement.py",
+        "field device = 'auto'",
+    ): "PlacementSettings: the fallback of a job without the gpu_placement resource (and of tests)",
     (
         "workflow/scripts/eagle3_workflow/validation.py",
         "parameter max_bad_samples = 0",
@@ -86,14 +103,9 @@ def parameter_defaults(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iter
 
 
 def python_declarations(tree: ast.AST) -> Iterator[str]:
-    """What in one Python module declares a config key again (a path given to schema_default reads the schema)."""
-    reads_schema = {
-        id(node.args[0])
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "schema_default" and node.args
-    }
+    """What in one Python module declares a config key again."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and node.value in DPATHS and id(node) not in reads_schema:
+        if isinstance(node, ast.Constant) and node.value in DPATHS:
             yield f"config path {node.value!r}"
         named: list[tuple[str, ast.AST]] = []
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -146,7 +158,7 @@ def test_no_config_key_is_declared_outside_the_schema():
     new = sorted(found - set(KNOWN))
     assert new == [], (
         "config keys declared outside workflow/schemas/config.schema.yaml (a rule's params come from its stage's "
-        "settings model through stage_params; a default is the schema's: settings.schema_default):\n"
+        "settings model through stage_params; a default is the schema's alone):\n"
         + "\n".join(f"  {file}: {what}" for file, what in new)
     )
     gone = sorted(set(KNOWN) - found)
@@ -157,7 +169,6 @@ def test_the_scan_finds_each_kind_of_copy():
     """Each pattern the test forbids, written into a module and a rule file, is found."""
     module = """
 def serve(model, *, concurrency: int = 32, seed=0):
-    timeout = schema_default("vllm/ready_timeout_s")  # reads the schema: not a copy
     return config["evaluate"].get("num_prompts", 32)
 
 class Client:

@@ -112,8 +112,3 @@ def test_the_busy_message_names_the_live_holder_only(tmp_path):
     assert "rule holder" in message, message
     assert "GPU 1: free" in message, message
     assert "rule first" not in message, message
-
-
-def test_a_job_without_the_placement_resource_gets_the_schemas_defaults():
-    settings = PlacementSettings.from_resources(type("Resources", (), {"gpu": 1})())
-    assert (settings.wait_timeout_s, settings.device) == (300.0, "auto")  # gpu_placement.wait_timeout_s, vllm.device

@@ -35,7 +35,6 @@ from eagle3_workflow.settings import (
     VllmSettings,
     as_config,
     config_of,
-    schema_default,
     stage_settings,
     with_schema_defaults,
 )
@@ -178,12 +177,6 @@ def test_params_of_a_config_without_a_key_the_stage_reads_name_it():
     del config["train"]["lr"]
     with pytest.raises(KeyError, match="TrainSettings reads 'lr'"):
         config_of(RULE_SETTINGS["train_draft"], config)
-
-
-def test_schema_default_is_the_value_validation_fills_in():
-    config = with_schema_defaults()
-    for section, key in [("gpu_placement", "wait_timeout_s"), ("vllm", "device"), ("train", "lr")]:
-        assert schema_default(f"{section}/{key}") == config[section][key]
 
 
 # ---------------------------------------------------------------- models <-> schema

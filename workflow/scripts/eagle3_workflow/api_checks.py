@@ -381,7 +381,7 @@ def run_api_checks(
     trust_remote_code: bool,
     trainer_fields: list[str] | None = None,
     need_render_endpoint: bool = True,
-    full_depth_check: bool,
+    full_depth_check: bool = True,
 ) -> ApiCompatReport:
     """All rows; pure apart from imports. The report's `passed` is the AND of the rows."""
     target = read_target_info(target_dir)

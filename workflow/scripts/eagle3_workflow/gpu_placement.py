@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.settings import schema_default
 
 DEFAULT_LOCK_DIR = "results/.gpu_locks"
 POLL_INTERVAL_S = 1.0
@@ -47,17 +46,13 @@ RESOURCE_NAME = "gpu_placement"
 
 @dataclasses.dataclass(frozen=True)
 class PlacementSettings:
-    """What a job needs and where the locks live; built from the rule's resources (common.smk). A value the
-    resources do not carry (a job without the gpu_placement resource, a test) is the schema's default."""
+    """What a job needs and where the locks live; built from the rule's resources (common.smk)."""
 
     gpus: int
-    lock_dir: Path = Path(DEFAULT_LOCK_DIR)  # gpu_placement.lock_dir null
+    lock_dir: Path = Path(DEFAULT_LOCK_DIR)
     machine_gpus: int | None = None  # None: count them with nvidia-smi
-    wait_timeout_s: float = dataclasses.field(
-        default_factory=lambda: float(schema_default("gpu_placement/wait_timeout_s"))
-    )
-    # vllm.device: decides what a machine without any GPU means
-    device: str = dataclasses.field(default_factory=lambda: schema_default("vllm/device"))
+    wait_timeout_s: float = 300.0
+    device: str = "auto"  # vllm.device: decides what a machine without any GPU means
 
     @classmethod
     def from_resources(cls, resources: Any) -> PlacementSettings:

@@ -22,13 +22,11 @@ regenerate section in regenerated.stats.json) is the value the config gave.
 
 from __future__ import annotations
 
-import functools
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from eagle3_workflow.errors import StageError
@@ -390,20 +388,6 @@ def stage_settings(model: type[StageModel], settings: Mapping[str, Any]) -> Stag
             "RULE_SETTINGS declares: the rule must name itself, its stage must validate with that same model, and "
             "the model must follow the schema; tests/unit/test_settings.py checks all three."
         ) from exc
-
-
-@functools.cache
-def _schema() -> dict[str, Any]:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
-
-
-def schema_default(dpath: str) -> Any:
-    """The schema's default of one key ("section/key"), for code that has no validated config to read it from (a
-    job whose rule's resources do not carry the value)."""
-    node = _schema()
-    for key in dpath.split("/"):
-        node = node["properties"][key]
-    return node["default"]
 
 
 def with_schema_defaults(**sections: Any) -> dict[str, Any]:
