@@ -336,7 +336,9 @@ def _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s: float) -> Stage:
     from eagle3_workflow.settings import RegenerateResponsesStage, as_config
 
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("".join(f"Write a long story about ship number {i} and its crew.\n" for i in range(64)))
+    # 2,048 requests x 256 tokens: minutes of work for the tiny target on 2 cores, so the SIGSTOP below lands while
+    # requests are in flight however slowly the test reacts (64 requests once finished first on a loaded machine)
+    prompts.write_text("".join(f"Write a long story about ship number {i} and its crew.\n" for i in range(2048)))
     settings = tiny_settings(
         RegenerateResponsesStage,
         vllm={"stall_timeout_s": stall_timeout_s},
@@ -357,8 +359,8 @@ def test_a_sigkilled_regenerate_stage_leaves_no_engine_behind(tiny_targets, tmp_
 @pytest.mark.slow
 def test_a_stopped_engine_fails_regenerate_as_stalled(tiny_targets, tmp_path):
     """SIGSTOP of the engine (a wedged GPU or a hung collective looks the same): the stage fails in bounded
-    time with the stall message, and its tree is gone. 64 requests x 256 tokens keep the engine busy for
-    seconds, far longer than the moment between the 'vLLM ready' line and the SIGSTOP."""
+    time with the stall message, and its tree is gone. The stage's 2,048 requests keep the engine busy for minutes,
+    far longer than the moment between the 'vLLM ready' line and the SIGSTOP."""
     stage = _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s=5)
     stage.wait_for("vLLM ready", 300)
     launcher = next(pid for pid in tree(stage.proc.pid) if _stat(pid)[1] == stage.proc.pid)
