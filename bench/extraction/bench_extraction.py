@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
-from eagle3_workflow.extraction import client_settings, extract_replica, load_prepared_input_ids  # noqa: E402
+from eagle3_workflow.extraction import client_settings, extract_replica  # noqa: E402
+from eagle3_workflow.prepared import open_prepared, read_input_ids  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402
 from eagle3_workflow.vllm_server import ServerSpec, VLLMServer, hidden_states_server_spec  # noqa: E402
 
@@ -75,7 +76,7 @@ def main() -> None:
     api = load(ApiCompatReport, run_dir / "checks" / "api_compat.json")
     target = config["target"]["path"] or str(run_dir / "target")
     prepared = run_dir / "data" / "prepared"
-    all_ids = load_prepared_input_ids(prepared)
+    all_ids = read_input_ids(prepared)
     count = min(args.samples or len(all_ids), len(all_ids))
     prompts = all_ids[:count]
     tokens = sum(map(len, prompts))
@@ -84,9 +85,7 @@ def main() -> None:
     device = api.device
     work = Path(tempfile.mkdtemp(prefix="bench-extraction-"))
     subset = work / "prepared"
-    import datasets
-
-    datasets.load_from_disk(str(prepared)).select(range(count)).save_to_disk(str(subset))
+    open_prepared(prepared).select(range(count)).save_to_disk(str(subset))  # extraction reads only input_ids
 
     def extraction_spec(storage_dir: str) -> ServerSpec:
         return hidden_states_server_spec(

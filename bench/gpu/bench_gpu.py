@@ -70,6 +70,7 @@ from eagle3_workflow.extraction import (  # noqa: E402
 from eagle3_workflow.files import write_text_atomic  # noqa: E402
 from eagle3_workflow.hidden_states import resolve_layer_ids  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402
+from eagle3_workflow.target_config import read_target_config  # noqa: E402
 from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec  # noqa: E402
 
 
@@ -155,9 +156,9 @@ async def raw_pass(server: VLLMServer, prompts: list[list[int]], concurrency: in
 
 
 def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_dir: Path, work: Path) -> dict:
-    config = json.loads((args.target / "config.json").read_text())
-    layers = resolve_layer_ids(int(config["num_hidden_layers"]), None)
-    hidden = int(config["hidden_size"])
+    config = read_target_config(args.target)
+    layers = resolve_layer_ids(config.num_layers, None)
+    hidden = config.hidden_size
     vllm_settings = {
         "max_model_len": args.seq_len + 64,
         "max_num_seqs": args.max_num_seqs,
@@ -475,12 +476,11 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, target_l
 
 def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path) -> dict:
     """The gate files train_draft reads (api_compat, validation) and the layer ids, written once for all runs."""
-    from eagle3_workflow.api_checks import read_target_info
-    from eagle3_workflow.extraction import load_prepared_input_ids
+    from eagle3_workflow.prepared import read_input_ids
     from eagle3_workflow.provenance import package_versions
     from eagle3_workflow.validation import validate_files
 
-    target = read_target_info(args.target)
+    target = read_target_config(args.target).info()
     layer_ids = resolve_layer_ids(target.num_layers, None)
     api_compat = work / "api_compat.json"
     # a stand-in for check_api's record (the bench runs no gates): what train_draft reads from it
@@ -488,7 +488,7 @@ def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, w
     versions = {f"{name}_version": installed.get(name, "not installed") for name in VERSIONED}
     write(api_compat, ApiCompatReport(passed=True, device=args.device, layer_ids=layer_ids, checks=[], target=target,
                                       **versions))  # fmt: skip
-    input_ids = load_prepared_input_ids(data_dir / "prepared")
+    input_ids = read_input_ids(data_dir / "prepared")
     report = validate_files(input_ids, files_dir, layer_count=len(layer_ids), hidden_size=target.hidden_size)
     if not report.passed:
         raise SystemExit(f"hidden-state files did not validate: {report.missing[:5]} {list(report.bad.items())[:5]}")

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, LayerMatch, load, write
 from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
-from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.hidden_states import read_hidden_states, read_sample
 from eagle3_workflow.layer_match import (
     LAYER_KEY,
     POST_NORM,
@@ -42,7 +43,9 @@ from eagle3_workflow.layer_match import (
     match_slots,
     squared_distances,
 )
+from eagle3_workflow.prepared import open_prepared
 from eagle3_workflow.settings import CanaryStage, ExtractionStall, stage_settings
+from eagle3_workflow.target_config import read_target_config, read_tensors, text_section, weight_files
 from eagle3_workflow.vllm_server import VLLMServer
 
 log = logging.getLogger("eagle3.canary")
@@ -64,9 +67,9 @@ TOKENIZER_FILES = (
 MIN_SHAPED_LAYERS = 8  # the fewest layers where [2, K//2, K-2, K] has a gap between every pair of ids
 
 
-def canary_layer_count(config: dict[str, Any], requested: int | None) -> int:
-    """Layers to keep: every distinct layer type covered and room for a production-shaped id set (>= 8)."""
-    text = config.get("text_config") or config
+def canary_layer_count(text: Mapping[str, Any], requested: int | None) -> int:
+    """Layers to keep: every distinct layer type covered and room for a production-shaped id set (>= 8). `text`: the
+    language model's part of the config (TargetConfig.text)."""
     total = int(text["num_hidden_layers"])
     if requested:
         return min(requested, total)
@@ -111,7 +114,7 @@ def id_set_shape_problems(ids: list[int], layers: int) -> list[str]:
 
 def truncated_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
     out = json.loads(json.dumps(config))
-    text = out.get("text_config") or out
+    text = text_section(out)
     text["num_hidden_layers"] = layers
     if isinstance(text.get("layer_types"), list):
         text["layer_types"] = text["layer_types"][:layers]
@@ -126,36 +129,16 @@ def keep_tensor(name: str, layers: int) -> bool:
 
 def build_truncated_target(target_dir: Path, out_dir: Path, layers: int) -> dict[str, Any]:
     """Write a K-layer copy of the checkpoint, reading only the kept tensors (lazy safe_open, sharded or not)."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    config = json.loads((target_dir / "config.json").read_text())
-    index_path = target_dir / "model.safetensors.index.json"
-    if index_path.exists():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        by_file: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            if keep_tensor(name, layers):
-                by_file.setdefault(shard, []).append(name)
-    else:
-        single = target_dir / "model.safetensors"
-        if not single.exists():
-            raise StageError(
-                f"{target_dir} has neither model.safetensors nor model.safetensors.index.json; the "
-                "canary reads safetensors checkpoints only"
-            )
-        with safe_open(str(single), framework="pt") as handle:
-            by_file = {"model.safetensors": [n for n in handle.keys() if keep_tensor(n, layers)]}
-    tensors: dict[str, torch.Tensor] = {}
-    for shard, names in by_file.items():
-        with safe_open(str(target_dir / shard), framework="pt") as handle:
-            for name in names:
-                tensors[name] = handle.get_tensor(name)
+    config = read_target_config(target_dir)
+    files = weight_files(target_dir)
+    tensors = read_tensors(target_dir, files, [name for name in files if keep_tensor(name, layers)])
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(truncated_config(config, layers), indent=2))
+    (out_dir / "config.json").write_text(json.dumps(truncated_config(config.raw, layers), indent=2))
     for name in TOKENIZER_FILES:
         if (target_dir / name).exists():
             shutil.copy2(target_dir / name, out_dir / name)
@@ -164,11 +147,11 @@ def build_truncated_target(target_dir: Path, out_dir: Path, layers: int) -> dict
     log.info(
         "canary target: %d of %d layers, %d tensors -> %s",
         layers,
-        int((config.get("text_config") or config)["num_hidden_layers"]),
+        config.num_layers,
         len(tensors),
         out_dir,
     )
-    return config
+    return config.raw
 
 
 def reference_all_layers(input_ids: list[int], model: Any) -> tuple[list[str], torch.Tensor]:
@@ -275,22 +258,18 @@ def inspect_files(
     samples: list[Sample], files_dir: Path, repeat_dir: Path, layer_ids: list[int], hidden_size: int, hf_model: Any
 ) -> FileFindings:
     """Read every extracted file once: format checks, and against the HF reference of every layer."""
-    from safetensors.torch import load_file
-
     found = FileFindings()
     labels: list[str] = []
     sq_dist = sq_norm = None
     for sample in samples:
-        data = load_file(str(hs_file(files_dir, sample.row)))
-        hidden, token_ids = data["hidden_states"], data["token_ids"]
+        hidden, token_ids = read_sample(files_dir, sample.row)
         found.shape_ok &= list(hidden.shape) == [len(sample.input_ids), len(layer_ids), hidden_size]
         found.dtype_ok &= hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
         found.finite_ok &= bool(torch.isfinite(hidden).all())
         found.varied_ok &= all(float(hidden[:, j].float().std()) > 0 for j in range(hidden.shape[1]))
         found.ids_ok &= token_ids.tolist() == sample.input_ids
         if hf_model is None:
-            again = load_file(str(hs_file(repeat_dir, sample.row)))["hidden_states"]
-            found.repeat_ok &= torch.equal(again, hidden)
+            found.repeat_ok &= torch.equal(read_hidden_states(repeat_dir, sample.row), hidden)
             continue
         if not (found.finite_ok and found.shape_ok):
             continue
@@ -372,8 +351,7 @@ def run_canary(
     device: str,
     settings: ClientSettings,
 ) -> CanaryReport:
-    config = json.loads((target_dir / "config.json").read_text())
-    layers = canary_layer_count(config, canary_layers)
+    layers = canary_layer_count(read_target_config(target_dir).text, canary_layers)
     canary_model = work_dir / "model"
     try:
         return _run_on_slice(target_dir, work_dir, canary_model, samples, messages, spec_factory, server_log,
@@ -399,10 +377,9 @@ def _run_on_slice(
     device: str,
     settings: ClientSettings,
 ) -> CanaryReport:
-    config = json.loads((target_dir / "config.json").read_text())
     layer_ids = canary_layer_ids(layers)
     build_truncated_target(target_dir, canary_model, layers)
-    hidden_size = int((config.get("text_config") or config)["hidden_size"])
+    hidden_size = read_target_config(target_dir).hidden_size
     files_dir, second_dir, scratch = work_dir / "files", work_dir / "files_repeat", work_dir / "scratch"
     for d in (files_dir, second_dir, scratch):
         shutil.rmtree(d, ignore_errors=True)
@@ -441,9 +418,7 @@ def _run_on_slice(
 
 def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[Sample], list[list[dict]]]:
     """The first `count` prepared rows (truncated to max_tokens) and their conversations."""
-    import datasets
-
-    dataset = datasets.load_from_disk(str(prepared_dir)).with_format(None)
+    dataset = open_prepared(prepared_dir)
     samples, messages = [], []
     for row in range(min(count, len(dataset))):
         ids = [int(t) for t in dataset[row]["input_ids"]][:max_tokens]

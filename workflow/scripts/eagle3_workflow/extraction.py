@@ -42,6 +42,7 @@ from eagle3_workflow.hidden_states import (
     human_bytes,
     shard_rows,
 )
+from eagle3_workflow.prepared import read_input_ids
 from eagle3_workflow.runtime.stage import StageStopped
 from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient, stage_settings
 from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
@@ -84,13 +85,6 @@ class ClientSettings:
 class Sample:
     row: int
     input_ids: list[int]
-
-
-def load_prepared_input_ids(prepared_dir: str | Path) -> list[list[int]]:
-    import datasets
-
-    dataset = datasets.load_from_disk(str(prepared_dir))
-    return [list(map(int, ids)) for ids in dataset.with_format(None)["input_ids"]]
 
 
 def disk_preflight(
@@ -624,7 +618,7 @@ def _plan_replica(
     prepared_dir: Path, replica: int, replicas: int, files_dir: Path, *, layer_count: int, hidden_size: int
 ) -> ReplicaPlan:
     """The replica's shard, what is already valid on disk and what is left."""
-    all_ids = load_prepared_input_ids(prepared_dir)
+    all_ids = read_input_ids(prepared_dir)
     rows = shard_rows(len(all_ids), replicas, replica)
     samples = [Sample(r, all_ids[r]) for r in rows]
     done, todo, redone = resume_scan(samples, files_dir, layer_count, hidden_size)

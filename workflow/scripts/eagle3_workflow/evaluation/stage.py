@@ -49,6 +49,7 @@ from eagle3_workflow.evaluation.protocol import (
     eagle3_run,
 )
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
+from eagle3_workflow.target_config import read_target_config
 from eagle3_workflow.vllm_server import generation_cuda_graphs
 
 log = logging.getLogger("eagle3.evaluation")
@@ -142,11 +143,7 @@ def resolved_dtype(dtype: str, target: Path) -> str:
     """The dtype the target's logits come in: the config's, or the checkpoint's own for 'auto'."""
     if dtype != "auto":
         return dtype
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(str(target)).get_text_config()
-    found = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "bfloat16"
-    return str(found).removeprefix("torch.")
+    return read_target_config(target).dtype or "bfloat16"
 
 
 @dataclasses.dataclass

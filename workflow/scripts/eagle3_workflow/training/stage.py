@@ -12,6 +12,8 @@ from typing import Any
 
 from eagle3_workflow.artefacts import ApiCompatReport, CheckpointInfo, TrainingSummary, ValidationReport, load
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.prepared import open_prepared
 from eagle3_workflow.settings import TrainDraftStage, TrainSettings, stage_settings
 from eagle3_workflow.training.checkpoints import outlook_on_disk, prepare_resume, resume_point
 from eagle3_workflow.training.command import TrainDevice, TrainPaths, build_train_command, resolve_device
@@ -39,8 +41,6 @@ def _check_inputs(
     validation: ValidationReport,
 ) -> tuple[list[int], str, int]:
     """Target layer ids, the on-missing policy and the number of rows, or StageError naming what to fix."""
-    import datasets
-
     layer_ids = list(api_compat.layer_ids)
     if len(layer_ids) < 2:
         raise StageError(f"api_compat.json lists layer_ids {layer_ids}: need the draft's ids plus the verifier's last")
@@ -57,7 +57,7 @@ def _check_inputs(
             f"the hidden-state files hold {validation.layer_count} layers but api_compat.json lists {len(layer_ids)} layer ids "
             f"{layer_ids}; rerun extract_hidden_states with the current configuration"
         )
-    rows = len(datasets.load_from_disk(str(prepared)))
+    rows = len(open_prepared(prepared))
     train_rows = int(rows * settings.train_data_ratio)
     if train_rows < 1 or train_rows >= rows:
         raise StageError(
@@ -65,7 +65,7 @@ def _check_inputs(
             f"training and {rows - train_rows} for validation; both need at least one row"
         )
     tolerated = [*validation.missing, *validation.bad]
-    missing = [row for row in range(rows) if not (files_dir / f"hs_{row}.safetensors").exists()]
+    missing = [row for row in range(rows) if not hs_file(files_dir, row).exists()]
     if missing and not tolerated:
         raise StageError(
             f"{len(missing)} of {rows} hidden-state files are missing in {files_dir} (first rows: {missing[:10]}) "
