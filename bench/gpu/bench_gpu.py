@@ -62,13 +62,14 @@ sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 from eagle3_workflow.artefacts import ApiCompatReport, TrainingSummary, load, write  # noqa: E402
 from eagle3_workflow.extraction import (  # noqa: E402
     ProgressTracker,
+    ReplicaRequest,
     Sample,
     client_settings,
     extract_replica,
     extract_samples,
 )
 from eagle3_workflow.files import write_text_atomic  # noqa: E402
-from eagle3_workflow.hidden_states import resolve_layer_ids  # noqa: E402
+from eagle3_workflow.hidden_states import HiddenStateFiles, resolve_layer_ids  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402
 from eagle3_workflow.target_config import read_target_config  # noqa: E402
 from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec  # noqa: E402
@@ -226,9 +227,7 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
             written = extract_samples(
                 server,
                 samples,
-                files,
-                layer_count=len(layers),
-                hidden_size=hidden,
+                HiddenStateFiles(files, len(layers), hidden),
                 settings=settings,
                 tracker=ProgressTracker(None, 0, len(samples), 0),
             )
@@ -257,21 +256,18 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
     log("stage: extract_replica (own server, cold, as the rule runs it)")
     stage_files = work / "stage-files"
     shutil.rmtree(stage_files, ignore_errors=True)
-    manifest = extract_replica(
+    request = ReplicaRequest(
         prepared_dir=data_dir / "prepared",
         replica=0,
         replicas=1,
-        files_dir=stage_files,
+        files=HiddenStateFiles(stage_files, len(layers), hidden),
         scratch_dir=work / "stage-scratch",
-        progress_path=work / "stage-progress.json",
         server_spec_factory=spec,
         server_log=work / "stage-server.log",
-        layer_count=len(layers),
-        hidden_size=hidden,
-        settings=client_settings(stage.extraction),
         disk_margin=1.1,
-        available_bytes_override=None,
+        progress_path=work / "stage-progress.json",
     )
+    manifest = extract_replica(request, client_settings(stage.extraction))
     result["stage"] = {
         "tok_per_s": manifest.tokens_per_s,
         "bytes": manifest.bytes_written,
@@ -489,7 +485,7 @@ def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, w
     write(api_compat, ApiCompatReport(passed=True, device=args.device, layer_ids=layer_ids, checks=[], target=target,
                                       **versions))  # fmt: skip
     input_ids = read_input_ids(data_dir / "prepared")
-    report = validate_files(input_ids, files_dir, layer_count=len(layer_ids), hidden_size=target.hidden_size)
+    report = validate_files(input_ids, HiddenStateFiles(files_dir, len(layer_ids), target.hidden_size))
     if not report.passed:
         raise SystemExit(f"hidden-state files did not validate: {report.missing[:5]} {list(report.bad.items())[:5]}")
     validation = work / "validation.json"

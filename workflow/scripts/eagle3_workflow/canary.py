@@ -34,7 +34,7 @@ import torch
 from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, LayerMatch, load, write
 from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
-from eagle3_workflow.hidden_states import read_hidden_states, read_sample
+from eagle3_workflow.hidden_states import HiddenStateFiles, read_hidden_states, read_sample
 from eagle3_workflow.layer_match import (
     LAYER_KEY,
     POST_NORM,
@@ -386,12 +386,13 @@ def _run_on_slice(
         d.mkdir(parents=True)
     hf_model, reference_note = load_hf_reference(canary_model, trust_remote_code)
     log.info("canary: %d-layer slice, capturing ids %s", layers, layer_ids)
-    extract = dict(layer_count=len(layer_ids), hidden_size=hidden_size, settings=settings)
     with VLLMServer(spec_factory(str(canary_model), layer_ids, str(scratch.resolve())), server_log) as server:
         ready_s = server.ready_s
-        extract_samples(server, samples, files_dir, tracker=ProgressTracker(None, 0, len(samples), 0), **extract)
-        if hf_model is None:
-            extract_samples(server, samples, second_dir, tracker=ProgressTracker(None, 0, len(samples), 0), **extract)
+        for folder in [files_dir] if hf_model is not None else [files_dir, second_dir]:
+            files = HiddenStateFiles(folder, len(layer_ids), hidden_size)
+            extract_samples(
+                server, samples, files, settings=settings, tracker=ProgressTracker(None, 0, len(samples), 0)
+            )
         render_problems = [
             (i, render_check(server, messages[i], samples[i].input_ids))
             for i in range(min(render_samples, len(samples)))

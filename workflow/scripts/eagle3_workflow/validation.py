@@ -31,7 +31,7 @@ from eagle3_workflow.artefacts import (
     write,
 )
 from eagle3_workflow.errors import StageError, render_table
-from eagle3_workflow.hidden_states import check_file, hs_file, human_bytes, read_hidden_states
+from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, read_hidden_states
 from eagle3_workflow.target_config import read_target_config, read_tensors, weight_files
 
 MAX_LISTED = 50
@@ -111,14 +111,15 @@ def greedy_failure_message(rows: list[GreedyCheck]) -> str:
 
 
 def validate_files(
-    input_ids: list[list[int]], files_dir: Path, *, layer_count: int, hidden_size: int, max_bad_samples: int = 0
+    input_ids: list[list[int]], files: HiddenStateFiles, *, max_bad_samples: int = 0
 ) -> ValidationReport:
+    """Every prepared row's file in `files` checked in full (row = its index in `input_ids`)."""
     missing: list[int] = []
     bad: dict[str, str] = {}
     tokens = size = valid = 0
     for row, ids in enumerate(input_ids):
-        path = hs_file(files_dir, row)
-        reason = check_file(path, ids, layer_count, hidden_size, full=True)
+        path = files.path(row)
+        reason = files.check(path, ids, full=True)
         if reason == "missing":
             missing.append(row)
         elif reason is not None:
@@ -136,9 +137,9 @@ def validate_files(
         bad=bad,
         tokens=tokens,
         bytes=size,
-        layer_count=layer_count,
-        hidden_size=hidden_size,
-        files_dir=[str(files_dir)],
+        layer_count=files.layer_count,
+        hidden_size=files.hidden_size,
+        files_dir=[str(files.folder)],
     )
 
 
@@ -169,13 +170,8 @@ def main(snakemake: Any) -> None:
         settings = stage_settings(ValidateHiddenStatesStage, snakemake.params.settings)
         max_bad = settings.validation.max_bad_samples
         input_ids = read_input_ids(snakemake.input.prepared)
-        report = validate_files(
-            input_ids,
-            Path(snakemake.params.files_dir),
-            layer_count=len(api.layer_ids),
-            hidden_size=api.target.hidden_size,
-            max_bad_samples=max_bad,
-        )
+        files = HiddenStateFiles(Path(snakemake.params.files_dir), len(api.layer_ids), api.target.hidden_size)
+        report = validate_files(input_ids, files, max_bad_samples=max_bad)
         log.info(
             "validated %d/%d samples, %d tokens, %s",
             report.samples_valid,
