@@ -14,10 +14,7 @@ import torch
 from conftest import REPO, TINY_DATA, preparation, run_workflow, tiny_config, tiny_settings
 from safetensors.torch import load_file, save_file
 
-from eagle3_workflow.canary import (
-    client_settings,
-    run_canary,
-)
+from eagle3_workflow.canary import CanaryRequest, client_settings, run_canary
 from eagle3_workflow.extraction import Sample
 from eagle3_workflow.prepare import prepare_conversations
 from eagle3_workflow.settings import CanaryStage
@@ -52,20 +49,20 @@ def canary(target: Path, work: Path, samples=None, messages=None):
             CANARY, model=model, layer_ids=layer_ids, storage_dir=storage_dir, device="cpu", enable_render_endpoint=True
         )
 
-    return run_canary(
+    request = CanaryRequest(
         target_dir=target,
         work_dir=work,
         samples=samples,
         messages=messages,
         spec_factory=spec_factory,
         server_log=work / "server.log",
+        device="cpu",
+        client=client_settings(CANARY.extraction),
         canary_layers=None,
         tolerance=0.05,
         render_samples=2,
-        trust_remote_code=False,
-        device="cpu",
-        settings=client_settings(CANARY.extraction),
     )
+    return run_canary(request)
 
 
 def copy_target(source: Path, dest: Path) -> Path:

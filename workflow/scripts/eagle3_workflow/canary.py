@@ -25,7 +25,7 @@ import dataclasses
 import json
 import logging
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -255,15 +255,16 @@ class FileFindings:
 
 
 def inspect_files(
-    samples: list[Sample], files_dir: Path, repeat_dir: Path, layer_ids: list[int], hidden_size: int, hf_model: Any
+    samples: list[Sample], piece: CanarySlice, hf_model: Any, *, files_dir: Path, repeat_dir: Path
 ) -> FileFindings:
     """Read every extracted file once: format checks, and against the HF reference of every layer."""
+    layer_ids = piece.layer_ids
     found = FileFindings()
     labels: list[str] = []
     sq_dist = sq_norm = None
     for sample in samples:
         hidden, token_ids = read_sample(files_dir, sample.row)
-        found.shape_ok &= list(hidden.shape) == [len(sample.input_ids), len(layer_ids), hidden_size]
+        found.shape_ok &= list(hidden.shape) == [len(sample.input_ids), len(layer_ids), piece.hidden_size]
         found.dtype_ok &= hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
         found.finite_ok &= bool(torch.isfinite(hidden).all())
         found.varied_ok &= all(float(hidden[:, j].float().std()) > 0 for j in range(hidden.shape[1]))
@@ -290,12 +291,13 @@ def inspect_files(
 
 def build_checks(
     found: FileFindings,
-    layer_ids: list[int],
-    hidden_size: int,
+    piece: CanarySlice,
     render_problems: list[tuple[int, str | None]],
+    *,
     tolerance: float,
     with_reference: bool,
 ) -> list[CheckRow]:
+    layer_ids, hidden_size = piece.layer_ids, piece.hidden_size
     bad_render = [f"sample {i}: {p}" for i, p in render_problems if p]
     checks = [
         _check("shape [T, L, H]", f"[T, {len(layer_ids)}, {hidden_size}]", found.shape_ok, "mismatch"),
@@ -336,76 +338,82 @@ def _check(name: str, expected: str, passed: bool, otherwise: str) -> CheckRow:
     return CheckRow(name=name, expected=expected, found="ok" if passed else otherwise, passed=passed)
 
 
-def run_canary(
-    *,
-    target_dir: Path,
-    work_dir: Path,
-    samples: list[Sample],
-    messages: list[list[dict[str, str]]],
-    spec_factory: Any,
-    server_log: Path,
-    canary_layers: int | None,
-    tolerance: float,
-    render_samples: int,
-    trust_remote_code: bool,
-    device: str,
-    settings: ClientSettings,
-) -> CanaryReport:
-    layers = canary_layer_count(read_target_config(target_dir).text, canary_layers)
-    canary_model = work_dir / "model"
+SpecFactory = Callable[[str, list[int], str], Any]  # (model dir, layer ids, storage dir) -> the server's spec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CanaryRequest:
+    """One canary run: the target and the prepared samples to send it, how its server starts, and what passes."""
+
+    target_dir: Path
+    work_dir: Path  # scratch: the slice, its files and the server's storage, removed afterwards
+    samples: list[Sample]
+    messages: list[list[dict[str, str]]]  # each sample's conversation, for the server chat rendering check
+    spec_factory: SpecFactory
+    server_log: Path
+    device: str
+    client: ClientSettings
+    tolerance: float  # the largest relative error of a captured id against its HF reference layer
+    render_samples: int  # how many samples' conversations the server renders (== prepare_data's ids)
+    canary_layers: int | None = None  # None: as few as cover every layer type (canary_layer_count)
+    trust_remote_code: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CanarySlice:
+    """The K-layer slice of the target the canary serves: where it is written, and the ids captured from it."""
+
+    model_dir: Path
+    layers: int
+    layer_ids: list[int]
+    hidden_size: int
+
+    def files(self, folder: Path) -> HiddenStateFiles:
+        return HiddenStateFiles(folder, len(self.layer_ids), self.hidden_size)
+
+
+def run_canary(request: CanaryRequest) -> CanaryReport:
+    target = read_target_config(request.target_dir)
+    layers = canary_layer_count(target.text, request.canary_layers)
+    piece = CanarySlice(request.work_dir / "model", layers, canary_layer_ids(layers), target.hidden_size)
     try:
-        return _run_on_slice(target_dir, work_dir, canary_model, samples, messages, spec_factory, server_log,
-                             layers, tolerance, render_samples, trust_remote_code, device, settings)  # fmt: skip
+        return _run_on_slice(request, piece)
     finally:
         # the slice is scratch (a few GB on a real model): gone on success, failure and SIGTERM alike
-        shutil.rmtree(canary_model, ignore_errors=True)
-        shutil.rmtree(work_dir / "scratch", ignore_errors=True)
+        shutil.rmtree(piece.model_dir, ignore_errors=True)
+        shutil.rmtree(request.work_dir / "scratch", ignore_errors=True)
 
 
-def _run_on_slice(
-    target_dir: Path,
-    work_dir: Path,
-    canary_model: Path,
-    samples: list[Sample],
-    messages: list[list[dict[str, str]]],
-    spec_factory: Any,
-    server_log: Path,
-    layers: int,
-    tolerance: float,
-    render_samples: int,
-    trust_remote_code: bool,
-    device: str,
-    settings: ClientSettings,
-) -> CanaryReport:
-    layer_ids = canary_layer_ids(layers)
-    build_truncated_target(target_dir, canary_model, layers)
-    hidden_size = read_target_config(target_dir).hidden_size
-    files_dir, second_dir, scratch = work_dir / "files", work_dir / "files_repeat", work_dir / "scratch"
-    for d in (files_dir, second_dir, scratch):
+def _run_on_slice(request: CanaryRequest, piece: CanarySlice) -> CanaryReport:
+    build_truncated_target(request.target_dir, piece.model_dir, piece.layers)
+    work, samples = request.work_dir, request.samples
+    files, repeat, scratch = piece.files(work / "files"), piece.files(work / "files_repeat"), work / "scratch"
+    for d in (files.folder, repeat.folder, scratch):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-    hf_model, reference_note = load_hf_reference(canary_model, trust_remote_code)
-    log.info("canary: %d-layer slice, capturing ids %s", layers, layer_ids)
-    with VLLMServer(spec_factory(str(canary_model), layer_ids, str(scratch.resolve())), server_log) as server:
+    hf_model, reference_note = load_hf_reference(piece.model_dir, request.trust_remote_code)
+    log.info("canary: %d-layer slice, capturing ids %s", piece.layers, piece.layer_ids)
+    spec = request.spec_factory(str(piece.model_dir), piece.layer_ids, str(scratch.resolve()))
+    with VLLMServer(spec, request.server_log) as server:
         ready_s = server.ready_s
-        for folder in [files_dir] if hf_model is not None else [files_dir, second_dir]:
-            files = HiddenStateFiles(folder, len(layer_ids), hidden_size)
-            extract_samples(
-                server, samples, files, settings=settings, tracker=ProgressTracker(None, 0, len(samples), 0)
-            )
+        for into in [files] if hf_model is not None else [files, repeat]:
+            tracker = ProgressTracker(None, 0, len(samples), 0)
+            extract_samples(server, samples, into, settings=request.client, tracker=tracker)
         render_problems = [
-            (i, render_check(server, messages[i], samples[i].input_ids))
-            for i in range(min(render_samples, len(samples)))
+            (i, render_check(server, request.messages[i], samples[i].input_ids))
+            for i in range(min(request.render_samples, len(samples)))
         ]
-    found = inspect_files(samples, files_dir, second_dir, layer_ids, hidden_size, hf_model)
-    checks = build_checks(found, layer_ids, hidden_size, render_problems, tolerance, hf_model is not None)
+    found = inspect_files(samples, piece, hf_model, files_dir=files.folder, repeat_dir=repeat.folder)
+    checks = build_checks(
+        found, piece, render_problems, tolerance=request.tolerance, with_reference=hf_model is not None
+    )
     return CanaryReport(
         passed=all(c.passed for c in checks),
-        device=device,
-        canary_layers=layers,
-        canary_layer_ids=layer_ids,
+        device=request.device,
+        canary_layers=piece.layers,
+        canary_layer_ids=piece.layer_ids,
         reference=reference_note,
-        tolerance=tolerance,
+        tolerance=request.tolerance,
         per_layer_max_rel_error=found.max_rel,
         per_layer_mean_rel_error=found.mean_rel,
         samples=len(samples),
@@ -428,7 +436,7 @@ def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[
     return samples, messages
 
 
-def server_spec_factory(settings: CanaryStage, device: str) -> Any:
+def server_spec_factory(settings: CanaryStage, device: str) -> SpecFactory:
     """The extraction server for the slice: the same builder extraction uses, with the render endpoint on."""
     from eagle3_workflow.vllm_server import hidden_states_server_spec
 
@@ -483,20 +491,21 @@ def main(snakemake: Any) -> None:
         samples, messages = pick_samples(
             Path(snakemake.input.prepared), canary.num_samples, canary.max_tokens_per_sample
         )
-        report = run_canary(
+        request = CanaryRequest(
             target_dir=Path(snakemake.input.target),
             work_dir=Path(snakemake.params.work_dir),
             samples=samples,
             messages=messages,
             spec_factory=server_spec_factory(settings, api.device),
             server_log=Path(snakemake.log[0]),
+            device=api.device,
+            client=client_settings(settings.extraction),
             canary_layers=canary.num_layers,
             tolerance=canary.relative_tolerance,
             render_samples=canary.render_samples,
             trust_remote_code=settings.target.trust_remote_code,
-            device=api.device,
-            settings=client_settings(settings.extraction),
         )
+        report = run_canary(request)
         refuse_or_log(report, log)
         write(snakemake.output.report, report)
 
