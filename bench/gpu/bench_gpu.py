@@ -447,7 +447,7 @@ def bare_train_command(
     ]  # fmt: skip
 
 
-def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, target_layer_ids, device) -> None:
+def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, *, target_layer_ids, device) -> None:
     """The bare command must train exactly what the workflow trains: compare it with train_draft's own command
     (built by the same function the stage uses) flag by flag; a difference (an omitted flag falls back to a
     speculators default, e.g. the Muon optimizer) stops the bench before any GPU time is spent."""
@@ -594,7 +594,8 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
     train = {"gpus": 1 if args.device == "cuda" else 0, "extra_args": extra, **common}
     settings = TrainSettings.model_validate(with_schema_defaults(train=train)["train"])
     probe = bare_train_command(**bare_args, save=work / "s", log_dir=work / "l")
-    same_flags_or_exit(probe, settings, args.target, work / "workflow-train-work", layers, TrainDevice(args.device, 1))
+    same_flags_or_exit(probe, settings, args.target, work / "workflow-train-work", target_layer_ids=layers,
+                       device=TrainDevice(args.device, 1))  # fmt: skip
     ctx = {"work": work, "device": args.device, "target": args.target, "data_dir": data_dir, "files_dir": files_dir}
     ctx |= {"bare_args": bare_args, "settings": settings} | inputs
     runners = {"bare": run_bare, "workflow": run_workflow}
