@@ -30,7 +30,7 @@ from eagle3_workflow.artefacts import (
     load,
     write,
 )
-from eagle3_workflow.chat import StopSet, assistant_stop_set
+from eagle3_workflow.chat import StopSet, assistant_stop_set, load_chat_tokenizer
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.launch import (
@@ -90,8 +90,6 @@ def evaluate_draft(
     log_path: str | Path | None = None,
 ) -> AcceptanceReport:
     """Measure the trained and an untrained draft against no speculation; raise StageError if not lossless."""
-    from transformers import AutoTokenizer
-
     from eagle3_workflow.vllm_server import resolve_device
 
     settings, vllm_settings = stage.evaluate, stage.vllm
@@ -99,7 +97,7 @@ def evaluate_draft(
     check_eagle3_draft(draft)
     device = resolve_device(vllm_settings.device)
     numerics = lossless_numerics(settings.lossless_numerics, device)
-    tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    tokenizer = load_chat_tokenizer(str(target), trust_remote_code=trust_remote_code)
     prompt_set = load_prompts(settings, tokenizer, prepared_dir=prepared, train_data_ratio=stage.train.train_data_ratio,
                               max_model_len=vllm_settings.max_model_len)  # fmt: skip
     log.info("%d evaluation prompts from %s", len(prompt_set.prompts), prompt_set.detail)
