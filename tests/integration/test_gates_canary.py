@@ -143,6 +143,21 @@ def test_canary_names_the_layers_of_a_shifted_deepseek(tiny_targets, tmp_path, m
 
 
 @pytest.mark.slow
+def test_without_an_hf_reference_two_extractions_must_be_equal(tiny_targets, tmp_path, monkeypatch):
+    """A checkpoint transformers cannot run (a quantization, say): the canary extracts every sample twice and the
+    files must be bit-identical; the report says which reference it had."""
+    from eagle3_workflow import canary as canary_module
+
+    monkeypatch.setattr(canary_module, "load_hf_reference", lambda _dir, _trust: (None, "no HF reference (test)"))
+    report = canary(tiny_targets("llama"), tmp_path)
+    assert report.passed, report.checks
+    assert report.reference == "no HF reference (test)"
+    assert row(report, "self-consistency").passed
+    assert not report.layer_matches
+    assert (tmp_path / "files_repeat" / "hs_0.safetensors").exists(), "the second extraction went to its own folder"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 def test_canary_catches_a_nan_layer(tiny_targets, tmp_path, arch):
     target = copy_target(tiny_targets(arch), tmp_path / "model")
