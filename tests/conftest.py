@@ -84,6 +84,7 @@ def workflow_command(
     workdir: Path,
     config: dict | list[Path],
     targets: list[str] | None = None,
+    *,
     extra: list[str] | None = None,
     snakefile: Path | None = SNAKEFILE,
     cores: int | None = 2,
@@ -158,6 +159,7 @@ def run_workflow(
     workdir: Path,
     config: dict | list[Path],
     targets: list[str] | None = None,
+    *,
     extra: list[str] | None = None,
     check: bool = True,
     timeout: float = 1500,
@@ -167,7 +169,7 @@ def run_workflow(
 ) -> subprocess.CompletedProcess:
     """Run the real workflow in `workdir` (see workflow_command); returns the completed process (output captured).
     check: a non-zero exit fails the test with the ends of stdout and stderr."""
-    cmd = workflow_command(workdir, config, targets, extra, snakefile, cores)
+    cmd = workflow_command(workdir, config, targets, extra=extra, snakefile=snakefile, cores=cores)
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=workflow_env(env))
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -181,12 +183,13 @@ def start_workflow(
     config: dict | list[Path],
     log: Path,
     targets: list[str] | None = None,
+    *,
     extra: list[str] | None = None,
     env: dict | None = None,
 ) -> subprocess.Popen:
     """Start the real workflow in `workdir` without waiting for it (the tests that kill it); stdout and stderr go
     to `log`. The caller waits for a state, kills, and reaps the process."""
-    cmd = workflow_command(workdir, config, targets, extra)
+    cmd = workflow_command(workdir, config, targets, extra=extra)
     with open(log, "w") as output:  # the child keeps its own copy of the file
         return subprocess.Popen(cmd, cwd=workdir, stdout=output, stderr=subprocess.STDOUT, env=workflow_env(env))
 

@@ -75,11 +75,11 @@ def acceptance_report(num_speculative_tokens: int = 3, *, mismatches: int = 0) -
 
 
 def api_compat_report(target: Path, checks: list[CheckRow]) -> ApiCompatReport:
-    """check_api's record: the target as its config.json says (check_api's own reader), else an 8-layer tiny one."""
-    from eagle3_workflow.api_checks import read_target_info
+    """check_api's record: the target as its config.json says (the workflow's one reader), else an 8-layer tiny one."""
+    from eagle3_workflow.target_config import read_target_config
 
     facts = (
-        read_target_info(target) if (target / "config.json").exists()
+        read_target_config(target).info() if (target / "config.json").exists()
         else TargetInfo(path=str(target), architecture="LlamaForCausalLM", model_type="llama", num_layers=8,
                         hidden_size=64, vocab_size=512)
     )  # fmt: skip

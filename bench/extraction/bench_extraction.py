@@ -30,7 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
-from eagle3_workflow.extraction import client_settings, extract_replica, load_prepared_input_ids  # noqa: E402
+from eagle3_workflow.extraction import ReplicaRequest, client_settings, extract_replica  # noqa: E402
+from eagle3_workflow.hidden_states import HiddenStateFiles  # noqa: E402
+from eagle3_workflow.prepared import open_prepared, read_input_ids  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402
 from eagle3_workflow.vllm_server import ServerSpec, VLLMServer, hidden_states_server_spec  # noqa: E402
 
@@ -75,7 +77,7 @@ def main() -> None:
     api = load(ApiCompatReport, run_dir / "checks" / "api_compat.json")
     target = config["target"]["path"] or str(run_dir / "target")
     prepared = run_dir / "data" / "prepared"
-    all_ids = load_prepared_input_ids(prepared)
+    all_ids = read_input_ids(prepared)
     count = min(args.samples or len(all_ids), len(all_ids))
     prompts = all_ids[:count]
     tokens = sum(map(len, prompts))
@@ -84,9 +86,7 @@ def main() -> None:
     device = api.device
     work = Path(tempfile.mkdtemp(prefix="bench-extraction-"))
     subset = work / "prepared"
-    import datasets
-
-    datasets.load_from_disk(str(prepared)).select(range(count)).save_to_disk(str(subset))
+    open_prepared(prepared).select(range(count)).save_to_disk(str(subset))  # extraction reads only input_ids
 
     def extraction_spec(storage_dir: str) -> ServerSpec:
         return hidden_states_server_spec(
@@ -109,21 +109,17 @@ def main() -> None:
             results["plain"].append(tokens / asyncio.run(plain_prefill(server, prompts, stage.extraction.concurrency)))
     for repeat in range(args.repeats):
         files = work / f"files-{repeat}"
-        manifest = extract_replica(
+        request = ReplicaRequest(
             prepared_dir=subset,
             replica=0,
             replicas=1,
-            files_dir=files,
+            files=HiddenStateFiles(files, len(api.layer_ids), api.target.hidden_size),
             scratch_dir=work / f"scratch-{repeat}",
-            progress_path=None,
             server_spec_factory=extraction_spec,
             server_log=work / "extract-server.log",
-            layer_count=len(api.layer_ids),
-            hidden_size=api.target.hidden_size,
-            settings=client_settings(stage.extraction),
             disk_margin=1.0,
-            available_bytes_override=None,
         )
+        manifest = extract_replica(request, client_settings(stage.extraction))
         results["workflow"].append(manifest.tokens_per_s)
         bytes_written = manifest.bytes_written
         shutil.rmtree(files)

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 from eagle3_workflow.full_depth import full_depth_check, slot_table, stream_reference  # noqa: E402
 from eagle3_workflow.hidden_states import eagle3_layer_ids, hs_file  # noqa: E402
 from eagle3_workflow.settings import ValidationSettings, with_schema_defaults  # noqa: E402
+from eagle3_workflow.target_config import read_target_config  # noqa: E402
 
 DEFAULTS = ValidationSettings.model_validate(with_schema_defaults()["validation"])
 SHAPE_CONFIG = REPO / "bench" / "gpu" / "llama8b-shape-config.json"
@@ -125,8 +126,8 @@ def prepare_smollm2(work: Path) -> dict:
     target = work / "target"
     if not (target / "config.json").exists():
         build_smollm2_target(target, gguf_path=locate_gguf(), dtype="bfloat16")
-    config = json.loads((target / "config.json").read_text())
-    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    config = read_target_config(target)
+    layers, hidden = config.num_layers, config.hidden_size
     layer_ids = eagle3_layer_ids(layers)
     samples = dict(enumerate(chat_samples(target, 8)))
     if not all(hs_file(work / "files", row).exists() for row in samples):
@@ -225,7 +226,7 @@ def check_only(work: Path) -> dict:
     import torch
 
     samples = {int(row): ids for row, ids in json.loads((work / "samples.json").read_text()).items()}
-    layers = int(json.loads((work / "target" / "config.json").read_text())["num_hidden_layers"])
+    layers = read_target_config(work / "target").num_layers
     layer_ids = eagle3_layer_ids(layers)
     result = {"layers": layers, "layer_ids": layer_ids} | run_check(work / "target", work / "files", samples, layer_ids)
     return result | {"check_peak_rss_bytes": peak_rss_bytes(), "torch_threads": torch.get_num_threads()}

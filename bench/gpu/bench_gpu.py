@@ -62,14 +62,16 @@ sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 from eagle3_workflow.artefacts import ApiCompatReport, TrainingSummary, load, write  # noqa: E402
 from eagle3_workflow.extraction import (  # noqa: E402
     ProgressTracker,
+    ReplicaRequest,
     Sample,
     client_settings,
     extract_replica,
     extract_samples,
 )
 from eagle3_workflow.files import write_text_atomic  # noqa: E402
-from eagle3_workflow.hidden_states import resolve_layer_ids  # noqa: E402
+from eagle3_workflow.hidden_states import HiddenStateFiles, resolve_layer_ids  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402
+from eagle3_workflow.target_config import read_target_config  # noqa: E402
 from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec  # noqa: E402
 
 
@@ -155,9 +157,9 @@ async def raw_pass(server: VLLMServer, prompts: list[list[int]], concurrency: in
 
 
 def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_dir: Path, work: Path) -> dict:
-    config = json.loads((args.target / "config.json").read_text())
-    layers = resolve_layer_ids(int(config["num_hidden_layers"]), None)
-    hidden = int(config["hidden_size"])
+    config = read_target_config(args.target)
+    layers = resolve_layer_ids(config.num_layers, None)
+    hidden = config.hidden_size
     vllm_settings = {
         "max_model_len": args.seq_len + 64,
         "max_num_seqs": args.max_num_seqs,
@@ -225,9 +227,7 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
             written = extract_samples(
                 server,
                 samples,
-                files,
-                layer_count=len(layers),
-                hidden_size=hidden,
+                HiddenStateFiles(files, len(layers), hidden),
                 settings=settings,
                 tracker=ProgressTracker(None, 0, len(samples), 0),
             )
@@ -256,21 +256,18 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
     log("stage: extract_replica (own server, cold, as the rule runs it)")
     stage_files = work / "stage-files"
     shutil.rmtree(stage_files, ignore_errors=True)
-    manifest = extract_replica(
+    request = ReplicaRequest(
         prepared_dir=data_dir / "prepared",
         replica=0,
         replicas=1,
-        files_dir=stage_files,
+        files=HiddenStateFiles(stage_files, len(layers), hidden),
         scratch_dir=work / "stage-scratch",
-        progress_path=work / "stage-progress.json",
         server_spec_factory=spec,
         server_log=work / "stage-server.log",
-        layer_count=len(layers),
-        hidden_size=hidden,
-        settings=client_settings(stage.extraction),
         disk_margin=1.1,
-        available_bytes_override=None,
+        progress_path=work / "stage-progress.json",
     )
+    manifest = extract_replica(request, client_settings(stage.extraction))
     result["stage"] = {
         "tok_per_s": manifest.tokens_per_s,
         "bytes": manifest.bytes_written,
@@ -450,7 +447,7 @@ def bare_train_command(
     ]  # fmt: skip
 
 
-def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, target_layer_ids, device) -> None:
+def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, *, target_layer_ids, device) -> None:
     """The bare command must train exactly what the workflow trains: compare it with train_draft's own command
     (built by the same function the stage uses) flag by flag; a difference (an omitted flag falls back to a
     speculators default, e.g. the Muon optimizer) stops the bench before any GPU time is spent."""
@@ -475,12 +472,11 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, target_l
 
 def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path) -> dict:
     """The gate files train_draft reads (api_compat, validation) and the layer ids, written once for all runs."""
-    from eagle3_workflow.api_checks import read_target_info
-    from eagle3_workflow.extraction import load_prepared_input_ids
+    from eagle3_workflow.prepared import read_input_ids
     from eagle3_workflow.provenance import package_versions
     from eagle3_workflow.validation import validate_files
 
-    target = read_target_info(args.target)
+    target = read_target_config(args.target).info()
     layer_ids = resolve_layer_ids(target.num_layers, None)
     api_compat = work / "api_compat.json"
     # a stand-in for check_api's record (the bench runs no gates): what train_draft reads from it
@@ -488,8 +484,8 @@ def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, w
     versions = {f"{name}_version": installed.get(name, "not installed") for name in VERSIONED}
     write(api_compat, ApiCompatReport(passed=True, device=args.device, layer_ids=layer_ids, checks=[], target=target,
                                       **versions))  # fmt: skip
-    input_ids = load_prepared_input_ids(data_dir / "prepared")
-    report = validate_files(input_ids, files_dir, layer_count=len(layer_ids), hidden_size=target.hidden_size)
+    input_ids = read_input_ids(data_dir / "prepared")
+    report = validate_files(input_ids, HiddenStateFiles(files_dir, len(layer_ids), target.hidden_size))
     if not report.passed:
         raise SystemExit(f"hidden-state files did not validate: {report.missing[:5]} {list(report.bad.items())[:5]}")
     validation = work / "validation.json"
@@ -598,7 +594,8 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
     train = {"gpus": 1 if args.device == "cuda" else 0, "extra_args": extra, **common}
     settings = TrainSettings.model_validate(with_schema_defaults(train=train)["train"])
     probe = bare_train_command(**bare_args, save=work / "s", log_dir=work / "l")
-    same_flags_or_exit(probe, settings, args.target, work / "workflow-train-work", layers, TrainDevice(args.device, 1))
+    same_flags_or_exit(probe, settings, args.target, work / "workflow-train-work", target_layer_ids=layers,
+                       device=TrainDevice(args.device, 1))  # fmt: skip
     ctx = {"work": work, "device": args.device, "target": args.target, "data_dir": data_dir, "files_dir": files_dir}
     ctx |= {"bare_args": bare_args, "settings": settings} | inputs
     runners = {"bare": run_bare, "workflow": run_workflow}

@@ -110,7 +110,8 @@ def _install_accept_any_draft():
 
     v1_sample = v1.rejection_sample
 
-    def accept_any_v1(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+    # vLLM's own positional signature, as vLLM calls it
+    def accept_any_v1(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,  # noqa: PLR0917
                       target_logits, bonus_token_ids, *args, **kwargs):  # fmt: skip
         out = v1_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                         target_logits, bonus_token_ids, *args, **kwargs)  # fmt: skip

@@ -165,12 +165,14 @@ def test_bench_bare_trainer_command_trains_what_the_workflow_trains(tmp_path, de
         extra=extra,
     )
     wf = tmp_path / "w"
-    bench.same_flags_or_exit(command, settings, target, wf, [2, 16, 29], TrainDevice(device, 1))
+    bench.same_flags_or_exit(command, settings, target, wf, target_layer_ids=[2, 16, 29], device=TrainDevice(device, 1))
     # the 2026-11-29 bare run lacked --optimizer: speculators' default (Muon) trained instead of AdamW
     at = command.index("--optimizer")
     without = command[:at] + command[at + 2 :]
     with pytest.raises(SystemExit, match="--optimizer"):
-        bench.same_flags_or_exit(without, settings, target, wf, [2, 16, 29], TrainDevice(device, 1))
+        bench.same_flags_or_exit(
+            without, settings, target, wf, target_layer_ids=[2, 16, 29], device=TrainDevice(device, 1)
+        )
 
 
 def test_flag_values_groups_values_after_each_flag():

@@ -204,19 +204,19 @@ def test_sigterm_tears_the_server_down(clean_run, tmp_path):
 import json, logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO)
-from eagle3_workflow.extraction import client_settings, extract_replica
+from eagle3_workflow.extraction import ReplicaRequest, client_settings, extract_replica
+from eagle3_workflow.hidden_states import HiddenStateFiles
 from eagle3_workflow.settings import ExtractHiddenStatesStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec
 settings = ExtractHiddenStatesStage.model_validate(json.loads({settings!r}))
 spec = lambda d: hidden_states_server_spec(settings, model={str(clean_run / "results" / "x" / "target")!r},
     layer_ids={api["layer_ids"]!r}, storage_dir=d, device="cpu", enable_render_endpoint=True)
 from eagle3_workflow.runtime.stage import run_stage
-run_stage("extract_hidden_states", None, lambda log: extract_replica(prepared_dir=Path({str(prepared)!r}), replica=0,
-    replicas=1, files_dir=Path({str(tmp_path / "files")!r}), scratch_dir=Path({str(tmp_path / "scratch")!r}),
-    progress_path=Path({str(tmp_path / "progress.json")!r}), server_spec_factory=spec,
-    server_log=Path({str(tmp_path / "server.log")!r}),
-    layer_count={len(api["layer_ids"])}, hidden_size=64, settings=client_settings(settings.extraction), disk_margin=1.1,
-    available_bytes_override=None))
+request = ReplicaRequest(prepared_dir=Path({str(prepared)!r}), replica=0, replicas=1,
+    files=HiddenStateFiles(Path({str(tmp_path / "files")!r}), {len(api["layer_ids"])}, 64),
+    scratch_dir=Path({str(tmp_path / "scratch")!r}), progress_path=Path({str(tmp_path / "progress.json")!r}),
+    server_spec_factory=spec, server_log=Path({str(tmp_path / "server.log")!r}), disk_margin=1.1)
+run_stage("extract_hidden_states", None, lambda log: extract_replica(request, client_settings(settings.extraction)))
 """
     env = {**os.environ, "PYTHONPATH": str(REPO / "workflow" / "scripts")}
     proc = subprocess.Popen(
@@ -246,7 +246,8 @@ import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
 from eagle3_workflow.artefacts import write
-from eagle3_workflow.extraction import client_settings, extract_replica
+from eagle3_workflow.extraction import ReplicaRequest, client_settings, extract_replica
+from eagle3_workflow.hidden_states import HiddenStateFiles
 from eagle3_workflow.settings import ExtractHiddenStatesStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec
 args = json.loads(sys.argv[1])
@@ -254,12 +255,12 @@ settings = ExtractHiddenStatesStage.model_validate(args["settings"])
 spec = lambda d: hidden_states_server_spec(settings, model=args["target"], layer_ids=args["layer_ids"],
     storage_dir=d, device="cpu", enable_render_endpoint=True)
 def body(log):
-    manifest = extract_replica(prepared_dir=Path(args["prepared"]), replica=0, replicas=1,
-        files_dir=Path(args["work"]) / "files", scratch_dir=Path(args["work"]) / "scratch",
-        progress_path=Path(args["work"]) / "progress.json", server_spec_factory=spec,
-        server_log=Path(args["log"]), layer_count=len(args["layer_ids"]), hidden_size=64,
-        settings=client_settings(settings.extraction), disk_margin=1.1, available_bytes_override=None,
+    request = ReplicaRequest(prepared_dir=Path(args["prepared"]), replica=0, replicas=1,
+        files=HiddenStateFiles(Path(args["work"]) / "files", len(args["layer_ids"]), 64),
+        scratch_dir=Path(args["work"]) / "scratch", progress_path=Path(args["work"]) / "progress.json",
+        server_spec_factory=spec, server_log=Path(args["log"]), disk_margin=1.1,
         **({"probe_samples": args["probe_samples"]} if args["probe_samples"] else {}))
+    manifest = extract_replica(request, client_settings(settings.extraction))
     write(Path(args["work"]) / "manifest.json", manifest)
 run_stage("extract_hidden_states", args["log"], body)
 """
@@ -422,6 +423,7 @@ def extract_with_server(target: Path, work: Path, samples: list, extra_args: lis
     import httpx
 
     from eagle3_workflow.extraction import ProgressTracker, client_settings, extract_samples
+    from eagle3_workflow.hidden_states import HiddenStateFiles
     from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
 
     settings = tiny_settings(ExtractHiddenStatesStage, vllm={"extra_args": extra_args}, extraction={"concurrency": 1})
@@ -438,9 +440,7 @@ def extract_with_server(target: Path, work: Path, samples: list, extra_args: lis
         extract_samples(
             server,
             samples,
-            work / "files",
-            layer_count=4,
-            hidden_size=64,
+            HiddenStateFiles(work / "files", 4, 64),
             settings=client_settings(settings.extraction),
             tracker=ProgressTracker(None, 0, len(samples), 0),
         )

@@ -14,10 +14,7 @@ import torch
 from conftest import REPO, TINY_DATA, preparation, run_workflow, tiny_config, tiny_settings
 from safetensors.torch import load_file, save_file
 
-from eagle3_workflow.canary import (
-    client_settings,
-    run_canary,
-)
+from eagle3_workflow.canary import CanaryRequest, client_settings, run_canary
 from eagle3_workflow.extraction import Sample
 from eagle3_workflow.prepare import prepare_conversations
 from eagle3_workflow.settings import CanaryStage
@@ -52,20 +49,20 @@ def canary(target: Path, work: Path, samples=None, messages=None):
             CANARY, model=model, layer_ids=layer_ids, storage_dir=storage_dir, device="cpu", enable_render_endpoint=True
         )
 
-    return run_canary(
+    request = CanaryRequest(
         target_dir=target,
         work_dir=work,
         samples=samples,
         messages=messages,
         spec_factory=spec_factory,
         server_log=work / "server.log",
+        device="cpu",
+        client=client_settings(CANARY.extraction),
         canary_layers=None,
         tolerance=0.05,
         render_samples=2,
-        trust_remote_code=False,
-        device="cpu",
-        settings=client_settings(CANARY.extraction),
     )
+    return run_canary(request)
 
 
 def copy_target(source: Path, dest: Path) -> Path:
@@ -143,6 +140,21 @@ def test_canary_names_the_layers_of_a_shifted_deepseek(tiny_targets, tmp_path, m
     assert not report.passed, report.checks
     assert not check.passed, report.checks
     assert {int(k): m.best for k, m in report.layer_matches.items()} == {2: "1", 4: "3", 6: "5", 8: "7"}
+
+
+@pytest.mark.slow
+def test_without_an_hf_reference_two_extractions_must_be_equal(tiny_targets, tmp_path, monkeypatch):
+    """A checkpoint transformers cannot run (a quantization, say): the canary extracts every sample twice and the
+    files must be bit-identical; the report says which reference it had."""
+    from eagle3_workflow import canary as canary_module
+
+    monkeypatch.setattr(canary_module, "load_hf_reference", lambda _dir, _trust: (None, "no HF reference (test)"))
+    report = canary(tiny_targets("llama"), tmp_path)
+    assert report.passed, report.checks
+    assert report.reference == "no HF reference (test)"
+    assert row(report, "self-consistency").passed
+    assert not report.layer_matches
+    assert (tmp_path / "files_repeat" / "hs_0.safetensors").exists(), "the second extraction went to its own folder"
 
 
 @pytest.mark.slow

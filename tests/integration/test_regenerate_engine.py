@@ -34,7 +34,7 @@ def test_real_regeneration_on_the_tiny_target(tiny_targets, tmp_path, caplog):
     out, stats_path = tmp_path / "data" / "regenerated.jsonl", tmp_path / "data" / "regenerated.stats.json"
     logger = logging.getLogger("eagle3.test_regenerate")
     with caplog.at_level(logging.INFO, logger="eagle3.test_regenerate"):
-        run_subprocess(target, [prompts], out, stats_path, _cpu_config(magpie_prompts=4), logger)
+        run_subprocess(target, [prompts], _cpu_config(magpie_prompts=4), logger, output=out, stats_path=stats_path)
     assert any("vLLM ready" in r.getMessage() for r in caplog.records), "the subprocess output reaches the log"
     stats = json.loads(stats_path.read_text())
     assert stats["prompts_read"] == {str(prompts): 12}
@@ -57,10 +57,10 @@ def test_a_failing_subprocess_is_a_stage_error_with_its_last_lines(tmp_path):
         run_subprocess(
             tmp_path / "no-model",
             [prompts],
-            tmp_path / "o.jsonl",
-            tmp_path / "s.json",
             _cpu_config(),
             logging.getLogger("eagle3.test_regenerate"),
+            output=tmp_path / "o.jsonl",
+            stats_path=tmp_path / "s.json",
         )
     assert "exited with status 1" in str(info.value)
     assert "no-model" in str(info.value)

@@ -324,7 +324,8 @@ from eagle3_workflow.runtime.stage import run_stage
 from eagle3_workflow.settings import RegenerateResponsesStage
 config = RegenerateResponsesStage.model_validate(json.loads({config!r}))
 run_stage("regenerate_responses", None,
-          lambda log: run_subprocess(Path({target!r}), [Path({prompts!r})], Path({out!r}), Path({stats!r}), config, log))
+          lambda log: run_subprocess(Path({target!r}), [Path({prompts!r})], config, log, output=Path({out!r}),
+                                     stats_path=Path({stats!r})))
 """
 
 

@@ -87,6 +87,13 @@ def test_vllm_serves_the_converted_target(smollm2_target, tmp_path):
     regenerate = {"magpie_max_tokens": 16, "magpie_min_chars": 5, "max_tokens": 24}
     config = tiny_settings(RegenerateResponsesStage, target={"dtype": "float16"}, regenerate=regenerate)
     conversations = tmp_path / "regenerated.jsonl"
-    run_subprocess(out, [prompts], conversations, tmp_path / "stats.json", config, logging.getLogger("eagle3.test"))
+    run_subprocess(
+        out,
+        [prompts],
+        config,
+        logging.getLogger("eagle3.test"),
+        output=conversations,
+        stats_path=tmp_path / "stats.json",
+    )
     answer = json.loads(conversations.read_text())["conversations"][1]["value"]
     assert "Paris" in answer, answer

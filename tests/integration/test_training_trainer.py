@@ -25,6 +25,7 @@ from tiny_training import TRAIN, train_record
 from eagle3_workflow.artefacts import ApiCompatReport, ValidationReport, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
+from eagle3_workflow.hidden_states import hs_file
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
 
@@ -61,20 +62,18 @@ def write_hidden_states(target: Path, prepared: Path, files_dir: Path, layer_ids
             out = model(input_ids=ids[None], output_hidden_states=True)
             layers = [out.hidden_states[k][0] if k < num_layers else captured["pre_norm"][0] for k in layer_ids]
             hidden = torch.stack(layers, dim=1).to(torch.bfloat16).contiguous()  # [T, L, H]
-            save_file(
-                {"hidden_states": hidden, "token_ids": ids.contiguous()}, str(files_dir / f"hs_{row}.safetensors")
-            )
+            save_file({"hidden_states": hidden, "token_ids": ids.contiguous()}, str(hs_file(files_dir, row)))
     hook.remove()
     return len(dataset), model.config.hidden_size
 
 
 def gate_records(target: Path, rows: int, hidden_size: int) -> tuple[ApiCompatReport, ValidationReport]:
     """check_api's and validate_hidden_states's records for the hidden states write_hidden_states made."""
-    from eagle3_workflow.api_checks import read_target_info
+    from eagle3_workflow.target_config import read_target_config
 
     api_compat = ApiCompatReport(
         passed=True, vllm_version="0.32.0", speculators_version="0.9.0", transformers_version="5",
-        torch_version="2", device="cpu", layer_ids=LAYER_IDS, checks=[], target=read_target_info(target),
+        torch_version="2", device="cpu", layer_ids=LAYER_IDS, checks=[], target=read_target_config(target).info(),
     )  # fmt: skip
     validation = ValidationReport(
         passed=True, samples_expected=rows, samples_valid=rows, missing=[], bad={}, tokens=0, bytes=0,

@@ -25,7 +25,14 @@ from eagle3_workflow.extraction import (
     disk_preflight,
     resume_scan,
 )
-from eagle3_workflow.hidden_states import check_file, eagle3_layer_ids, estimate_bytes, resolve_layer_ids, shard_rows
+from eagle3_workflow.hidden_states import (
+    HiddenStateFiles,
+    check_file,
+    eagle3_layer_ids,
+    estimate_bytes,
+    resolve_layer_ids,
+    shard_rows,
+)
 from eagle3_workflow.runtime.child import strip_log_prefixes
 from eagle3_workflow.settings import ServingStage
 from eagle3_workflow.vllm_server import (
@@ -97,7 +104,7 @@ def test_resume_scan_keeps_valid_and_redoes_partial(tmp_path):
     write_sample(tmp_path / "hs_1.safetensors", samples[1].input_ids)
     partial = tmp_path / "hs_1.safetensors"
     partial.write_bytes(partial.read_bytes()[:-10])
-    done, todo, redone = resume_scan(samples, tmp_path, 4, 8)
+    done, todo, redone = resume_scan(samples, HiddenStateFiles(tmp_path, 4, 8))
     assert [s.row for s in done] == [0]
     assert [s.row for s in todo] == [1, 2]
     assert 1 in redone
@@ -107,12 +114,12 @@ def test_resume_scan_keeps_valid_and_redoes_partial(tmp_path):
 def test_disk_preflight_refuses_with_numbers(tmp_path):
     samples = [Sample(0, list(range(1000)))]
     with pytest.raises(StageError) as info:
-        disk_preflight(samples, tmp_path, layer_count=4, hidden_size=4096, margin=1.1, available_override=10**6)
+        disk_preflight(samples, HiddenStateFiles(tmp_path, 4, 4096), margin=1.1, available_override=10**6)
     message = str(info.value)
     assert "not enough disk" in message
     assert "1000 tokens" in message
     assert "free" in message
-    disk_preflight(samples, tmp_path, layer_count=4, hidden_size=64, margin=1.1, available_override=10**9)
+    disk_preflight(samples, HiddenStateFiles(tmp_path, 4, 64), margin=1.1, available_override=10**9)
 
 
 # vLLM 0.32's connector, when its writer thread hits a full disk (the line from a real run on a full tmpfs)

@@ -25,6 +25,7 @@ from packaging.version import Version
 from eagle3_workflow.artefacts import ApiCompatReport, CheckRow, TargetInfo, write
 from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.hidden_states import resolve_layer_ids
+from eagle3_workflow.target_config import read_target_config
 
 log = logging.getLogger("eagle3.check_api")
 
@@ -47,23 +48,6 @@ DEFAULT_TRAINER_FIELDS = [
     "num_workers",
     "token_freq_path",
 ]
-
-
-def read_target_info(target_dir: str | Path) -> TargetInfo:
-    config_path = Path(target_dir) / "config.json"
-    if not config_path.exists():
-        raise StageError(f"{config_path} does not exist: target.path must be a HF model directory")
-    config = json.loads(config_path.read_text())
-    text = config.get("text_config") or config  # multimodal wrappers keep the LM's shape in text_config
-    architectures = config.get("architectures") or []
-    return TargetInfo(
-        path=str(target_dir),
-        architecture=architectures[0] if architectures else "",
-        model_type=config.get("model_type", ""),
-        num_layers=int(text["num_hidden_layers"]),
-        hidden_size=int(text["hidden_size"]),
-        vocab_size=int(text.get("vocab_size", 0)),
-    )
 
 
 def _row(name: str, expected: str, check: Callable[[], tuple[str, bool]]) -> CheckRow:
@@ -287,9 +271,9 @@ def check_chat_template(target_dir: str, prepared_dir: str | None, trust_remote_
     text = render(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
     if prepared_dir is None:
         return f"renders a {len(text)}-char prompt", True
-    import datasets
+    from eagle3_workflow.prepared import open_prepared
 
-    dataset = datasets.load_from_disk(prepared_dir).with_format(None)
+    dataset = open_prepared(prepared_dir)
     rows = min(3, len(dataset))
     for i in range(rows):
         messages = json.loads(dataset[i]["messages"])
@@ -384,7 +368,7 @@ def run_api_checks(
     full_depth_check: bool = True,
 ) -> ApiCompatReport:
     """All rows; pure apart from imports. The report's `passed` is the AND of the rows."""
-    target = read_target_info(target_dir)
+    target = read_target_config(target_dir).info()
     rows = [
         *_environment_rows(vllm_min, vllm_max_exclusive),
         *_target_rows(target, target_dir, prepared_dir, configured_layer_ids, trust_remote_code),

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, LayerMatch, load, write
 from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
-from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.hidden_states import HiddenStateFiles, read_hidden_states, read_sample
 from eagle3_workflow.layer_match import (
     LAYER_KEY,
     POST_NORM,
@@ -42,7 +43,9 @@ from eagle3_workflow.layer_match import (
     match_slots,
     squared_distances,
 )
+from eagle3_workflow.prepared import open_prepared
 from eagle3_workflow.settings import CanaryStage, ExtractionStall, stage_settings
+from eagle3_workflow.target_config import read_target_config, read_tensors, text_section, weight_files
 from eagle3_workflow.vllm_server import VLLMServer
 
 log = logging.getLogger("eagle3.canary")
@@ -64,9 +67,9 @@ TOKENIZER_FILES = (
 MIN_SHAPED_LAYERS = 8  # the fewest layers where [2, K//2, K-2, K] has a gap between every pair of ids
 
 
-def canary_layer_count(config: dict[str, Any], requested: int | None) -> int:
-    """Layers to keep: every distinct layer type covered and room for a production-shaped id set (>= 8)."""
-    text = config.get("text_config") or config
+def canary_layer_count(text: Mapping[str, Any], requested: int | None) -> int:
+    """Layers to keep: every distinct layer type covered and room for a production-shaped id set (>= 8). `text`: the
+    language model's part of the config (TargetConfig.text)."""
     total = int(text["num_hidden_layers"])
     if requested:
         return min(requested, total)
@@ -111,7 +114,7 @@ def id_set_shape_problems(ids: list[int], layers: int) -> list[str]:
 
 def truncated_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
     out = json.loads(json.dumps(config))
-    text = out.get("text_config") or out
+    text = text_section(out)
     text["num_hidden_layers"] = layers
     if isinstance(text.get("layer_types"), list):
         text["layer_types"] = text["layer_types"][:layers]
@@ -126,36 +129,16 @@ def keep_tensor(name: str, layers: int) -> bool:
 
 def build_truncated_target(target_dir: Path, out_dir: Path, layers: int) -> dict[str, Any]:
     """Write a K-layer copy of the checkpoint, reading only the kept tensors (lazy safe_open, sharded or not)."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    config = json.loads((target_dir / "config.json").read_text())
-    index_path = target_dir / "model.safetensors.index.json"
-    if index_path.exists():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        by_file: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            if keep_tensor(name, layers):
-                by_file.setdefault(shard, []).append(name)
-    else:
-        single = target_dir / "model.safetensors"
-        if not single.exists():
-            raise StageError(
-                f"{target_dir} has neither model.safetensors nor model.safetensors.index.json; the "
-                "canary reads safetensors checkpoints only"
-            )
-        with safe_open(str(single), framework="pt") as handle:
-            by_file = {"model.safetensors": [n for n in handle.keys() if keep_tensor(n, layers)]}
-    tensors: dict[str, torch.Tensor] = {}
-    for shard, names in by_file.items():
-        with safe_open(str(target_dir / shard), framework="pt") as handle:
-            for name in names:
-                tensors[name] = handle.get_tensor(name)
+    config = read_target_config(target_dir)
+    files = weight_files(target_dir)
+    tensors = read_tensors(target_dir, files, [name for name in files if keep_tensor(name, layers)])
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(truncated_config(config, layers), indent=2))
+    (out_dir / "config.json").write_text(json.dumps(truncated_config(config.raw, layers), indent=2))
     for name in TOKENIZER_FILES:
         if (target_dir / name).exists():
             shutil.copy2(target_dir / name, out_dir / name)
@@ -164,11 +147,11 @@ def build_truncated_target(target_dir: Path, out_dir: Path, layers: int) -> dict
     log.info(
         "canary target: %d of %d layers, %d tensors -> %s",
         layers,
-        int((config.get("text_config") or config)["num_hidden_layers"]),
+        config.num_layers,
         len(tensors),
         out_dir,
     )
-    return config
+    return config.raw
 
 
 def reference_all_layers(input_ids: list[int], model: Any) -> tuple[list[str], torch.Tensor]:
@@ -272,25 +255,22 @@ class FileFindings:
 
 
 def inspect_files(
-    samples: list[Sample], files_dir: Path, repeat_dir: Path, layer_ids: list[int], hidden_size: int, hf_model: Any
+    samples: list[Sample], piece: CanarySlice, hf_model: Any, *, files_dir: Path, repeat_dir: Path
 ) -> FileFindings:
     """Read every extracted file once: format checks, and against the HF reference of every layer."""
-    from safetensors.torch import load_file
-
+    layer_ids = piece.layer_ids
     found = FileFindings()
     labels: list[str] = []
     sq_dist = sq_norm = None
     for sample in samples:
-        data = load_file(str(hs_file(files_dir, sample.row)))
-        hidden, token_ids = data["hidden_states"], data["token_ids"]
-        found.shape_ok &= list(hidden.shape) == [len(sample.input_ids), len(layer_ids), hidden_size]
+        hidden, token_ids = read_sample(files_dir, sample.row)
+        found.shape_ok &= list(hidden.shape) == [len(sample.input_ids), len(layer_ids), piece.hidden_size]
         found.dtype_ok &= hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
         found.finite_ok &= bool(torch.isfinite(hidden).all())
         found.varied_ok &= all(float(hidden[:, j].float().std()) > 0 for j in range(hidden.shape[1]))
         found.ids_ok &= token_ids.tolist() == sample.input_ids
         if hf_model is None:
-            again = load_file(str(hs_file(repeat_dir, sample.row)))["hidden_states"]
-            found.repeat_ok &= torch.equal(again, hidden)
+            found.repeat_ok &= torch.equal(read_hidden_states(repeat_dir, sample.row), hidden)
             continue
         if not (found.finite_ok and found.shape_ok):
             continue
@@ -311,12 +291,13 @@ def inspect_files(
 
 def build_checks(
     found: FileFindings,
-    layer_ids: list[int],
-    hidden_size: int,
+    piece: CanarySlice,
     render_problems: list[tuple[int, str | None]],
+    *,
     tolerance: float,
     with_reference: bool,
 ) -> list[CheckRow]:
+    layer_ids, hidden_size = piece.layer_ids, piece.hidden_size
     bad_render = [f"sample {i}: {p}" for i, p in render_problems if p]
     checks = [
         _check("shape [T, L, H]", f"[T, {len(layer_ids)}, {hidden_size}]", found.shape_ok, "mismatch"),
@@ -357,77 +338,82 @@ def _check(name: str, expected: str, passed: bool, otherwise: str) -> CheckRow:
     return CheckRow(name=name, expected=expected, found="ok" if passed else otherwise, passed=passed)
 
 
-def run_canary(
-    *,
-    target_dir: Path,
-    work_dir: Path,
-    samples: list[Sample],
-    messages: list[list[dict[str, str]]],
-    spec_factory: Any,
-    server_log: Path,
-    canary_layers: int | None,
-    tolerance: float,
-    render_samples: int,
-    trust_remote_code: bool,
-    device: str,
-    settings: ClientSettings,
-) -> CanaryReport:
-    config = json.loads((target_dir / "config.json").read_text())
-    layers = canary_layer_count(config, canary_layers)
-    canary_model = work_dir / "model"
+SpecFactory = Callable[[str, list[int], str], Any]  # (model dir, layer ids, storage dir) -> the server's spec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CanaryRequest:
+    """One canary run: the target and the prepared samples to send it, how its server starts, and what passes."""
+
+    target_dir: Path
+    work_dir: Path  # scratch: the slice, its files and the server's storage, removed afterwards
+    samples: list[Sample]
+    messages: list[list[dict[str, str]]]  # each sample's conversation, for the server chat rendering check
+    spec_factory: SpecFactory
+    server_log: Path
+    device: str
+    client: ClientSettings
+    tolerance: float  # the largest relative error of a captured id against its HF reference layer
+    render_samples: int  # how many samples' conversations the server renders (== prepare_data's ids)
+    canary_layers: int | None = None  # None: as few as cover every layer type (canary_layer_count)
+    trust_remote_code: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CanarySlice:
+    """The K-layer slice of the target the canary serves: where it is written, and the ids captured from it."""
+
+    model_dir: Path
+    layers: int
+    layer_ids: list[int]
+    hidden_size: int
+
+    def files(self, folder: Path) -> HiddenStateFiles:
+        return HiddenStateFiles(folder, len(self.layer_ids), self.hidden_size)
+
+
+def run_canary(request: CanaryRequest) -> CanaryReport:
+    target = read_target_config(request.target_dir)
+    layers = canary_layer_count(target.text, request.canary_layers)
+    piece = CanarySlice(request.work_dir / "model", layers, canary_layer_ids(layers), target.hidden_size)
     try:
-        return _run_on_slice(target_dir, work_dir, canary_model, samples, messages, spec_factory, server_log,
-                             layers, tolerance, render_samples, trust_remote_code, device, settings)  # fmt: skip
+        return _run_on_slice(request, piece)
     finally:
         # the slice is scratch (a few GB on a real model): gone on success, failure and SIGTERM alike
-        shutil.rmtree(canary_model, ignore_errors=True)
-        shutil.rmtree(work_dir / "scratch", ignore_errors=True)
+        shutil.rmtree(piece.model_dir, ignore_errors=True)
+        shutil.rmtree(request.work_dir / "scratch", ignore_errors=True)
 
 
-def _run_on_slice(
-    target_dir: Path,
-    work_dir: Path,
-    canary_model: Path,
-    samples: list[Sample],
-    messages: list[list[dict[str, str]]],
-    spec_factory: Any,
-    server_log: Path,
-    layers: int,
-    tolerance: float,
-    render_samples: int,
-    trust_remote_code: bool,
-    device: str,
-    settings: ClientSettings,
-) -> CanaryReport:
-    config = json.loads((target_dir / "config.json").read_text())
-    layer_ids = canary_layer_ids(layers)
-    build_truncated_target(target_dir, canary_model, layers)
-    hidden_size = int((config.get("text_config") or config)["hidden_size"])
-    files_dir, second_dir, scratch = work_dir / "files", work_dir / "files_repeat", work_dir / "scratch"
-    for d in (files_dir, second_dir, scratch):
+def _run_on_slice(request: CanaryRequest, piece: CanarySlice) -> CanaryReport:
+    build_truncated_target(request.target_dir, piece.model_dir, piece.layers)
+    work, samples = request.work_dir, request.samples
+    files, repeat, scratch = piece.files(work / "files"), piece.files(work / "files_repeat"), work / "scratch"
+    for d in (files.folder, repeat.folder, scratch):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-    hf_model, reference_note = load_hf_reference(canary_model, trust_remote_code)
-    log.info("canary: %d-layer slice, capturing ids %s", layers, layer_ids)
-    extract = dict(layer_count=len(layer_ids), hidden_size=hidden_size, settings=settings)
-    with VLLMServer(spec_factory(str(canary_model), layer_ids, str(scratch.resolve())), server_log) as server:
+    hf_model, reference_note = load_hf_reference(piece.model_dir, request.trust_remote_code)
+    log.info("canary: %d-layer slice, capturing ids %s", piece.layers, piece.layer_ids)
+    spec = request.spec_factory(str(piece.model_dir), piece.layer_ids, str(scratch.resolve()))
+    with VLLMServer(spec, request.server_log) as server:
         ready_s = server.ready_s
-        extract_samples(server, samples, files_dir, tracker=ProgressTracker(None, 0, len(samples), 0), **extract)
-        if hf_model is None:
-            extract_samples(server, samples, second_dir, tracker=ProgressTracker(None, 0, len(samples), 0), **extract)
+        for into in [files] if hf_model is not None else [files, repeat]:
+            tracker = ProgressTracker(None, 0, len(samples), 0)
+            extract_samples(server, samples, into, settings=request.client, tracker=tracker)
         render_problems = [
-            (i, render_check(server, messages[i], samples[i].input_ids))
-            for i in range(min(render_samples, len(samples)))
+            (i, render_check(server, request.messages[i], samples[i].input_ids))
+            for i in range(min(request.render_samples, len(samples)))
         ]
-    found = inspect_files(samples, files_dir, second_dir, layer_ids, hidden_size, hf_model)
-    checks = build_checks(found, layer_ids, hidden_size, render_problems, tolerance, hf_model is not None)
+    found = inspect_files(samples, piece, hf_model, files_dir=files.folder, repeat_dir=repeat.folder)
+    checks = build_checks(
+        found, piece, render_problems, tolerance=request.tolerance, with_reference=hf_model is not None
+    )
     return CanaryReport(
         passed=all(c.passed for c in checks),
-        device=device,
-        canary_layers=layers,
-        canary_layer_ids=layer_ids,
+        device=request.device,
+        canary_layers=piece.layers,
+        canary_layer_ids=piece.layer_ids,
         reference=reference_note,
-        tolerance=tolerance,
+        tolerance=request.tolerance,
         per_layer_max_rel_error=found.max_rel,
         per_layer_mean_rel_error=found.mean_rel,
         samples=len(samples),
@@ -441,9 +427,7 @@ def _run_on_slice(
 
 def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[Sample], list[list[dict]]]:
     """The first `count` prepared rows (truncated to max_tokens) and their conversations."""
-    import datasets
-
-    dataset = datasets.load_from_disk(str(prepared_dir)).with_format(None)
+    dataset = open_prepared(prepared_dir)
     samples, messages = [], []
     for row in range(min(count, len(dataset))):
         ids = [int(t) for t in dataset[row]["input_ids"]][:max_tokens]
@@ -452,7 +436,7 @@ def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[
     return samples, messages
 
 
-def server_spec_factory(settings: CanaryStage, device: str) -> Any:
+def server_spec_factory(settings: CanaryStage, device: str) -> SpecFactory:
     """The extraction server for the slice: the same builder extraction uses, with the render endpoint on."""
     from eagle3_workflow.vllm_server import hidden_states_server_spec
 
@@ -507,20 +491,21 @@ def main(snakemake: Any) -> None:
         samples, messages = pick_samples(
             Path(snakemake.input.prepared), canary.num_samples, canary.max_tokens_per_sample
         )
-        report = run_canary(
+        request = CanaryRequest(
             target_dir=Path(snakemake.input.target),
             work_dir=Path(snakemake.params.work_dir),
             samples=samples,
             messages=messages,
             spec_factory=server_spec_factory(settings, api.device),
             server_log=Path(snakemake.log[0]),
+            device=api.device,
+            client=client_settings(settings.extraction),
             canary_layers=canary.num_layers,
             tolerance=canary.relative_tolerance,
             render_samples=canary.render_samples,
             trust_remote_code=settings.target.trust_remote_code,
-            device=api.device,
-            settings=client_settings(settings.extraction),
         )
+        report = run_canary(request)
         refuse_or_log(report, log)
         write(snakemake.output.report, report)
 

@@ -35,13 +35,8 @@ from eagle3_workflow.artefacts import (
 from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, space_of
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
-from eagle3_workflow.hidden_states import (
-    check_file,
-    estimate_bytes,
-    hs_file,
-    human_bytes,
-    shard_rows,
-)
+from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, shard_rows
+from eagle3_workflow.prepared import read_input_ids
 from eagle3_workflow.runtime.stage import StageStopped
 from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient, stage_settings
 from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
@@ -86,47 +81,33 @@ class Sample:
     input_ids: list[int]
 
 
-def load_prepared_input_ids(prepared_dir: str | Path) -> list[list[int]]:
-    import datasets
-
-    dataset = datasets.load_from_disk(str(prepared_dir))
-    return [list(map(int, ids)) for ids in dataset.with_format(None)["input_ids"]]
-
-
 def disk_preflight(
-    samples: list[Sample],
-    files_dir: Path,
-    layer_count: int,
-    hidden_size: int,
-    margin: float,
-    available_override: int | None,
+    samples: list[Sample], files: HiddenStateFiles, *, margin: float, available_override: int | None
 ) -> tuple[int, int]:
     """Refuse to start (StageError with the numbers) when the filesystem cannot hold the output."""
-    needed = estimate_bytes([len(s.input_ids) for s in samples], layer_count, hidden_size)
-    files_dir.mkdir(parents=True, exist_ok=True)
-    available = available_override if available_override is not None else shutil.disk_usage(files_dir).free
+    needed = files.estimate_bytes([len(s.input_ids) for s in samples])
+    files.folder.mkdir(parents=True, exist_ok=True)
+    available = available_override if available_override is not None else shutil.disk_usage(files.folder).free
     if needed * margin > available:
         raise StageError(
             f"not enough disk for hidden states: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} "
-            f"tokens x {layer_count} layers x hidden {hidden_size} x 2 B = {human_bytes(needed)} "
-            f"(x{margin} margin = {human_bytes(needed * margin)}), but {files_dir} has {human_bytes(available)} "
+            f"tokens x {files.layer_count} layers x hidden {files.hidden_size} x 2 B = {human_bytes(needed)} "
+            f"(x{margin} margin = {human_bytes(needed * margin)}), but {files.folder} has {human_bytes(available)} "
             "free. Free space, point results/ at a larger filesystem, split into more replicas on other "
             "filesystems, or lower extraction.disk_margin if you know the estimate is pessimistic."
         )
     return needed, available
 
 
-def resume_scan(
-    samples: list[Sample], files_dir: Path, layer_count: int, hidden_size: int
-) -> tuple[list[Sample], list[Sample], dict[int, str]]:
+def resume_scan(samples: list[Sample], files: HiddenStateFiles) -> tuple[list[Sample], list[Sample], dict[int, str]]:
     """Split into (already done and valid, to do); invalid or partial files are deleted and redone."""
     done, todo, redone = [], [], {}
     for sample in samples:
-        path = hs_file(files_dir, sample.row)
+        path = files.path(sample.row)
         if not path.exists():
             todo.append(sample)
             continue
-        reason = check_file(path, sample.input_ids, layer_count, hidden_size, full=False)
+        reason = files.check(path, sample.input_ids, full=False)
         if reason is None:
             done.append(sample)
         else:
@@ -303,9 +284,8 @@ async def _request_one(client: Any, server: VLLMServer, sample: Sample, settings
 async def _extract_async(
     server: VLLMServer,
     samples: list[Sample],
-    files_dir: Path,
-    layer_count: int,
-    hidden_size: int,
+    files: HiddenStateFiles,
+    *,
     settings: ClientSettings,
     tracker: ProgressTracker,
     on_file: Callable[[Sample, Path], None] | None,
@@ -331,7 +311,7 @@ async def _extract_async(
                 await _wait_for_file(produced, settings.request_timeout_s)
             finally:
                 tracker.in_flight -= 1
-            final = _keep_sample_file(Path(produced), sample, files_dir, layer_count, hidden_size)
+            final = _keep_sample_file(Path(produced), sample, files)
             bytes_written += final.stat().st_size
             completed_this_run += 1
             tracker.add(len(sample.input_ids), time.monotonic() - sent)
@@ -347,12 +327,12 @@ async def _extract_async(
     return bytes_written
 
 
-def _keep_sample_file(produced: Path, sample: Sample, files_dir: Path, layer_count: int, hidden_size: int) -> Path:
+def _keep_sample_file(produced: Path, sample: Sample, files: HiddenStateFiles) -> Path:
     """Check the file the server wrote for a sample, then move it to its final name (atomic)."""
-    reason = check_file(produced, sample.input_ids, layer_count, hidden_size, full=False)
+    reason = files.check(produced, sample.input_ids, full=False)
     if reason is not None:
         raise StageError(f"row {sample.row}: the file the server wrote ({produced}) is invalid: {reason}")
-    final = hs_file(files_dir, sample.row)
+    final = files.path(sample.row)
     # vLLM's connector writes 0600: the group's jobs (training as another user) must read it
     os.chmod(produced, 0o666 & ~process_umask())
     os.replace(produced, final)  # atomic: a reader sees no file or the whole file
@@ -412,22 +392,18 @@ def check_stall(server: VLLMServer, tracker: ProgressTracker, settings: ClientSe
 def extract_samples(
     server: VLLMServer,
     samples: list[Sample],
-    files_dir: Path,
+    files: HiddenStateFiles,
     *,
-    layer_count: int,
-    hidden_size: int,
     settings: ClientSettings,
     tracker: ProgressTracker,
     on_file: Callable[[Sample, Path], None] | None = None,
 ) -> int:
-    """Extract `samples` through a ready server into files_dir; returns bytes written. Raises StageError."""
-    files_dir.mkdir(parents=True, exist_ok=True)
+    """Extract `samples` through a ready server into `files`' folder; returns bytes written. Raises StageError."""
+    files.folder.mkdir(parents=True, exist_ok=True)
     if not samples:
         return 0
     try:
-        return asyncio.run(
-            _extract_async(server, samples, files_dir, layer_count, hidden_size, settings, tracker, on_file)
-        )
+        return asyncio.run(_extract_async(server, samples, files, settings=settings, tracker=tracker, on_file=on_file))
     except ServerFailure:
         raise
     except StageError:
@@ -479,6 +455,24 @@ def greedy_probes(server: VLLMServer, samples: list[Sample], timeout_s: float) -
     return probes
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaRequest:
+    """One replica's extraction: its shard of the prepared rows, where its files go, how its server starts."""
+
+    prepared_dir: Path
+    replica: int
+    replicas: int
+    files: HiddenStateFiles
+    scratch_dir: Path  # the server writes here; each file is checked, then moved into files.folder
+    server_spec_factory: Callable[[str], Any]  # storage dir -> the server's spec
+    server_log: Path
+    disk_margin: float
+    available_bytes_override: int | None = None
+    probe_samples: int = 0  # the shard's first rows get a greedy probe each (validate_hidden_states checks them)
+    progress_path: Path | None = None
+    manifest_path: Path | None = None  # the manifest is also written here when given
+
+
 @dataclasses.dataclass
 class ReplicaPlan:
     """One replica's shard: its rows and samples, those already valid on disk, those left to extract."""
@@ -489,54 +483,41 @@ class ReplicaPlan:
     todo: list[Sample]
 
 
-def extract_replica(
-    *,
-    prepared_dir: Path,
-    replica: int,
-    replicas: int,
-    files_dir: Path,
-    scratch_dir: Path,
-    progress_path: Path | None,
-    server_spec_factory: Callable[[str], Any],
-    server_log: Path,
-    layer_count: int,
-    hidden_size: int,
-    settings: ClientSettings,
-    disk_margin: float,
-    available_bytes_override: int | None,
-    probe_samples: int = 0,
-    manifest_path: Path | None = None,
-) -> ExtractionManifest:
-    """The whole replica: resume scan, disk preflight, server, client, manifest (written to `manifest_path` when
-    given). However it ends (done, an error, a full disk, a stop signal), progress.json ends in that state with the
-    samples truly on disk; a full disk fails as DiskFull, which names the file system and what is safe."""
+@dataclasses.dataclass
+class ServedRun:
+    """What the replica's server and client did: bytes written, the server's start-up, the probes, the client's time."""
+
+    bytes_written: int = 0
+    ready_s: float = 0.0
+    probes: list[GreedyProbe] = dataclasses.field(default_factory=list)
+    client_started: float = dataclasses.field(default_factory=time.monotonic)
+
+
+def extract_replica(request: ReplicaRequest, settings: ClientSettings) -> ExtractionManifest:
+    """The whole replica: resume scan, disk preflight, server, client, manifest (written to the request's
+    `manifest_path` when given). However it ends (done, an error, a full disk, a stop signal), progress.json ends in
+    that state with the samples truly on disk; a full disk fails as DiskFull, which names the file system and what is
+    safe."""
     started = time.monotonic()
-    plan = _plan_replica(prepared_dir, replica, replicas, files_dir, layer_count=layer_count, hidden_size=hidden_size)
-    tracker = ProgressTracker(progress_path, replica, len(plan.samples), len(plan.done))
+    plan = _plan_replica(request)
+    tracker = ProgressTracker(request.progress_path, request.replica, len(plan.samples), len(plan.done))
     try:
         needed, available = disk_preflight(
-            plan.todo, files_dir, layer_count, hidden_size, disk_margin, available_bytes_override
+            plan.todo, request.files, margin=request.disk_margin, available_override=request.available_bytes_override
         )
         log.info(
-            "disk preflight: need %s (x%.2f margin), %s free", human_bytes(needed), disk_margin, human_bytes(available)
+            "disk preflight: need %s (x%.2f margin), %s free",
+            human_bytes(needed),
+            request.disk_margin,
+            human_bytes(available),
         )
         tracker.write("starting the vLLM server" if plan.todo else "nothing to extract")
-        bytes_written, ready_s, probes, client_started = 0, 0.0, [], time.monotonic()
-        if plan.todo:
-            bytes_written, ready_s, probes, client_started = _serve_and_extract(
-                server_spec_factory, server_log, scratch_dir, plan.todo, plan.samples[:probe_samples], files_dir,
-                layer_count, hidden_size, settings, tracker,
-            )  # fmt: skip
-        manifest = _manifest(
-            plan, replica, replicas, files_dir, bytes_written=bytes_written, ready_s=ready_s, probes=probes,
-            client_s=time.monotonic() - client_started, wall_s=time.monotonic() - started,
-        )  # fmt: skip
-        if manifest_path is not None:
-            write(manifest_path, manifest)
+        run = _serve_and_extract(request, plan, settings, tracker) if plan.todo else ServedRun()
+        manifest = _manifest(request, plan, run, wall_s=time.monotonic() - started)
+        if request.manifest_path is not None:
+            write(request.manifest_path, manifest)
     except BaseException as exc:
-        disk_full = _end_failed_replica(
-            exc, tracker, plan, files_dir, scratch_dir, per_sample=(layer_count, hidden_size)
-        )
+        disk_full = _end_failed_replica(exc, tracker, request, plan)
         if disk_full is None:
             raise
         raise disk_full from exc
@@ -544,47 +525,32 @@ def extract_replica(
     return manifest
 
 
-def _manifest(
-    plan: ReplicaPlan,
-    replica: int,
-    replicas: int,
-    files_dir: Path,
-    *,
-    bytes_written: int,
-    ready_s: float,
-    probes: list[GreedyProbe],
-    client_s: float,
-    wall_s: float,
-) -> ExtractionManifest:
+def _manifest(request: ReplicaRequest, plan: ReplicaPlan, run: ServedRun, *, wall_s: float) -> ExtractionManifest:
     tokens = sum(len(s.input_ids) for s in plan.todo)
+    client_s = time.monotonic() - run.client_started
     return ExtractionManifest(
-        replica=replica,
-        replicas=replicas,
+        replica=request.replica,
+        replicas=request.replicas,
         samples_total=len(plan.samples),
         samples_extracted=len(plan.todo),
         samples_reused=len(plan.done),
         tokens=tokens,
-        bytes_written=bytes_written,
+        bytes_written=run.bytes_written,
         wall_s=round(wall_s, 2),
-        server_ready_s=round(ready_s, 2),
+        server_ready_s=round(run.ready_s, 2),
         tokens_per_s=round(tokens / client_s, 1) if plan.todo and client_s > 0 else 0.0,
-        files_dir=str(files_dir),
+        files_dir=str(request.files.folder),
         rows=plan.rows,
-        greedy_probes=probes,
+        greedy_probes=run.probes,
     )
 
 
 def _end_failed_replica(
-    exc: BaseException,
-    tracker: ProgressTracker,
-    plan: ReplicaPlan,
-    files_dir: Path,
-    scratch_dir: Path,
-    *,
-    per_sample: tuple[int, int],
+    exc: BaseException, tracker: ProgressTracker, request: ReplicaRequest, plan: ReplicaPlan
 ) -> DiskFull | None:
     """After a failure or a stop: remove the scratch files (never trusted, and maybe what filled the disk), name a
     full disk (the DiskFull to raise instead), and leave progress.json in its last state."""
+    files_dir, scratch_dir = request.files.folder, request.scratch_dir
     shutil.rmtree(scratch_dir, ignore_errors=True)
     if isinstance(exc, StageStopped):
         tracker.finish("stopped", f"stopped by {exc.signal_name}; {tracker.done} samples kept, the rerun resumes")
@@ -595,7 +561,7 @@ def _end_failed_replica(
         tracker.finish(state, f"{state}: {exc!r}")
         return None
     left = [len(s.input_ids) for s in plan.todo]
-    left_bytes = estimate_bytes(left, *per_sample) * (tracker.total - tracker.done) // max(len(left), 1)
+    left_bytes = request.files.estimate_bytes(left) * (tracker.total - tracker.done) // max(len(left), 1)
     message = disk_full_message(evidence, kept=tracker.done, total=tracker.total, files_dir=files_dir,
                                 left_bytes=left_bytes)  # fmt: skip
     tracker.finish("failed", message.splitlines()[0])
@@ -620,14 +586,13 @@ def disk_full_message(evidence: DiskFullEvidence, *, kept: int, total: int, file
     )
 
 
-def _plan_replica(
-    prepared_dir: Path, replica: int, replicas: int, files_dir: Path, *, layer_count: int, hidden_size: int
-) -> ReplicaPlan:
+def _plan_replica(request: ReplicaRequest) -> ReplicaPlan:
     """The replica's shard, what is already valid on disk and what is left."""
-    all_ids = load_prepared_input_ids(prepared_dir)
+    replica, replicas = request.replica, request.replicas
+    all_ids = read_input_ids(request.prepared_dir)
     rows = shard_rows(len(all_ids), replicas, replica)
     samples = [Sample(r, all_ids[r]) for r in rows]
-    done, todo, redone = resume_scan(samples, files_dir, layer_count, hidden_size)
+    done, todo, redone = resume_scan(samples, request.files)
     for row, reason in list(redone.items())[:20]:
         log.warning("row %d: existing file is invalid (%s); it will be extracted again", row, reason)
     log.info(
@@ -642,39 +607,28 @@ def _plan_replica(
 
 
 def _serve_and_extract(
-    server_spec_factory: Callable[[str], Any],
-    server_log: Path,
-    scratch_dir: Path,
-    todo: list[Sample],
-    probe: list[Sample],
-    files_dir: Path,
-    layer_count: int,
-    hidden_size: int,
-    settings: ClientSettings,
-    tracker: ProgressTracker,
-) -> tuple[int, float, list[GreedyProbe], float]:
-    """Start the server, extract `todo`, probe greedy tokens. A server that said its disk is full is the cause of
-    whatever the client saw (ServerCannotWrite)."""
+    request: ReplicaRequest, plan: ReplicaPlan, settings: ClientSettings, tracker: ProgressTracker
+) -> ServedRun:
+    """Start the server, extract the plan's `todo`, probe greedy tokens. A server that said its disk is full is the
+    cause of whatever the client saw (ServerCannotWrite)."""
+    scratch_dir = request.scratch_dir
     if scratch_dir.exists():
         shutil.rmtree(scratch_dir)  # leftovers of a killed run: never trusted
     scratch_dir.mkdir(parents=True)
-    server = VLLMServer(server_spec_factory(str(scratch_dir.resolve())), server_log)
+    server = VLLMServer(request.server_spec_factory(str(scratch_dir.resolve())), request.server_log)
     try:
         with server:
             tracker.started = client_started = time.monotonic()
             tracker.state = "running"
             tracker.write("server ready")
-            bytes_written = extract_samples(
-                server, todo, files_dir, layer_count=layer_count, hidden_size=hidden_size, settings=settings,
-                tracker=tracker,
-            )  # fmt: skip
-            probes = greedy_probes(server, probe, settings.request_timeout_s)
+            bytes_written = extract_samples(server, plan.todo, request.files, settings=settings, tracker=tracker)
+            probes = greedy_probes(server, plan.samples[: request.probe_samples], settings.request_timeout_s)
     except Exception as exc:  # not a stop signal: that stays a stop
         if server.disk_full_line is None:
             raise
         raise ServerCannotWrite(f"the vLLM server could not write into {scratch_dir}: {server.disk_full_line}") from exc
     shutil.rmtree(scratch_dir, ignore_errors=True)
-    return bytes_written, server.ready_s, probes, client_started
+    return ServedRun(bytes_written, server.ready_s, probes, client_started)
 
 
 def server_spec_factory(settings: ExtractHiddenStatesStage, api: ApiCompatReport, target: str) -> Callable[[str], Any]:
@@ -715,23 +669,21 @@ def main(snakemake: Any) -> None:
                 "the gates did not pass (api_compat.json / canary.json say passed=false); extraction will not start"
             )
         replica = int(snakemake.wildcards.replica)
-        manifest = extract_replica(
+        request = ReplicaRequest(
             prepared_dir=Path(snakemake.input.prepared),
             replica=replica,
             replicas=extraction.replicas,
-            files_dir=Path(snakemake.params.files_dir),
+            files=HiddenStateFiles(Path(snakemake.params.files_dir), len(api.layer_ids), api.target.hidden_size),
             scratch_dir=Path(snakemake.params.scratch_dir),
-            progress_path=Path(snakemake.params.progress),
             server_spec_factory=server_spec_factory(settings, api, str(snakemake.input.target)),
             server_log=Path(snakemake.log[0]),
-            layer_count=len(api.layer_ids),
-            hidden_size=api.target.hidden_size,
-            settings=client_settings(extraction),
             disk_margin=extraction.disk_margin,
             available_bytes_override=extraction.available_bytes_override,
             probe_samples=extraction.greedy_probe_samples,
+            progress_path=Path(snakemake.params.progress),
             manifest_path=Path(snakemake.output.manifest),
         )
+        manifest = extract_replica(request, client_settings(extraction))
         log.info(
             "replica %d: %d extracted, %d reused, %s written, %.0f tok/s",
             replica,

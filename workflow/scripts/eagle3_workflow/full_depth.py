@@ -20,7 +20,6 @@ with the slots as it streams by; none is kept. No vLLM here, no subprocess.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,9 +30,10 @@ import torch
 
 from eagle3_workflow.artefacts import DepthSlot, FullDepthReport
 from eagle3_workflow.errors import StageError, render_table
-from eagle3_workflow.hidden_states import hs_file, human_bytes
+from eagle3_workflow.hidden_states import human_bytes, read_hidden_states
 from eagle3_workflow.layer_match import LAYER_KEY, POST_NORM, SlotMatch, compare_layers, match_slots, squared_distances
 from eagle3_workflow.settings import ValidateHiddenStatesStage
+from eagle3_workflow.target_config import NotSafetensors, read_tensors, weight_files
 
 log = logging.getLogger("eagle3.full_depth")
 
@@ -80,18 +80,13 @@ def pick_rows(lengths: Mapping[int, int]) -> list[int]:
 # ------------------------------------------------------------------------------------------------ the checkpoint
 
 
-def weight_files(target_dir: Path) -> dict[str, str]:
-    """Tensor name -> the safetensors file (relative to target_dir) that holds it, sharded or not."""
-    from safetensors import safe_open
-
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = target_dir / "model.safetensors"
-    if not single.exists():
-        raise unsupported(target_dir, "it has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(str(single), framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), "model.safetensors")
+def checkpoint_files(target_dir: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file that holds it (target_config.weight_files); UnsupportedTarget without
+    safetensors."""
+    try:
+        return weight_files(target_dir)
+    except NotSafetensors as exc:
+        raise unsupported(target_dir, "it has neither model.safetensors nor model.safetensors.index.json") from exc
 
 
 def split_by_layer(names: Sequence[str], num_layers: int) -> tuple[list[str], dict[int, list[str]]]:
@@ -107,20 +102,6 @@ def split_by_layer(names: Sequence[str], num_layers: int) -> tuple[list[str], di
         elif int(match.group(2)) < num_layers:
             per_layer[int(match.group(2))].append(name)
     return outside, per_layer
-
-
-def read_tensors(target_dir: Path, files: Mapping[str, str], names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Only the tensors named, each file opened (safe_open) and closed again: no file stays mapped between layers."""
-    from safetensors import safe_open
-
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        by_file.setdefault(files[name], []).append(name)
-    tensors = {}
-    for file, in_file in by_file.items():
-        with safe_open(str(target_dir / file), framework="pt", device="cpu") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in in_file})
-    return tensors
 
 
 # ------------------------------------------------------------------------------------------------ the model skeleton
@@ -170,7 +151,7 @@ def preflight(target_dir: Path, *, trust_remote_code: bool) -> str:
     """What check_api runs before any extraction: transformers builds the decoder from the config (no weights) and
     the checkpoint holds tensors of every decoder layer. Raises UnsupportedTarget; returns what it found."""
     model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
-    files = weight_files(target_dir)
+    files = checkpoint_files(target_dir)
     _, per_layer = split_by_layer(list(files), len(decoder.layers))
     empty = [index for index, names in per_layer.items() if not names]
     if empty:
@@ -270,7 +251,7 @@ def stream_reference(
     model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
     layers = decoder.layers
     num_layers = len(layers)
-    files = weight_files(target_dir)
+    files = checkpoint_files(target_dir)  # each layer's tensors read (read_tensors) just before its forward
     outside, per_layer = split_by_layer(list(files), num_layers)
     held = {"now": 0, "peak": 0}
     started = time.monotonic()
@@ -393,10 +374,7 @@ def slot_verdicts(matches: Sequence[SlotMatch], max_rel: Mapping[str, float], to
 
 def read_slots(files_dir: Path, row: int, tokens: int) -> torch.Tensor:
     """The first `tokens` positions of an extracted sample's hidden states, [T, L, H]."""
-    from safetensors import safe_open
-
-    with safe_open(str(hs_file(files_dir, row)), framework="pt", device="cpu") as handle:
-        return handle.get_slice("hidden_states")[:tokens]
+    return read_hidden_states(files_dir, row, slice(None, tokens))
 
 
 def full_depth_check(

@@ -1,4 +1,4 @@
-"""Hidden-state files: naming, the layer-id convention, size estimates and per-file checks.
+"""Hidden-state files: naming, reading, the layer-id convention, size estimates and per-file checks.
 
 File layout (what vLLM's hidden-states connector writes and speculators' FileTransfer reads):
 ``hs_<row>.safetensors`` with ``hidden_states`` [T, L, H] (bf16) and ``token_ids`` int64 [T], where row is the
@@ -11,11 +11,14 @@ which is post-norm). EAGLE-3 uses [2, N//2, N-3] as draft input plus N as the ve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 SAFETENSORS_OVERHEAD = 256  # header and alignment per file, generous
@@ -57,6 +60,45 @@ def hs_file(files_dir: str | Path, row: int) -> Path:
     return Path(files_dir) / f"hs_{row}.safetensors"
 
 
+def read_hidden_states(files_dir: str | Path, row: int, positions: slice | None = None) -> torch.Tensor:
+    """A sample's ``hidden_states`` [T, L, H], or only the token `positions` of it (read lazily: a slice of a long
+    sample reads only those rows)."""
+    from safetensors import safe_open
+
+    with safe_open(str(hs_file(files_dir, row)), framework="pt", device="cpu") as handle:
+        if positions is None:
+            return handle.get_tensor("hidden_states")
+        return handle.get_slice("hidden_states")[positions]
+
+
+def read_sample(files_dir: str | Path, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample's (hidden_states [T, L, H], token_ids [T])."""
+    from safetensors import safe_open
+
+    with safe_open(str(hs_file(files_dir, row)), framework="pt", device="cpu") as handle:
+        return handle.get_tensor("hidden_states"), handle.get_tensor("token_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenStateFiles:
+    """A folder of hidden-state files of one shape, [T, layer_count, hidden_size]: what extraction writes, resumes and
+    checks (and the canary and validation check) passed as one thing."""
+
+    folder: Path
+    layer_count: int
+    hidden_size: int
+
+    def path(self, row: int) -> Path:
+        return hs_file(self.folder, row)
+
+    def check(self, path: Path, expected_ids: list[int], *, full: bool) -> str | None:
+        """check_file with this folder's shape: None when `path` is a valid sample of `expected_ids`."""
+        return check_file(path, expected_ids, self.layer_count, self.hidden_size, full=full)
+
+    def estimate_bytes(self, token_counts: list[int]) -> int:
+        return estimate_bytes(token_counts, self.layer_count, self.hidden_size)
+
+
 def shard_rows(num_rows: int, replicas: int, replica: int) -> list[int]:
     """Rows of one replica: disjoint, covering, balanced (row % replicas == replica)."""
     if not 0 <= replica < replicas:
@@ -84,6 +126,7 @@ def check_file(path: Path, expected_ids: list[int], layer_count: int, hidden_siz
     The quick form reads only the header and token ids, so resume scans are cheap; the full form is what
     validate_hidden_states runs on every file.
     """
+    import torch
     from safetensors import safe_open
 
     if not path.exists():

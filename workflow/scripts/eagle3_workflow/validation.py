@@ -31,7 +31,8 @@ from eagle3_workflow.artefacts import (
     write,
 )
 from eagle3_workflow.errors import StageError, render_table
-from eagle3_workflow.hidden_states import check_file, hs_file, human_bytes
+from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, read_hidden_states
+from eagle3_workflow.target_config import read_target_config, read_tensors, weight_files
 
 MAX_LISTED = 50
 # Final norms this check knows: plain RMSNorm x * rsqrt(mean(x^2) + eps) * w. Gemma's (1 + w) and logit
@@ -44,30 +45,23 @@ TIE_RELATIVE = 2.0**-6
 
 def load_final_head(target_dir: Path) -> tuple[Any, Any, float]:
     """(final norm weight, lm_head weight [V, H], eps) of the target, read lazily from its safetensors."""
-    import json
-
-    from safetensors import safe_open
-
-    config = json.loads((target_dir / "config.json").read_text())
-    text = config.get("text_config") or config
-    model_type = str(text.get("model_type") or config.get("model_type"))
+    config = read_target_config(target_dir)
+    model_type = str(config.decoder_model_type)
     if model_type not in RMSNORM_MODEL_TYPES:
         raise StageError(
             f"the greedy-token cross-check does not know the final norm of model_type {model_type!r} (it knows "
             f"{sorted(RMSNORM_MODEL_TYPES)}); set extraction.greedy_probe_samples: 0 to skip it for this target"
         )
-    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
-    names = {"norm": "model.norm.weight", "head": "model.embed_tokens.weight" if tied else "lm_head.weight"}
-    index = target_dir / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else {}
-    tensors = {}
-    for key, name in names.items():
-        shard = weight_map.get(name, "model.safetensors")
-        with safe_open(str(target_dir / shard), framework="pt") as handle:
-            if name not in handle.keys():
-                raise StageError(f"{target_dir / shard} has no tensor {name!r}; cannot cross-check the last state")
-            tensors[key] = handle.get_tensor(name).float()
-    return tensors["norm"], tensors["head"], float(text.get("rms_norm_eps", 1e-6))
+    norm = "model.norm.weight"
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    files = weight_files(target_dir)
+    for name in (norm, head):
+        if name not in files:
+            raise StageError(
+                f"the safetensors of {target_dir} hold no tensor {name!r}; cannot cross-check the last state"
+            )
+    tensors = read_tensors(target_dir, files, [norm, head])
+    return tensors[norm].float(), tensors[head].float(), float(config.text.get("rms_norm_eps", 1e-6))
 
 
 def greedy_check_row(last_state: Any, probe: GreedyProbe, norm: Any, head: Any, eps: float) -> GreedyCheck:
@@ -92,15 +86,12 @@ def greedy_check_row(last_state: Any, probe: GreedyProbe, norm: Any, head: Any, 
 
 
 def greedy_cross_check(target_dir: Path, files_dir: Path, probes: list[GreedyProbe]) -> list[GreedyCheck]:
-    from safetensors import safe_open
-
     if not probes:
         return []
     norm, head, eps = load_final_head(target_dir)
     rows = []
     for probe in probes:
-        with safe_open(str(hs_file(files_dir, probe.row)), framework="pt") as handle:
-            last_state = handle.get_slice("hidden_states")[-1:, -1:, :].reshape(-1)  # last position, id N
+        last_state = read_hidden_states(files_dir, probe.row, slice(-1, None))[0, -1]  # last position, id N
         rows.append(greedy_check_row(last_state, probe, norm, head, eps))
     return rows
 
@@ -120,14 +111,15 @@ def greedy_failure_message(rows: list[GreedyCheck]) -> str:
 
 
 def validate_files(
-    input_ids: list[list[int]], files_dir: Path, *, layer_count: int, hidden_size: int, max_bad_samples: int = 0
+    input_ids: list[list[int]], files: HiddenStateFiles, *, max_bad_samples: int = 0
 ) -> ValidationReport:
+    """Every prepared row's file in `files` checked in full (row = its index in `input_ids`)."""
     missing: list[int] = []
     bad: dict[str, str] = {}
     tokens = size = valid = 0
     for row, ids in enumerate(input_ids):
-        path = hs_file(files_dir, row)
-        reason = check_file(path, ids, layer_count, hidden_size, full=True)
+        path = files.path(row)
+        reason = files.check(path, ids, full=True)
         if reason == "missing":
             missing.append(row)
         elif reason is not None:
@@ -145,9 +137,9 @@ def validate_files(
         bad=bad,
         tokens=tokens,
         bytes=size,
-        layer_count=layer_count,
-        hidden_size=hidden_size,
-        files_dir=[str(files_dir)],
+        layer_count=files.layer_count,
+        hidden_size=files.hidden_size,
+        files_dir=[str(files.folder)],
     )
 
 
@@ -168,7 +160,7 @@ def main(snakemake: Any) -> None:
     import torch
 
     from eagle3_workflow import full_depth
-    from eagle3_workflow.extraction import load_prepared_input_ids
+    from eagle3_workflow.prepared import read_input_ids
     from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.settings import ValidateHiddenStatesStage, stage_settings
 
@@ -177,14 +169,9 @@ def main(snakemake: Any) -> None:
         api = load(ApiCompatReport, snakemake.input.api_compat)
         settings = stage_settings(ValidateHiddenStatesStage, snakemake.params.settings)
         max_bad = settings.validation.max_bad_samples
-        input_ids = load_prepared_input_ids(snakemake.input.prepared)
-        report = validate_files(
-            input_ids,
-            Path(snakemake.params.files_dir),
-            layer_count=len(api.layer_ids),
-            hidden_size=api.target.hidden_size,
-            max_bad_samples=max_bad,
-        )
+        input_ids = read_input_ids(snakemake.input.prepared)
+        files = HiddenStateFiles(Path(snakemake.params.files_dir), len(api.layer_ids), api.target.hidden_size)
+        report = validate_files(input_ids, files, max_bad_samples=max_bad)
         log.info(
             "validated %d/%d samples, %d tokens, %s",
             report.samples_valid,

@@ -86,9 +86,9 @@ def select_prompts(
 
 
 def heldout_candidates(prepared_dir: Path, train_data_ratio: float) -> tuple[list[PromptCandidate], str]:
-    import datasets
+    from eagle3_workflow.prepared import open_prepared
 
-    dataset = datasets.load_from_disk(str(prepared_dir)).with_format(None)
+    dataset = open_prepared(prepared_dir)
     if "messages" not in dataset.column_names:
         raise StageError(
             f"the prepared data in {prepared_dir} has no `messages` column (columns: {dataset.column_names}); "

@@ -30,7 +30,7 @@ from eagle3_workflow.artefacts import (
     load,
     write,
 )
-from eagle3_workflow.chat import StopSet, assistant_stop_set
+from eagle3_workflow.chat import StopSet, assistant_stop_set, load_chat_tokenizer
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.launch import (
@@ -49,6 +49,7 @@ from eagle3_workflow.evaluation.protocol import (
     eagle3_run,
 )
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
+from eagle3_workflow.target_config import read_target_config
 from eagle3_workflow.vllm_server import generation_cuda_graphs
 
 log = logging.getLogger("eagle3.evaluation")
@@ -67,6 +68,18 @@ class Measured:
     vllm_version: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What every step of one evaluation shares: its settings, the device, the prompts and stop set, its work folder."""
+
+    settings: EvaluationSettings
+    vllm_settings: VllmSettings
+    device: str
+    prompt_set: PromptSet
+    stop: StopSet
+    work_dir: Path
+
+
 def evaluate_draft(
     stage: EvaluateDraftStage,
     *,
@@ -77,8 +90,6 @@ def evaluate_draft(
     log_path: str | Path | None = None,
 ) -> AcceptanceReport:
     """Measure the trained and an untrained draft against no speculation; raise StageError if not lossless."""
-    from transformers import AutoTokenizer
-
     from eagle3_workflow.vllm_server import resolve_device
 
     settings, vllm_settings = stage.evaluate, stage.vllm
@@ -86,7 +97,7 @@ def evaluate_draft(
     check_eagle3_draft(draft)
     device = resolve_device(vllm_settings.device)
     numerics = lossless_numerics(settings.lossless_numerics, device)
-    tokenizer = AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    tokenizer = load_chat_tokenizer(str(target), trust_remote_code=trust_remote_code)
     prompt_set = load_prompts(settings, tokenizer, prepared_dir=prepared, train_data_ratio=stage.train.train_data_ratio,
                               max_model_len=vllm_settings.max_model_len)  # fmt: skip
     log.info("%d evaluation prompts from %s", len(prompt_set.prompts), prompt_set.detail)
@@ -106,16 +117,14 @@ def evaluate_draft(
                            seed=settings.seed, device=device, tensor_parallel_size=settings.tensor_parallel_size,
                            in_process=settings.tensor_parallel_size == 1)  # fmt: skip
     plan = plan_measurements(labelled, settings=settings, vllm_settings=vllm_settings, device=device, numerics=numerics)
-    measured = measure_runs(plan, engine, prompt_set=prompt_set, stop=stop, settings=settings, vllm_settings=vllm_settings,
-                            device=device, work_dir=work_dir, log_path=log_path)  # fmt: skip
+    evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir)
+    measured = measure_runs(plan, engine, evaluation, log_path=log_path)
     logit_dtype = resolved_dtype(dtype, target)
     verdict = lossless_verdict(measured.lossless, prompt_set, logit_dtype=logit_dtype,
                                tie_steps=settings.lossless_tie_steps, decode=tokenizer.decode)  # fmt: skip
     results = draft_results(measured, verdict, {"trained": draft, "untrained": untrained.path}, k)
-    notes = prompt_set.notes + report_notes(results, verdict, measured, settings=settings, device=device,
-                                            vllm_settings=vllm_settings)  # fmt: skip
-    report = build_report(results, verdict, measured, prompt_set=prompt_set, stop=stop, settings=settings,
-                          device=device, untrained_baseline=untrained.description, notes=notes)  # fmt: skip
+    notes = prompt_set.notes + report_notes(results, verdict, measured, evaluation)
+    report = build_report(results, verdict, measured, evaluation, untrained_baseline=untrained.description, notes=notes)
     report = report.model_copy(update={"lossless_numerics": numerics, "logit_dtype": logit_dtype})
     log.info("\n%s", summary_table(report))
     if not report.lossless:
@@ -142,11 +151,7 @@ def resolved_dtype(dtype: str, target: Path) -> str:
     """The dtype the target's logits come in: the config's, or the checkpoint's own for 'auto'."""
     if dtype != "auto":
         return dtype
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(str(target)).get_text_config()
-    found = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "bfloat16"
-    return str(found).removeprefix("torch.")
+    return read_target_config(target).dtype or "bfloat16"
 
 
 @dataclasses.dataclass
@@ -201,21 +206,14 @@ def check_eagle3_draft(draft: Path) -> None:
 
 
 def measure_runs(
-    plan: list[PlannedProcess],
-    engine: dict[str, Any],
-    *,
-    prompt_set: PromptSet,
-    stop: StopSet,
-    settings: EvaluationSettings,
-    vllm_settings: VllmSettings,
-    device: str,
-    work_dir: Path,
-    log_path: str | Path | None,
+    plan: list[PlannedProcess], engine: dict[str, Any], evaluation: Evaluation, *, log_path: str | Path | None
 ) -> Measured:
     """Run the planned processes. An engine whose result a cut run left in work_dir/runs with the same key
     (everything that decides its result) is reused, not measured again."""
+    settings, vllm_settings, stop = evaluation.settings, evaluation.vllm_settings, evaluation.stop
+    device, work_dir = evaluation.device, evaluation.work_dir
     measured = Measured(lossless={}, timing={}, processes=[])
-    spec_fields = dict(prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=settings.max_tokens,
+    spec_fields = dict(prompts=[p.token_ids for p in evaluation.prompt_set.prompts], max_tokens=settings.max_tokens,
                        timing_repeats=settings.timing_repeats, stop_token_ids=stop.token_ids, stop=stop.strings,
                        timing_concurrency=list(settings.timing_concurrency), timing_prompts=settings.timing_prompts)  # fmt: skip
     for i, process in enumerate(plan):
@@ -399,15 +397,13 @@ def build_report(
     results: dict[str, AcceptanceResult],
     verdict: LosslessVerdict,
     measured: Measured,
+    evaluation: Evaluation,
     *,
-    prompt_set: PromptSet,
-    stop: StopSet,
-    settings: EvaluationSettings,
-    device: str,
     untrained_baseline: str,
     notes: list[str],
 ) -> AcceptanceReport:
     """eval/acceptance.json from the measured runs."""
+    settings, prompt_set, stop = evaluation.settings, evaluation.prompt_set, evaluation.stop
     reference = measured.lossless[NO_SPECULATION]
     reference_throughput = throughput(measured.timing[NO_SPECULATION], None)
     return AcceptanceReport(
@@ -423,7 +419,7 @@ def build_report(
         lossless_mismatches=sum(len(ms) for ms in verdict.mismatches.values()),
         num_prompts_requested=prompt_set.requested,
         prompt_detail=prompt_set.detail,
-        device=device,
+        device=evaluation.device,
         vllm_version=measured.vllm_version,
         no_speculation_generated_tokens=reference.generated_tokens,
         no_speculation_generate_s=reference.generate_s,
@@ -440,16 +436,11 @@ def build_report(
 
 
 def report_notes(
-    results: dict[str, AcceptanceResult],
-    verdict: LosslessVerdict,
-    measured: Measured,
-    *,
-    settings: EvaluationSettings,
-    device: str,
-    vllm_settings: VllmSettings,
+    results: dict[str, AcceptanceResult], verdict: LosslessVerdict, measured: Measured, evaluation: Evaluation
 ) -> list[str]:
     """What a reader of the numbers must know: ties, a draft that does not beat its baseline, why speculation
     does not pay at batch 1, CPU timing, server flags that an offline engine does not take."""
+    settings, device, vllm_settings = evaluation.settings, evaluation.device, evaluation.vllm_settings
     notes = []
     ties = sum(m.tie for ms in verdict.mismatches.values() for m in ms)
     if ties:

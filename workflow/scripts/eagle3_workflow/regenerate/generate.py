@@ -82,7 +82,15 @@ def regenerate(
         )
     # the stats record the section as the config gave it, plus the engine's length limit
     recorded = as_config(settings) | {"max_model_len": max_model_len}
-    stats = _stats(recorded, prompts_read, magpie, magpie_prefix, answered, stop, generate_s)
+    stats = _stats(
+        answered,
+        stop,
+        recorded=recorded,
+        prompts_read=prompts_read,
+        magpie=magpie,
+        magpie_prefix=magpie_prefix,
+        generate_s=generate_s,
+    )
     stats.duplicates_dropped, stats.capped_by_max_prompts = duplicates, capped
     records = [to_sharegpt(c, i) for i, c in enumerate(answered.conversations)]
     return records, stats
@@ -155,12 +163,13 @@ def _answer(
 
 
 def _stats(
+    answered: AnswerResult,
+    stop: StopSet,
+    *,
     recorded: dict[str, Any],
     prompts_read: dict[str, int],
     magpie: MagpieResult,
     magpie_prefix: str | None,
-    answered: AnswerResult,
-    stop: StopSet,
     generate_s: float,
 ) -> RegenerationStats:
     """The stats of a regeneration; the caller fills in what happened between reading and answering."""

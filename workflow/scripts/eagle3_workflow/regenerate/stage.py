@@ -39,12 +39,14 @@ def subprocess_env(vllm: VllmSettings) -> dict[str, str]:
 def run_subprocess(
     target: Path,
     prompt_files: Sequence[Path],
-    output: Path,
-    stats_path: Path,
     settings: RegenerateResponsesStage,
     logger: logging.Logger,
+    *,
+    output: Path,
+    stats_path: Path,
 ) -> None:
-    """Run the regeneration in `python -m eagle3_workflow.regenerate.generate`, every output line into `logger`."""
+    """Run the regeneration in `python -m eagle3_workflow.regenerate.generate`, every output line into `logger`; the
+    conversations go to `output`, the stats to `stats_path`."""
     cmd = [
         sys.executable,
         "-m",
@@ -91,10 +93,10 @@ def main(snakemake: Any) -> None:
         run_subprocess(
             Path(snakemake.input.target),
             [Path(p) for p in snakemake.input.prompt_files],
-            Path(snakemake.output.conversations),
-            Path(snakemake.output.stats),
             stage_settings(RegenerateResponsesStage, snakemake.params.settings),
             log,
+            output=Path(snakemake.output.conversations),
+            stats_path=Path(snakemake.output.stats),
         )
 
     run_stage("regenerate_responses", snakemake.log[0], body)

@@ -291,6 +291,7 @@ def provenance_page(provenance: Provenance) -> str:
 
 
 def summary_page(
+    *,
     provenance: Provenance,
     manifest: DataManifest,
     extraction: Sequence[ExtractionManifest],

@@ -118,7 +118,15 @@ def summarize_run(inputs: ReportInputs, outputs: ReportOutputs) -> None:
     plot_acceptance(acceptance, outputs.acceptance)
     _write(outputs.acceptance_table, acceptance_page(acceptance))
     _write(outputs.provenance, provenance_page(provenance))
-    _write(outputs.summary, summary_page(provenance, manifest, extraction, training, metrics, acceptance))
+    summary = summary_page(
+        provenance=provenance,
+        manifest=manifest,
+        extraction=extraction,
+        training=training,
+        metrics=metrics,
+        acceptance=acceptance,
+    )
+    _write(outputs.summary, summary)
 
 
 def nested_report_command(

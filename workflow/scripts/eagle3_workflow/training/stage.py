@@ -12,6 +12,8 @@ from typing import Any
 
 from eagle3_workflow.artefacts import ApiCompatReport, CheckpointInfo, TrainingSummary, ValidationReport, load
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.prepared import open_prepared
 from eagle3_workflow.settings import TrainDraftStage, TrainSettings, stage_settings
 from eagle3_workflow.training.checkpoints import outlook_on_disk, prepare_resume, resume_point
 from eagle3_workflow.training.command import TrainDevice, TrainPaths, build_train_command, resolve_device
@@ -39,8 +41,6 @@ def _check_inputs(
     validation: ValidationReport,
 ) -> tuple[list[int], str, int]:
     """Target layer ids, the on-missing policy and the number of rows, or StageError naming what to fix."""
-    import datasets
-
     layer_ids = list(api_compat.layer_ids)
     if len(layer_ids) < 2:
         raise StageError(f"api_compat.json lists layer_ids {layer_ids}: need the draft's ids plus the verifier's last")
@@ -57,7 +57,7 @@ def _check_inputs(
             f"the hidden-state files hold {validation.layer_count} layers but api_compat.json lists {len(layer_ids)} layer ids "
             f"{layer_ids}; rerun extract_hidden_states with the current configuration"
         )
-    rows = len(datasets.load_from_disk(str(prepared)))
+    rows = len(open_prepared(prepared))
     train_rows = int(rows * settings.train_data_ratio)
     if train_rows < 1 or train_rows >= rows:
         raise StageError(
@@ -65,7 +65,7 @@ def _check_inputs(
             f"training and {rows - train_rows} for validation; both need at least one row"
         )
     tolerated = [*validation.missing, *validation.bad]
-    missing = [row for row in range(rows) if not (files_dir / f"hs_{row}.safetensors").exists()]
+    missing = [row for row in range(rows) if not hs_file(files_dir, row).exists()]
     if missing and not tolerated:
         raise StageError(
             f"{len(missing)} of {rows} hidden-state files are missing in {files_dir} (first rows: {missing[:10]}) "
@@ -140,11 +140,21 @@ def _resume_point(save_dir: Path, kept: bool) -> CheckpointInfo | None:
     return resumed_from
 
 
+@dataclasses.dataclass(frozen=True)
+class _TrainingPlan:
+    """How this run trains: the trainer's command on its device, the target layer ids, the vocab mapping's sha256s and
+    the checkpoint it resumes from (None: from scratch)."""
+
+    command: list[str]
+    device: TrainDevice
+    target_layer_ids: list[int]
+    mapping_sha: dict[str, str]
+    resumed_from: CheckpointInfo | None
+
+
 def _train_to_the_end(
-    command: list[str],
     settings: TrainSettings,
-    device: TrainDevice,
-    resumed_from: CheckpointInfo | None,
+    plan: _TrainingPlan,
     *,
     work_dir: Path,
     save_dir: Path,
@@ -154,6 +164,7 @@ def _train_to_the_end(
     """The checkpoint of the last epoch: the one already there, or the one a launch of the trainer writes."""
     logs_dir = work_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
+    device, resumed_from = plan.device, plan.resumed_from
     log.info("training on %s with %d process(es)", device.kind, device.processes)
     if resumed_from is not None and resumed_from.ends_training(settings.epochs):
         # a forced rerun with the same inputs: the trainer would load the checkpoint and do nothing
@@ -166,7 +177,7 @@ def _train_to_the_end(
         )
         return resumed_from
     return run_attempt(
-        command,
+        plan.command,
         env=trainer_env(device, cpu_threads),
         logs_dir=logs_dir,
         save_dir=save_dir,
@@ -176,33 +187,25 @@ def _train_to_the_end(
 
 
 def _summarise(
-    settings: TrainSettings,
-    device: TrainDevice,
-    command: list[str],
-    logs_dir: Path,
-    resumed_from: CheckpointInfo | None,
-    final: CheckpointInfo,
-    started: float,
-    target_layer_ids: Sequence[int],
-    mapping_sha: dict[str, str],
+    settings: TrainSettings, plan: _TrainingPlan, final: CheckpointInfo, *, logs_dir: Path, started: float
 ) -> tuple[Any, TrainingSummary]:
     """(metrics table, draft/training.json) from every launch's metric records."""
     attempts = attempt_metrics(logs_dir)
     metrics = metrics_table(attempts)
     final_loss, final_val_loss, full_acc = final_metrics(metrics, logs_dir)
     summary = TrainingSummary(
-        device=device.kind,
-        processes=device.processes,
-        command=command,
+        device=plan.device.kind,
+        processes=plan.device.processes,
+        command=plan.command,
         attempts=len(attempts),
-        resumed_from=resumed_from,
+        resumed_from=plan.resumed_from,
         final_checkpoint=final,
         epochs=settings.epochs,
         steps=final.global_step,
         wall_s=round(time.monotonic() - started, 2),
-        target_layer_ids=list(target_layer_ids),
+        target_layer_ids=list(plan.target_layer_ids),
         draft_vocab_size=settings.draft_vocab_size,
-        vocab_mapping_sha256=mapping_sha,
+        vocab_mapping_sha256=plan.mapping_sha,
         final_train_loss=final_loss,
         final_val_loss=final_val_loss,
         final_val_full_acc=full_acc,
@@ -243,19 +246,11 @@ def train_draft(
     command = build_train_command(
         settings, paths, device, target_layer_ids=layer_ids, on_missing=on_missing, trust_remote_code=trust_remote_code
     )
+    plan = _TrainingPlan(command, device, layer_ids, mapping_sha, resumed_from)
     final = _train_to_the_end(
-        command,
-        settings,
-        device,
-        resumed_from,
-        work_dir=sources.work_dir,
-        save_dir=paths.save_dir,
-        cpu_threads=cpu_threads,
-        on_line=on_line,
+        settings, plan, work_dir=sources.work_dir, save_dir=paths.save_dir, cpu_threads=cpu_threads, on_line=on_line
     )
-    metrics, summary = _summarise(
-        settings, device, command, sources.work_dir / "logs", resumed_from, final, started, layer_ids, mapping_sha
-    )
+    metrics, summary = _summarise(settings, plan, final, logs_dir=sources.work_dir / "logs", started=started)
     publish_draft(Path(final.path), Path(out_dir), metrics, summary)
     log.info(
         "draft trained: %d steps in %d epoch(s), final train loss %.4f, val loss %s, full acc per position %s -> %s",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from eagle3_workflow.artefacts import ArtefactError, TrainingFingerprint, load, write
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.hidden_states import hs_file
 from eagle3_workflow.settings import TrainSettings
 from eagle3_workflow.training.command import TrainPaths
 
@@ -54,7 +55,7 @@ def training_fingerprint(
     relevant = settings.model_dump(mode="json", exclude=RESUME_NEUTRAL_SETTINGS)
     config_path = target / "config.json"
     weights = sorted(p for p in target.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
-    samples = [files_dir / f"hs_{row}.safetensors" for row in sorted({0, 1, rows // 2, rows - 1}) if row >= 0]
+    samples = [hs_file(files_dir, row) for row in sorted({0, 1, rows // 2, rows - 1}) if row >= 0]
     return TrainingFingerprint(
         settings=relevant,
         target_layer_ids=list(target_layer_ids),
