@@ -61,6 +61,7 @@ def canary(target: Path, work: Path, samples=None, messages=None):
         canary_layers=None,
         tolerance=0.05,
         render_samples=2,
+        trust_remote_code=False,
     )
     return run_canary(request)
 

@@ -355,8 +355,8 @@ class CanaryRequest:
     client: ClientSettings
     tolerance: float  # the largest relative error of a captured id against its HF reference layer
     render_samples: int  # how many samples' conversations the server renders (== prepare_data's ids)
-    canary_layers: int | None = None  # None: as few as cover every layer type (canary_layer_count)
-    trust_remote_code: bool = False
+    canary_layers: int | None  # None: as few as cover every layer type (canary_layer_count)
+    trust_remote_code: bool  # target.trust_remote_code (its default is the schema's)
 
 
 @dataclasses.dataclass(frozen=True)
