@@ -120,12 +120,11 @@ def evaluate_draft(
     evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir)
     measured = measure_runs(plan, engine, evaluation, log_path=log_path)
     logit_dtype = resolved_dtype(dtype, target)
-    verdict = lossless_verdict(measured.lossless, prompt_set, logit_dtype=logit_dtype,
+    verdict = lossless_verdict(measured.lossless, prompt_set, logit_dtype=logit_dtype, numerics=numerics,
                                tie_steps=settings.lossless_tie_steps, decode=tokenizer.decode)  # fmt: skip
     results = draft_results(measured, verdict, {"trained": draft, "untrained": untrained.path}, k)
     notes = prompt_set.notes + report_notes(results, verdict, measured, evaluation)
     report = build_report(results, verdict, measured, evaluation, untrained_baseline=untrained.description, notes=notes)
-    report = report.model_copy(update={"lossless_numerics": numerics, "logit_dtype": logit_dtype})
     log.info("\n%s", summary_table(report))
     if not report.lossless:
         write(work_dir / "acceptance_failed.json", report)
@@ -337,6 +336,8 @@ class LosslessVerdict:
     mismatches: dict[str, list[LosslessMismatch]]
     non_argmax: dict[str, list[str]]
     criterion: str
+    numerics: str  # the kernels of the lossless pass: batch_invariant | production
+    logit_dtype: str  # the dtype whose steps measure a tie
 
 
 def lossless_verdict(
@@ -345,6 +346,7 @@ def lossless_verdict(
     *,
     logit_dtype: str,
     tie_steps: int,
+    numerics: str,
     decode: Callable[[Sequence[int]], str],
 ) -> LosslessVerdict:
     """The lossless pass judged: each draft's greedy output against the reference's, by both runs' logits."""
@@ -369,7 +371,8 @@ def lossless_verdict(
             f"every emitted token is its run's own argmax, and a first divergence passes only as a tie within "
             f"{tie_steps} {logit_dtype} step(s) at the logits' magnitude in both runs"
         )
-    return LosslessVerdict(mismatches=mismatches, non_argmax=non_argmax, criterion=criterion)
+    return LosslessVerdict(mismatches=mismatches, non_argmax=non_argmax, criterion=criterion, numerics=numerics,
+                           logit_dtype=logit_dtype)  # fmt: skip
 
 
 def draft_results(
@@ -424,7 +427,8 @@ def build_report(
         no_speculation_generated_tokens=reference.generated_tokens,
         no_speculation_generate_s=reference.generate_s,
         no_speculation_engine_start_s=measured.timing[NO_SPECULATION].engine_start_s,
-        lossless_numerics="production",
+        lossless_numerics=verdict.numerics,
+        logit_dtype=verdict.logit_dtype,
         lossless_tie_steps=settings.lossless_tie_steps,
         lossless_criterion=verdict.criterion,
         untrained_baseline=untrained_baseline,
@@ -471,7 +475,7 @@ def step_time_notes(trained: AcceptanceResult, reference: list[Throughput]) -> l
     tokens_per_step = spec.generated_tokens / (spec.seconds * 1000 / spec.ms_per_step)
     return [
         f"at concurrency 1: a target step takes {plain.ms_per_step:.2f} ms without speculation; a speculative step "
-        f"(draft proposes {trained.num_drafts and len(trained.per_position_acceptance)} tokens + one verification) "
+        f"(the draft proposes {len(trained.per_position_acceptance)} tokens, then one verification) "
         f"takes {spec.ms_per_step:.2f} ms ({spec.ms_per_step / plain.ms_per_step:.2f}x) and yields "
         f"{tokens_per_step:.2f} tokens, so speculation pays when that ratio is below the tokens per step"
     ]
