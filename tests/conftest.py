@@ -25,6 +25,7 @@ import yaml
 from eagle3_workflow.settings import (
     DataPreparation,
     EvaluationSettings,
+    OnlineTrainSettings,
     RegenerateSettings,
     TinyShape,
     TrainSettings,
@@ -151,8 +152,11 @@ def evaluation(**values) -> EvaluationSettings:
 
 
 def train_settings(values: dict) -> TrainSettings:
-    """The train section setting `values`, the schema's defaults elsewhere."""
-    return TrainSettings.model_validate(with_schema_defaults(train=values)["train"])
+    """The train section setting `values`, the schema's defaults elsewhere: as offline training reads it, or
+    online training (train.online too) where values say hidden_states: online."""
+    section = with_schema_defaults(train=values)["train"]
+    model = OnlineTrainSettings if section["hidden_states"] == "online" else TrainSettings
+    return view_of(model, section)
 
 
 def run_workflow(

@@ -85,12 +85,16 @@ def gate_records(target: Path, rows: int, hidden_size: int) -> tuple[ApiCompatRe
 @pytest.fixture(scope="module")
 def train_inputs(tiny_targets, tmp_path_factory):
     """target, prepared/, token_freq.pt, hidden-state files, api_compat.json and validation.json."""
+    return make_train_inputs(tiny_targets, tmp_path_factory.mktemp("train_inputs"))
+
+
+def make_train_inputs(tiny_targets, root: Path) -> dict[str, Path]:
+    """train_inputs' files in `root` (tests/integration/test_online_training.py builds its own)."""
     from conftest import TINY_DATA, preparation
     from transformers import AutoTokenizer
 
     from eagle3_workflow.prepare import prepare_conversations, write_prepared
 
-    root = tmp_path_factory.mktemp("train_inputs")
     target = tiny_targets("llama", NUM_LAYERS)
     tokenizer = AutoTokenizer.from_pretrained(target)
     result = prepare_conversations([(TINY_DATA, "sharegpt")], tokenizer, preparation(max_seq_len=256, max_samples=24))
@@ -335,12 +339,22 @@ def stopped_below(proc: subprocess.Popen) -> list[int]:
     return stopped
 
 
-def stop_training_at(inputs: dict, tmp: Path, train: dict, *, optimizer_steps: int) -> str:
+def stop_training_at(
+    inputs: dict,
+    tmp: Path,
+    train: dict,
+    *,
+    optimizer_steps: int,
+    stage_run: str = STAGE_RUN,
+    config: dict | None = None,
+) -> str:
     """Run the train_draft stage in its own process until its trainer has made ``optimizer_steps`` optimizer steps
     (the fault plugin then stops the trainer inside that step, after the optimizer step and before the step
-    count), then SIGTERM the trainer and the stage as SLURM does at a time limit. The stage's stderr."""
+    count), then SIGTERM the trainer and the stage as SLURM does at a time limit. The stage's stderr.
+    ``stage_run``: the stage's script (spec["train"], spec["paths"] and spec["config"]: ``config``)."""
     spec = {
         "train": train,
+        "config": config,
         "paths": {**{k: str(v) for k, v in inputs.items()}, "work_dir": str(tmp / "train_work"), "out_dir": str(tmp / "draft")},
     }  # fmt: skip
     pythonpath = [str(SCRIPTS), str(REPO / "tests" / "fault_plugins"), os.environ.get("PYTHONPATH", "")]

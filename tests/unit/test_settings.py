@@ -20,21 +20,24 @@ from conftest import REPO
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.settings import (
+    ONLINE_RULE_SETTINGS,
     RULE_SETTINGS,
     CanarySettings,
     CheckApiSettings,
     EvaluateSettings,
     HiddenStatesSettings,
+    OnlineTraining,
+    OnlineTrainSettings,
     PackageDraftStage,
     RegenerateSettings,
     TargetBuild,
     TargetSettings,
-    TrainSettings,
     ValidationSettings,
     View,
     VllmSettings,
     as_config,
     config_of,
+    rule_settings_model,
     stage_settings,
     with_schema_defaults,
 )
@@ -257,7 +260,8 @@ WHOLE_SECTIONS = {
     "check_api": CheckApiSettings,
     "canary": CanarySettings,
     "validation": ValidationSettings,
-    "train": TrainSettings,
+    "train": OnlineTrainSettings,
+    "train/online": OnlineTraining,
     "evaluate": EvaluateSettings,
 }
 
@@ -281,3 +285,22 @@ def test_no_field_has_a_default_the_schema_is_the_only_place():
     ]
     assert with_default == []
     assert not every_model()["TargetSettings"].model_fields["build"].is_required()  # absent is None (MAY_BE_ABSENT)
+
+
+def test_online_training_gives_three_rules_their_online_settings_and_offline_rules_none_of_train_online():
+    """train.hidden_states: online changes what extraction, validation and training read (the check set, the
+    server); offline none of them reads train.online, so changing it reruns nothing there."""
+    offline = with_schema_defaults(run="r", target={"path": "/models/t"})
+    online = with_schema_defaults(run="r", target={"path": "/models/t"}, train={"hidden_states": "online"})
+    for rule, model in ONLINE_RULE_SETTINGS.items():
+        assert rule_settings_model(rule, offline) is RULE_SETTINGS[rule]
+        assert rule_settings_model(rule, online) is model
+        params = config_of(model, online)
+        assert rule_settings_model(rule, params) is model  # the stage finds its model from its params alone
+        assert as_config(stage_settings(model, params)) == params
+        assert "online" not in config_of(RULE_SETTINGS[rule], offline).get("train", {})
+    assert config_of(ONLINE_RULE_SETTINGS["extract_hidden_states"], online)["train"] == {
+        "hidden_states": "online",
+        "online": {"check_samples": 8},
+    }
+    assert rule_settings_model("evaluate_draft", online) is RULE_SETTINGS["evaluate_draft"]

@@ -1,6 +1,7 @@
 # Config validation, paths and input functions: the only place paths are computed.
 import json
 import os
+import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -117,9 +118,35 @@ def resolved_config_json():
 
 def stage_params(rule):
     """The config values the stage of `rule` reads, as its params.settings: the keys its settings model declares
-    (eagle3_workflow.settings.RULE_SETTINGS[rule]), nested as in the config, keys sorted. The rule's only route
+    (eagle3_workflow.settings.rule_settings_model: RULE_SETTINGS[rule], or its online variant), nested as in the config, keys sorted. The rule's only route
     to config, so it reruns exactly when one of them changes."""
-    return SETTINGS.config_of(SETTINGS.RULE_SETTINGS[rule], config)
+    return SETTINGS.config_of(SETTINGS.rule_settings_model(rule, config), config)
+
+
+def train_job_gpus():
+    """GPUs of the train_draft job: the trainer's, plus its vLLM server's when it trains online on a GPU
+    (train.online.server_gpus; 0 = the server shares the trainer's first GPU)."""
+    train = config["train"]
+    if train["hidden_states"] != "online" or config["vllm"]["device"] == "cpu":
+        return train["gpus"]
+    server = train["online"]["server_gpus"]
+    return train["gpus"] + server if server else max(train["gpus"], 1)
+
+
+def hidden_states_plan():
+    """One line for every plan and run (`snakemake -n` included): where the hidden states come from."""
+    train = config["train"]
+    if train["hidden_states"] == "offline":
+        return (
+            "hidden states: offline (train.hidden_states): extract_hidden_states writes every row's to disk, "
+            "train_draft reads the files"
+        )
+    return (
+        f"hidden states: online (train.hidden_states): extract_hidden_states and validate_hidden_states cover "
+        f"the check set of {train['online']['check_samples']} rows (train.online.check_samples); train_draft "
+        f"runs its own vLLM server, which generates each sample's hidden states on demand "
+        f"({train_job_gpus()} GPU(s) in its job)"
+    )
 
 
 def gpu_resources(gpus):

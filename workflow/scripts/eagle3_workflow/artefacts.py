@@ -376,6 +376,17 @@ class CheckpointInfo(Artefact):
         return self.epoch == epochs - 1 and self.local_step == 0
 
 
+class OnlineTrainingStats(Artefact):
+    """draft/training.json's `online`: what the trainer's own vLLM server did (train.hidden_states: online)."""
+
+    server_ready_s: float  # the last launch's server start
+    samples_checked: int  # generated, loaded and checked, every epoch and launch
+    tokens_checked: int
+    failed_samples: dict[str, str]  # row -> reason, skipped under train.online.max_failed_samples
+    peak_files: int  # high-water mark of hidden-state files on disk at once (the last launch)
+    peak_bytes: int
+
+
 class TrainingSummary(Artefact):
     """draft/training.json: how the draft in draft/ was made."""
 
@@ -396,6 +407,8 @@ class TrainingSummary(Artefact):
     final_train_loss: float | None
     final_val_loss: float | None
     final_val_full_acc: list[float]
+    hidden_states: Literal["offline", "online"]  # train.hidden_states: files on disk, or generated on demand
+    online: OnlineTrainingStats | None  # online only
 
 
 class TrainingFingerprint(Artefact):

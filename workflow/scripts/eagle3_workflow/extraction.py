@@ -35,10 +35,16 @@ from eagle3_workflow.artefacts import (
 from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, space_of
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
-from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, shard_rows
+from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, rows_on_disk, shard_rows
 from eagle3_workflow.prepared import read_input_ids
 from eagle3_workflow.runtime.stage import StageStopped
-from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient, stage_settings
+from eagle3_workflow.settings import (
+    ExtractHiddenStatesStage,
+    ExtractionClient,
+    online_check_samples,
+    rule_settings_model,
+    stage_settings,
+)
 from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
 
 log = logging.getLogger("eagle3.extraction")
@@ -471,6 +477,7 @@ class ReplicaRequest:
     probe_samples: int = 0  # the shard's first rows get a greedy probe each (validate_hidden_states checks them)
     progress_path: Path | None = None
     manifest_path: Path | None = None  # the manifest is also written here when given
+    online_check_samples: int | None = None  # train.hidden_states online: only the check set (rows_on_disk)
 
 
 @dataclasses.dataclass
@@ -590,7 +597,10 @@ def _plan_replica(request: ReplicaRequest) -> ReplicaPlan:
     """The replica's shard, what is already valid on disk and what is left."""
     replica, replicas = request.replica, request.replicas
     all_ids = read_input_ids(request.prepared_dir)
-    rows = shard_rows(len(all_ids), replicas, replica)
+    on_disk = set(rows_on_disk([len(ids) for ids in all_ids], request.online_check_samples))
+    rows = [row for row in shard_rows(len(all_ids), replicas, replica) if row in on_disk]
+    if request.online_check_samples is not None:
+        log.info("online training: extracting the check set only (%d of %d rows)", len(on_disk), len(all_ids))
     samples = [Sample(r, all_ids[r]) for r in rows]
     done, todo, redone = resume_scan(samples, request.files)
     for row, reason in list(redone.items())[:20]:
@@ -660,7 +670,8 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        settings = stage_settings(ExtractHiddenStatesStage, snakemake.params.settings)
+        params = snakemake.params.settings
+        settings = stage_settings(rule_settings_model("extract_hidden_states", params), params)
         extraction = settings.extraction
         api = load(ApiCompatReport, snakemake.input.api_compat)
         canary = load(CanaryReport, snakemake.input.canary)
@@ -682,6 +693,7 @@ def main(snakemake: Any) -> None:
             probe_samples=extraction.greedy_probe_samples,
             progress_path=Path(snakemake.params.progress),
             manifest_path=Path(snakemake.output.manifest),
+            online_check_samples=online_check_samples(settings),
         )
         manifest = extract_replica(request, client_settings(extraction))
         log.info(

@@ -126,7 +126,6 @@ def check_file(path: Path, expected_ids: list[int], layer_count: int, hidden_siz
     The quick form reads only the header and token ids, so resume scans are cheap; the full form is what
     validate_hidden_states runs on every file.
     """
-    import torch
     from safetensors import safe_open
 
     if not path.exists():
@@ -148,12 +147,60 @@ def check_file(path: Path, expected_ids: list[int], layer_count: int, hidden_siz
             if token_ids.tolist() != list(expected_ids):
                 return "token_ids differ from the prepared input_ids"
             if full:
-                hidden = handle.get_tensor("hidden_states")
-                if not bool(torch.isfinite(hidden).all()):
-                    return "hidden_states contain NaN or Inf"
-                flat = hidden.float().reshape(hidden.shape[0] * hidden.shape[1], -1)
-                if hidden.shape[0] > 1 and float(flat.std()) == 0.0:
-                    return "hidden_states are constant (degenerate)"
+                return values_problem(handle.get_tensor("hidden_states"))
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a bad sample; the reason is kept
         return f"unreadable: {exc!r}"
     return None
+
+
+def values_problem(hidden: torch.Tensor) -> str | None:
+    """None if a sample's hidden_states [T, L, H] are finite and not constant, else the reason."""
+    import torch
+
+    if not bool(torch.isfinite(hidden).all()):
+        return "hidden_states contain NaN or Inf"
+    flat = hidden.float().reshape(hidden.shape[0] * hidden.shape[1], -1)
+    if hidden.shape[0] > 1 and float(flat.std()) == 0.0:
+        return "hidden_states are constant (degenerate)"
+    return None
+
+
+def check_sample(
+    sample: dict[str, torch.Tensor], expected_ids: Sequence[int], layer_count: int, hidden_size: int, dtype: str
+) -> str | None:
+    """None if a sample loaded in memory (the online trainer's, as it arrives) is what a valid file holds, else the
+    reason: the keys, shape [T, L, H], `dtype` (the target's), the token ids and the values (check_file's checks)."""
+    import torch
+
+    if set(sample) != {"hidden_states", "token_ids"}:
+        return f"keys {sorted(sample)} != ['hidden_states', 'token_ids']"
+    hidden, token_ids = sample["hidden_states"], sample["token_ids"]
+    expected_shape = [len(expected_ids), layer_count, hidden_size]
+    if list(hidden.shape) != expected_shape:
+        return f"hidden_states shape {list(hidden.shape)} != expected {expected_shape} [T, L, H]"
+    if hidden.dtype != getattr(torch, dtype, None):
+        return f"hidden_states dtype {hidden.dtype} != the target's {dtype}"
+    if token_ids.tolist() != list(expected_ids):
+        return "token_ids differ from the prepared input_ids"
+    return values_problem(hidden)
+
+
+def check_rows(lengths: Sequence[int], count: int) -> list[int]:
+    """The rows online training checks on disk before it starts (train.online.check_samples): the longest, the
+    shortest, and the rest evenly spaced over the dataset; sorted, at most `count`, every row when there are fewer."""
+    rows = len(lengths)
+    if count >= rows:
+        return list(range(rows))
+    longest = max(range(rows), key=lambda r: lengths[r])
+    shortest = min(range(rows), key=lambda r: lengths[r])
+    candidates = [longest, shortest, *(int(i * rows / count) for i in range(count))]
+    chosen = list(dict.fromkeys(candidates))  # in order of preference, each once
+    return sorted(chosen[:count])
+
+
+def rows_on_disk(lengths: Sequence[int], online_check_samples: int | None) -> list[int]:
+    """The prepared rows extraction writes and validation checks: every row offline (None), the check set online
+    (train.online.check_samples: the trainer generates the rest itself)."""
+    if online_check_samples is None:
+        return list(range(len(lengths)))
+    return check_rows(lengths, online_check_samples)

@@ -1,7 +1,8 @@
 """Typed, read-only views of the validated config: each stage's settings, and nothing it does not read.
 
 A stage's model here is the one declaration of which config keys the stage reads. Its rule's ``params.settings``
-are derived from it (common.smk's ``stage_params("<rule>")``, which is ``config_of(RULE_SETTINGS[rule], config)``):
+are derived from it (common.smk's ``stage_params("<rule>")``, which is ``config_of(rule_settings_model(rule, config),
+config)``: RULE_SETTINGS[rule], or ONLINE_RULE_SETTINGS[rule] where train.hidden_states is online):
 the values of exactly the keys the model declares, so the rule reruns exactly when one of them changes. The stage
 validates them back into the model (``stage_settings(CanaryStage, snakemake.params.settings)``) and reads
 attributes: ``settings.train.lr``.
@@ -214,8 +215,31 @@ class TrainDataRatio(View):
     train_data_ratio: Number
 
 
+class OnlineCheckSet(View):
+    """train.online.check_samples: the rows extraction and validation cover in online mode."""
+
+    check_samples: int
+
+
+class OnlineTraining(OnlineCheckSet):
+    """train.online: the online trainer's vLLM server and its sample policy."""
+
+    server_gpus: int
+    gpu_memory_utilization: Number
+    request_timeout_s: Number
+    generation_retries: int
+    max_failed_samples: int
+
+
+class HiddenStatesMode(View):
+    """train.hidden_states with the check set, as extraction and validation read it in online mode."""
+
+    hidden_states: Literal["offline", "online"]
+    online: OnlineCheckSet
+
+
 class TrainSettings(TrainDataRatio):
-    """The whole train section."""
+    """The train section as offline training reads it (train.online is read only online: OnlineTrainSettings)."""
 
     gpus: int
     draft_layers: int
@@ -230,6 +254,13 @@ class TrainSettings(TrainDataRatio):
     checkpoint_freq: Number
     runtime_minutes: int
     extra_args: tuple[str, ...]
+    hidden_states: Literal["offline", "online"]
+
+
+class OnlineTrainSettings(TrainSettings):
+    """The whole train section: online training reads train.online too."""
+
+    online: OnlineTraining
 
 
 class EvaluationSettings(View):
@@ -307,14 +338,32 @@ class ExtractHiddenStatesStage(ServingStage):
     extraction: ExtractionClient
 
 
+class ExtractHiddenStatesOnlineStage(ExtractHiddenStatesStage):
+    """Online training: extraction covers the check set only."""
+
+    train: HiddenStatesMode
+
+
 class ValidateHiddenStatesStage(View):
     validation: ValidationSettings
     target: TargetTrust
 
 
+class ValidateHiddenStatesOnlineStage(ValidateHiddenStatesStage):
+    """Online training: validation covers the check set only."""
+
+    train: HiddenStatesMode
+
+
 class TrainDraftStage(View):
     train: TrainSettings
     target: TargetTrust
+
+
+class TrainDraftOnlineStage(ServingStage):
+    """Online training serves the target itself: the server the canary proved, sized by the vllm section."""
+
+    train: OnlineTrainSettings
 
 
 class EvaluateDraftStage(View):
@@ -330,7 +379,7 @@ class PackageDraftStage(View):
     run: str
     target: TargetSettings
     regenerate: RegenerateSettings
-    train: TrainSettings
+    train: OnlineTrainSettings
     evaluate: EvaluateSettings
     vllm: VllmSettings
 
@@ -350,6 +399,36 @@ RULE_SETTINGS: dict[str, type[View]] = {
     "evaluate_draft": EvaluateDraftStage,
     "package_draft": PackageDraftStage,
 }
+
+# rule -> its stage's settings when train.hidden_states is online (the rules whose work the mode changes). Offline
+# they read nothing of train.online, so a change there reruns none of them.
+ONLINE_RULE_SETTINGS: dict[str, type[View]] = {
+    "extract_hidden_states": ExtractHiddenStatesOnlineStage,
+    "validate_hidden_states": ValidateHiddenStatesOnlineStage,
+    "train_draft": TrainDraftOnlineStage,
+}
+
+
+def trains_online(config: Mapping[str, Any]) -> bool:
+    """Whether a validated config, or a rule's params.settings, say train.hidden_states: online."""
+    train = config.get("train")
+    return isinstance(train, Mapping) and train.get("hidden_states") == "online"
+
+
+def rule_settings_model(rule: str, config: Mapping[str, Any]) -> type[View]:
+    """The settings model of `rule` for this config (common.smk's stage_params) or these params.settings (the
+    stage's adapter): the online variant where train.hidden_states is online."""
+    if trains_online(config) and rule in ONLINE_RULE_SETTINGS:
+        return ONLINE_RULE_SETTINGS[rule]
+    return RULE_SETTINGS[rule]
+
+
+def online_check_samples(settings: View) -> int | None:
+    """train.online.check_samples of a stage's settings that train online (None: offline, every row on disk)."""
+    train = getattr(settings, "train", None)
+    mode = getattr(train, "hidden_states", "offline")
+    return train.online.check_samples if mode == "online" else None  # type: ignore[union-attr]
+
 
 StageModel = TypeVar("StageModel", bound=View)
 

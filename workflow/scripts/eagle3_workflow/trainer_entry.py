@@ -13,7 +13,9 @@ flags stay exactly speculators' (bench/gpu/bench_gpu.py compares them flag by fl
   JSON line ``{"step": <step>, "metrics": <the record's dict>}``. The metrics are read from the trainer's own
   dicts, not from its console text;
 - ``EAGLE3_TRAIN_DEVICE=cpu``: the CPU shim's patches and defaults (``cpu_train_shim``), for a machine with no
-  accelerator. On CUDA the entry adds only the metrics handler and the interrupt patches.
+  accelerator. On CUDA the entry adds only the metrics handler and the interrupt patches;
+- ``EAGLE3_ONLINE_SPEC=<json>`` (train.hidden_states: online): ``online_samples``' dataset, which checks each sample
+  generated on demand and applies train.online.max_failed_samples.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 METRICS_ENV = "EAGLE3_TRAIN_METRICS_JSONL"
 DEVICE_ENV = "EAGLE3_TRAIN_DEVICE"
+ONLINE_SPEC_ENV = "EAGLE3_ONLINE_SPEC"  # online_samples.SPEC_ENV (that module imports speculators: not imported here)
 METRICS_LOGGER = "speculators.metrics"
 
 
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3_workflow.trainer_interrupt import apply_interrupt_patches
 
     apply_interrupt_patches()
+    if os.environ.get(ONLINE_SPEC_ENV):
+        from eagle3_workflow.online_samples import apply_online_patches
+
+        apply_online_patches()
     if os.environ.get(DEVICE_ENV) == "cpu":
         from eagle3_workflow.cpu_train_shim import apply_cpu_patches, with_cpu_defaults
 

@@ -111,13 +111,16 @@ def greedy_failure_message(rows: list[GreedyCheck]) -> str:
 
 
 def validate_files(
-    input_ids: list[list[int]], files: HiddenStateFiles, *, max_bad_samples: int = 0
+    input_ids: list[list[int]], files: HiddenStateFiles, *, max_bad_samples: int = 0, rows: list[int] | None = None
 ) -> ValidationReport:
-    """Every prepared row's file in `files` checked in full (row = its index in `input_ids`)."""
+    """Every prepared row's file in `files` checked in full (row = its index in `input_ids`), or only `rows` (online
+    training's check set)."""
     missing: list[int] = []
     bad: dict[str, str] = {}
     tokens = size = valid = 0
-    for row, ids in enumerate(input_ids):
+    checked = list(range(len(input_ids))) if rows is None else rows
+    for row in checked:
+        ids = input_ids[row]
         path = files.path(row)
         reason = files.check(path, ids, full=True)
         if reason == "missing":
@@ -131,7 +134,7 @@ def validate_files(
     failures = len(missing) + len(bad)
     return ValidationReport(
         passed=failures <= max_bad_samples,
-        samples_expected=len(input_ids),
+        samples_expected=len(checked),
         samples_valid=valid,
         missing=missing,
         bad=bad,
@@ -160,18 +163,21 @@ def main(snakemake: Any) -> None:
     import torch
 
     from eagle3_workflow import full_depth
+    from eagle3_workflow.hidden_states import rows_on_disk
     from eagle3_workflow.prepared import read_input_ids
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import ValidateHiddenStatesStage, stage_settings
+    from eagle3_workflow.settings import online_check_samples, rule_settings_model, stage_settings
 
     def body(log: logging.Logger) -> None:
         torch.set_num_threads(max(1, int(snakemake.threads)))
         api = load(ApiCompatReport, snakemake.input.api_compat)
-        settings = stage_settings(ValidateHiddenStatesStage, snakemake.params.settings)
+        params = snakemake.params.settings
+        settings = stage_settings(rule_settings_model("validate_hidden_states", params), params)
         max_bad = settings.validation.max_bad_samples
         input_ids = read_input_ids(snakemake.input.prepared)
         files = HiddenStateFiles(Path(snakemake.params.files_dir), len(api.layer_ids), api.target.hidden_size)
-        report = validate_files(input_ids, files, max_bad_samples=max_bad)
+        rows = rows_on_disk([len(ids) for ids in input_ids], online_check_samples(settings))
+        report = validate_files(input_ids, files, max_bad_samples=max_bad, rows=rows)
         log.info(
             "validated %d/%d samples, %d tokens, %s",
             report.samples_valid,
@@ -194,7 +200,7 @@ def main(snakemake: Any) -> None:
             settings,
             target_dir=Path(snakemake.input.target),
             files_dir=Path(snakemake.params.files_dir),
-            samples={row: ids for row, ids in enumerate(input_ids) if row not in unusable},
+            samples={row: input_ids[row] for row in rows if row not in unusable},
             layer_ids=api.layer_ids,
         )
         write(snakemake.output.report, report)

@@ -104,6 +104,7 @@ class ServerSpec:
     kv_transfer_config: dict[str, Any] | None = None
     enable_render_endpoint: bool = False
     served_model_name: str = "target"
+    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the server; None: the stage's own
 
 
 def target_server_spec(settings: ServingStage, *, model: str, device: str) -> ServerSpec:
@@ -262,6 +263,8 @@ def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
 
     env = child_environment(vllm_on_cpu=spec.device == "cpu", cpu_threads=spec.cpu_threads)
     env["VLLM_API_KEY"] = api_key  # the key never appears on a command line (ps would show it)
+    if spec.visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     return env
 
 

@@ -172,12 +172,14 @@ class ChildProcess:
         tail_lines: int = 60,
         stop_grace_s: float = 5.0,
         output_label: str = "lines of its output",
+        watch: Callable[[], None] | None = None,
     ):
         self.command, self.name, self.env = list(command), name, env
         self.log_path = Path(log_path) if log_path else None
         self.prefix, self.on_line, self.clean = prefix, on_line, clean
         self.timeout_s, self.timeout_hint, self.progress = timeout_s, timeout_hint, progress
         self.stop_grace_s, self.output_label = stop_grace_s, output_label
+        self.watch = watch  # called with every check (twice a second while waiting): raises to end the child
         self.head: list[str] = []
         self.head_lines = head_lines
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
@@ -313,7 +315,10 @@ class ChildProcess:
         return "\n".join(parts)
 
     def check(self) -> None:
-        """Raise ChildFailure if the child ran past its time limit or stopped making progress."""
+        """Raise ChildFailure if the child ran past its time limit or stopped making progress, or what `watch`
+        raises (a process the child depends on died, say)."""
+        if self.watch is not None:
+            self.watch()
         now = time.monotonic()
         if self.timeout_s is not None and now - self.started_s > self.timeout_s:
             raise ChildFailure(

@@ -58,8 +58,10 @@ def trainer_arguments(
     target_layer_ids: Sequence[int],
     on_missing: str = "raise",
     trust_remote_code: bool,
+    online: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """speculators TrainConfig field -> value, in command-line order."""
+    """speculators TrainConfig field -> value, in command-line order; ``online``: the on-demand generation flags
+    (training.online.online_trainer_arguments), which replace the on-missing policy."""
     args: dict[str, Any] = {
         "speculator_type": "eagle3",
         "verifier_name_or_path": str(paths.target),
@@ -84,6 +86,8 @@ def trainer_arguments(
         # the validate stage proved every file is there: a missing one is a bug, not a reason to call a server
         "on_missing": on_missing,
     }
+    if online is not None:
+        args |= online
     if device.kind == "cpu":
         # flex attention has no CPU backward; the fused loss needs Triton
         args["draft_attn_impl"] = "sdpa"
@@ -100,6 +104,7 @@ TRAINER_FIELDS_USED = list(
         TrainDevice("cpu"),
         target_layer_ids=[],
         trust_remote_code=False,
+        online={"on_missing": None, "vllm_endpoint": None, "request_timeout": None, "generation_validation_retries": 0},
     )
 )
 
@@ -116,6 +121,7 @@ def build_train_command(
     target_layer_ids: Sequence[int],
     on_missing: str = "raise",
     trust_remote_code: bool,
+    online: dict[str, Any] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """The full trainer command line. ``train.extra_args`` come last, so they override what is set here."""
@@ -139,6 +145,7 @@ def build_train_command(
         target_layer_ids=target_layer_ids,
         on_missing=on_missing,
         trust_remote_code=trust_remote_code,
+        online=online,
     ).items():
         if isinstance(value, bool):
             if value:

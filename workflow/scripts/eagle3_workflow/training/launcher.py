@@ -37,12 +37,19 @@ def clean_trainer_line(line: str) -> str:
 
 
 def run_trainer(
-    command: list[str], *, env: dict[str, str], attempt_log: Path, on_line: Callable[[str], None]
+    command: list[str],
+    *,
+    env: dict[str, str],
+    attempt_log: Path,
+    on_line: Callable[[str], None],
+    watch: Callable[[], None] | None = None,
 ) -> tuple[int, list[str]]:
     """Run the trainer, streaming each output line to ``on_line`` and ``attempt_log``; returns (rc, kept lines).
 
     A stop signal to the stage stops the trainer's whole tree (runtime.stage's policy); the trainer's tree
-    (torchrun ranks, DataLoader workers) dies with the stage even when the stage is SIGKILLed.
+    (torchrun ranks, DataLoader workers) dies with the stage even when the stage is SIGKILLed. ``watch`` is called
+    twice a second while it runs (online training: the server's health); what it raises stops the trainer (it
+    saves checkpoints/interrupted) and ends the attempt.
     """
     attempt_log.parent.mkdir(parents=True, exist_ok=True)
     attempt_log.write_text(f"# {' '.join(command)}\n", encoding="utf-8")
@@ -56,6 +63,7 @@ def run_trainer(
         head_lines=2000,  # a traceback is usually here (start-up) ...
         tail_lines=400,  # ... or here (a failure after hours)
         stop_grace_s=INTERRUPT_SAVE_GRACE_S,
+        watch=watch,
     )
     with child:
         rc = child.wait()
@@ -131,6 +139,7 @@ def run_attempt(
     save_dir: Path,
     epochs: int,
     on_line: Callable[[str], None],
+    watch: Callable[[], None] | None = None,
 ) -> CheckpointInfo:
     """One launch of the trainer, logged to its own file; the final checkpoint, or StageError saying why not."""
     attempt = len(list(logs_dir.glob("trainer-attempt-*.log"))) + 1
@@ -138,7 +147,7 @@ def run_attempt(
     metrics_jsonl.unlink(missing_ok=True)  # left by a launch whose log was deleted: not this attempt's steps
     log.info("attempt %d (output also in %s): %s", attempt, attempt_log, " ".join(command))
     env = {**env, METRICS_ENV: str(metrics_jsonl)}
-    rc, lines = run_trainer(command, env=env, attempt_log=attempt_log, on_line=on_line)
+    rc, lines = run_trainer(command, env=env, attempt_log=attempt_log, on_line=on_line, watch=watch)
     stopped_by = stop_signal(rc, lines) if rc != 0 else None
     if stopped_by not in (None, "SIGKILL"):  # SIGKILL: more likely the OOM killer than a stop request
         raise StageError(

@@ -1,5 +1,8 @@
 """Stage `train_draft`: check the inputs, prepare the resumable work directory, run the trainer until the last
-epoch's checkpoint exists, and publish the draft. ``main(snakemake)`` is the rule's adapter."""
+epoch's checkpoint exists, and publish the draft. ``main(snakemake)`` is the rule's adapter.
+
+train.hidden_states: offline reads every row's hidden-state file; online starts the trainer's own vLLM server for
+each launch and the trainer generates each sample on demand (training/online.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +13,34 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import ApiCompatReport, CheckpointInfo, TrainingSummary, ValidationReport, load
+from eagle3_workflow.artefacts import (
+    ApiCompatReport,
+    CanaryReport,
+    CheckpointInfo,
+    OnlineTrainingStats,
+    TrainingSummary,
+    ValidationReport,
+    load,
+)
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.hidden_states import hs_file
 from eagle3_workflow.prepared import open_prepared
-from eagle3_workflow.settings import TrainDraftStage, TrainSettings, stage_settings
+from eagle3_workflow.settings import TrainDraftOnlineStage, TrainSettings, rule_settings_model, stage_settings
 from eagle3_workflow.training.checkpoints import outlook_on_disk, prepare_resume, resume_point
 from eagle3_workflow.training.command import TrainDevice, TrainPaths, build_train_command, resolve_device
 from eagle3_workflow.training.launcher import run_attempt, trainer_env
 from eagle3_workflow.training.metrics import attempt_metrics, final_metrics, metrics_table
+from eagle3_workflow.training.online import (
+    OnlineFolders,
+    OnlineServing,
+    OnlineWatch,
+    online_server,
+    online_stats,
+    online_trainer_arguments,
+    online_trainer_env,
+    split_devices,
+    visible_devices,
+)
 from eagle3_workflow.training.publish import publish_draft
 from eagle3_workflow.training.workdir import (
     ensure_vocab_mapping,
@@ -64,6 +86,8 @@ def _check_inputs(
             f"train.train_data_ratio={settings.train_data_ratio} splits {rows} prepared rows into {train_rows} for "
             f"training and {rows - train_rows} for validation; both need at least one row"
         )
+    if settings.hidden_states == "online":
+        return target_layer_ids, "generate", rows  # validation covered the check set; the rest is generated
     tolerated = [*validation.missing, *validation.bad]
     missing = [row for row in range(rows) if not hs_file(files_dir, row).exists()]
     if missing and not tolerated:
@@ -110,9 +134,9 @@ def _prepare_work_dir(
     )
     kept = reconcile_work_dir(sources.work_dir, fingerprint)
     paths = TrainPaths.in_work_dir(sources.work_dir, sources.target, settings.draft_vocab_size)
-    stage_training_data(
-        paths.data_dir, prepared=sources.prepared, token_freq=sources.token_freq, files_dir=sources.files_dir
-    )
+    # online: no hidden_states/ in the data directory, so the trainer finds no sample cached and generates each
+    files_dir = sources.files_dir if settings.hidden_states == "offline" else None
+    stage_training_data(paths.data_dir, prepared=sources.prepared, token_freq=sources.token_freq, files_dir=files_dir)
     built = ensure_vocab_mapping(
         paths,
         token_freq=sources.token_freq,
@@ -142,14 +166,23 @@ def _resume_point(save_dir: Path, kept: bool) -> CheckpointInfo | None:
 
 @dataclasses.dataclass(frozen=True)
 class _TrainingPlan:
-    """How this run trains: the trainer's command on its device, the target layer ids, the vocab mapping's sha256s and
-    the checkpoint it resumes from (None: from scratch)."""
+    """How this run trains: the trainer's command on its device (given the online flags, or None offline), the
+    target layer ids, the vocab mapping's sha256s and the checkpoint it resumes from (None: from scratch)."""
 
-    command: list[str]
+    command: Callable[[dict[str, Any] | None], list[str]]
     device: TrainDevice
     target_layer_ids: list[int]
     mapping_sha: dict[str, str]
     resumed_from: CheckpointInfo | None
+
+
+@dataclasses.dataclass
+class _Launch:
+    """What a launch of the trainer left: the last epoch's checkpoint, the command that ran, the online record."""
+
+    final: CheckpointInfo
+    command: list[str]
+    online: OnlineTrainingStats | None = None
 
 
 def _train_to_the_end(
@@ -157,15 +190,17 @@ def _train_to_the_end(
     plan: _TrainingPlan,
     *,
     work_dir: Path,
-    save_dir: Path,
     cpu_threads: int | None,
     on_line: Callable[[str], None] | None,
-) -> CheckpointInfo:
+    online: OnlineServing | None,
+) -> _Launch:
     """The checkpoint of the last epoch: the one already there, or the one a launch of the trainer writes."""
     logs_dir = work_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     device, resumed_from = plan.device, plan.resumed_from
-    log.info("training on %s with %d process(es)", device.kind, device.processes)
+    log.info(
+        "training on %s with %d process(es), hidden states %s", device.kind, device.processes, settings.hidden_states
+    )
     if resumed_from is not None and resumed_from.ends_training(settings.epochs):
         # a forced rerun with the same inputs: the trainer would load the checkpoint and do nothing
         log.info(
@@ -175,28 +210,49 @@ def _train_to_the_end(
             resumed_from.path,
             work_dir,
         )
-        return resumed_from
-    return run_attempt(
-        plan.command,
-        env=trainer_env(device, cpu_threads),
-        logs_dir=logs_dir,
-        save_dir=save_dir,
-        epochs=settings.epochs,
-        on_line=on_line or (lambda line: log.info("| %s", line)),
-    )
+        return _Launch(resumed_from, plan.command(None))
+    env = trainer_env(device, cpu_threads)
+    attempt = {"logs_dir": logs_dir, "save_dir": work_dir / "checkpoints", "epochs": settings.epochs}
+    attempt["on_line"] = on_line or (lambda line: log.info("| %s", line))
+    if online is None:
+        command = plan.command(None)
+        return _Launch(run_attempt(command, env=env, **attempt), command)
+    folders = OnlineFolders(work_dir / "online")
+    server_devices = None
+    if online.device == "cuda":
+        server_devices, trainer_devices = _split_job_gpus(device, online)
+        if device.kind == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_devices)
+    with online_server(online, folders, devices=server_devices) as server:
+        watch = OnlineWatch(server, folders.storage)
+        command = plan.command(online_trainer_arguments(online, f"{server.base_url}/v1"))
+        env |= online_trainer_env(online, folders, server.api_key)
+        final = run_attempt(command, env=env, watch=watch, **attempt)
+        return _Launch(final, command, online_stats(folders, watch, server.ready_s))
+
+
+def _split_job_gpus(device: TrainDevice, online: OnlineServing) -> tuple[list[str], list[str]]:
+    import torch
+
+    visible = visible_devices(torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    trainer_gpus = device.processes if device.kind == "cuda" else 0
+    server, trainer = split_devices(visible, trainer_gpus=trainer_gpus, server_gpus=online.settings.server_gpus)
+    log.info("online training: the vLLM server on GPU(s) %s, the trainer on %s", server, trainer or "the CPU")
+    return server, trainer
 
 
 def _summarise(
-    settings: TrainSettings, plan: _TrainingPlan, final: CheckpointInfo, *, logs_dir: Path, started: float
+    settings: TrainSettings, plan: _TrainingPlan, launch: _Launch, *, logs_dir: Path, started: float
 ) -> tuple[Any, TrainingSummary]:
     """(metrics table, draft/training.json) from every launch's metric records."""
     attempts = attempt_metrics(logs_dir)
     metrics = metrics_table(attempts)
     final_loss, final_val_loss, full_acc = final_metrics(metrics, logs_dir)
+    final = launch.final
     summary = TrainingSummary(
         device=plan.device.kind,
         processes=plan.device.processes,
-        command=plan.command,
+        command=launch.command,
         attempts=len(attempts),
         resumed_from=plan.resumed_from,
         final_checkpoint=final,
@@ -209,6 +265,8 @@ def _summarise(
         final_train_loss=final_loss,
         final_val_loss=final_val_loss,
         final_val_full_acc=full_acc,
+        hidden_states=settings.hidden_states,
+        online=launch.online,
     )
     return metrics, summary
 
@@ -228,8 +286,13 @@ def train_draft(
     cpu_threads: int | None = None,
     device: TrainDevice | None = None,
     on_line: Callable[[str], None] | None = None,
+    online: OnlineServing | None = None,
 ) -> TrainingSummary:
-    """Train (or resume training) the draft in ``work_dir`` and publish it to ``out_dir``."""
+    """Train (or resume training) the draft in ``work_dir`` and publish it to ``out_dir``. ``online`` (required when
+    settings.hidden_states is online): the server the trainer generates hidden states from."""
+    if (online is None) != (settings.hidden_states == "offline"):
+        raise StageError(f"train.hidden_states is {settings.hidden_states} but the stage was given no server to serve it"
+                         if online is None else "an online server was given to offline training")  # fmt: skip
     started = time.monotonic()
     sources = _Sources(*(Path(p) for p in (target, prepared, token_freq, validation, files_dir, work_dir)))
     device = device if device is not None else _visible_device(settings.gpus)
@@ -243,14 +306,17 @@ def train_draft(
     paths, mapping_sha, resumed_from = _prepare_work_dir(
         settings, sources, rows=rows, layer_ids=layer_ids, trust_remote_code=trust_remote_code
     )
-    command = build_train_command(
-        settings, paths, device, target_layer_ids=layer_ids, on_missing=on_missing, trust_remote_code=trust_remote_code
-    )
+
+    def command(online_args: dict[str, Any] | None) -> list[str]:
+        return build_train_command(settings, paths, device, target_layer_ids=layer_ids, on_missing=on_missing,
+                                   trust_remote_code=trust_remote_code, online=online_args)  # fmt: skip
+
     plan = _TrainingPlan(command, device, layer_ids, mapping_sha, resumed_from)
-    final = _train_to_the_end(
-        settings, plan, work_dir=sources.work_dir, save_dir=paths.save_dir, cpu_threads=cpu_threads, on_line=on_line
+    launch = _train_to_the_end(
+        settings, plan, work_dir=sources.work_dir, cpu_threads=cpu_threads, on_line=on_line, online=online
     )
-    metrics, summary = _summarise(settings, plan, final, logs_dir=sources.work_dir / "logs", started=started)
+    final = launch.final
+    metrics, summary = _summarise(settings, plan, launch, logs_dir=sources.work_dir / "logs", started=started)
     publish_draft(Path(final.path), Path(out_dir), metrics, summary)
     log.info(
         "draft trained: %d steps in %d epoch(s), final train loss %.4f, val loss %s, full acc per position %s -> %s",
@@ -262,6 +328,27 @@ def train_draft(
         out_dir,
     )
     return summary
+
+
+def online_serving(settings: TrainDraftOnlineStage, api: ApiCompatReport, target: str) -> OnlineServing:
+    """The online trainer's server: the canary's and extraction's (same builder, the run's layer ids), serving the
+    target under its path (the name speculators asks the endpoint for), sized by train.online."""
+    from eagle3_workflow.target_config import read_target_config
+    from eagle3_workflow.vllm_server import hidden_states_server_spec
+
+    def server_spec(storage_dir: str) -> Any:
+        spec = hidden_states_server_spec(settings, model=target, layer_ids=api.layer_ids, storage_dir=storage_dir,
+                                         device=api.device, enable_render_endpoint=False)  # fmt: skip
+        return dataclasses.replace(
+            spec, served_model_name=target, gpu_memory_utilization=settings.train.online.gpu_memory_utilization
+        )
+
+    dtype = settings.target.dtype
+    if dtype == "auto":
+        dtype = read_target_config(target).dtype or "bfloat16"
+    return OnlineServing(
+        server_spec, api.device, settings.train.online, len(api.layer_ids), api.target.hidden_size, dtype
+    )
 
 
 def rerun_after_stop(work_dir: str | Path, epochs: Sequence[int] = ()) -> Callable[[], str]:
@@ -279,8 +366,15 @@ def main(snakemake: Any) -> None:
 
     @holding_gpus(snakemake)
     def body(log: logging.Logger) -> None:
-        settings = stage_settings(TrainDraftStage, snakemake.params.settings)
+        settings = stage_settings(
+            rule_settings_model("train_draft", snakemake.params.settings), snakemake.params.settings
+        )
         epochs.append(settings.train.epochs)
+        canary = load(CanaryReport, snakemake.input.canary)
+        if not canary.passed:
+            raise StageError("checks/canary.json says the canary did not pass: training will not start")
+        target = str(Path(snakemake.input.target))
+        api = load(ApiCompatReport, snakemake.input.api_compat)
         train_draft(
             settings.train,
             target=Path(snakemake.input.target),
@@ -293,6 +387,7 @@ def main(snakemake: Any) -> None:
             out_dir=Path(snakemake.output.draft),
             trust_remote_code=settings.target.trust_remote_code,
             cpu_threads=snakemake.threads,
+            online=online_serving(settings, api, target) if isinstance(settings, TrainDraftOnlineStage) else None,
         )
 
     run_stage("train_draft", snakemake.log[0], body, resumes=rerun_after_stop(snakemake.params.work_dir, epochs))

