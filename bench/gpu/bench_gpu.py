@@ -592,7 +592,7 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
         "extra": extra,
     }
     train = {"gpus": 1 if args.device == "cuda" else 0, "extra_args": extra, **common}
-    settings = TrainSettings.model_validate(with_schema_defaults(train=train)["train"])
+    settings = view_of(TrainSettings, with_schema_defaults(train=train)["train"])
     probe = bare_train_command(**bare_args, save=work / "s", log_dir=work / "l")
     same_flags_or_exit(probe, settings, args.target, work / "workflow-train-work", target_layer_ids=layers,
                        device=TrainDevice(args.device, 1))  # fmt: skip

@@ -12,6 +12,8 @@
 #     SNAKE_ARGS="-R train_draft" ...     extra snakemake arguments
 #   bash bench/gpu/device_run.sh bench      bench/gpu/bench_gpu.py (extraction and training side by side)
 #   bash bench/gpu/device_run.sh faultcheck the lossless check on this GPU against EAGLE3_FAULT=accept_any_draft
+#   bash bench/gpu/device_run.sh online     train_draft online against offline on the finished run's data
+#                                           (bench/gpu/online_vs_offline_gpu.py; ROWS=2000 EPOCHS=1 by default)
 #   bash bench/gpu/device_run.sh collect    logs and small artefacts into $OUT
 # Several steps in one call: bash bench/gpu/device_run.sh copy install pipeline collect
 set -uo pipefail
@@ -141,6 +143,20 @@ step_bench() {
     --train-epochs "${EPOCHS:-2}" ${EAGER:+--eager} ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 \
     | tee "$OUT/bench_gpu.log" | grep -v "^\[vllm\]" | tail -60
   return "${PIPESTATUS[0]}"
+}
+
+step_online() {
+  use_site
+  cd "$WORK" || return 1
+  export PYTHONPATH="$WORK/workflow/scripts${PYTHONPATH:+:$PYTHONPATH}"
+  stamp "online_vs_offline_gpu.py on results/$RUN (${ROWS:-2000} rows, ${EPOCHS:-1} epoch(s))"
+  timeout "${ONLINE_TIMEOUT:-540}" python3 bench/gpu/online_vs_offline_gpu.py "results/$RUN" --rows "${ROWS:-2000}" \
+    --epochs "${EPOCHS:-1}" --work /root/online-bench --out "$OUT/online_vs_offline.json" 2>&1 \
+    | tee "$OUT/online_vs_offline.log" | grep -E "^\[device_run|online training|attempt|draft trained|Error|error|^\{|^  \"" | tail -60
+  local rc=${PIPESTATUS[0]}
+  cp /root/online-bench/online/train_work/online/vllm_server.log "$OUT/online_vllm_server.log" 2>/dev/null
+  cd - >/dev/null || true
+  return "$rc"
 }
 
 # the lossless check against a deliberately wrong acceptance, on this GPU (bench/gpu/lossless_fault.py): exit 0

@@ -137,7 +137,7 @@ def test_render_endpoint_flag_follows_the_installed_vllm_layout(tmp_path):
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_bench_bare_trainer_command_trains_what_the_workflow_trains(tmp_path, device):
-    from eagle3_workflow.settings import TrainSettings, with_schema_defaults
+    from eagle3_workflow.settings import TrainSettings, view_of, with_schema_defaults
     from eagle3_workflow.training.command import TrainDevice
 
     bench = bench_module()
@@ -152,7 +152,7 @@ def test_bench_bare_trainer_command_trains_what_the_workflow_trains(tmp_path, de
     }
     extra = ["--loss-implementation", "eager"] if device == "cuda" else []
     train = {"gpus": 1 if device == "cuda" else 0, "extra_args": extra, **common}
-    settings = TrainSettings.model_validate(with_schema_defaults(train=train)["train"])
+    settings = view_of(TrainSettings, with_schema_defaults(train=train)["train"])
     target = tmp_path / "target"
     command = bench.bare_train_command(
         device,

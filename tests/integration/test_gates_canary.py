@@ -235,8 +235,10 @@ def test_workflow_stops_at_check_api_on_bad_layer_ids(tmp_path):
 
 
 @pytest.mark.slow
-def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
-    config = tiny_config(run="shifted")
+@pytest.mark.parametrize("hidden_states", ["offline", "online"])
+def test_workflow_stops_at_canary_on_shifted_layers(tmp_path, hidden_states):
+    """Online training (train.hidden_states) is gated the same way: no extraction, no trainer, no server."""
+    config = tiny_config(run="shifted", train={"hidden_states": hidden_states})
     env = {
         "EAGLE3_FAULT": "shift_layers",
         "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
@@ -248,6 +250,8 @@ def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
     assert "layer-id convention" in log
     assert not (tmp_path / "results" / "shifted" / "checks" / "canary.json").exists()
     assert_extraction_never_ran(tmp_path, "shifted")
+    assert not (tmp_path / "results" / "shifted" / "logs" / "train_draft.log").exists()
+    assert not (tmp_path / "results" / "shifted" / "train_work").exists()
 
 
 # ---------------------------------------------------------------- past the canary's slice: the full-depth check
@@ -290,3 +294,27 @@ def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_pat
     assert report is not None and report.enabled and report.passed
     assert report.num_layers == 32 and report.layer_ids == [2, 16, 29, 32]
     assert [s.best for s in report.slots] == ["2", "16", "29", "32"]
+
+
+@pytest.mark.slow
+def test_online_trainings_check_set_stops_a_capture_wrong_past_the_canary(tmp_path):
+    """Online, extraction writes only the check set (train.online.check_samples) and validate_hidden_states proves it
+    at full depth as it does every file offline: the fault past the canary's slice stops before the trainer's
+    server starts."""
+    config = tiny_config(run="deep", target={"build": DEEP_BUILD}, data={"max_samples": 24},
+                         train={"hidden_states": "online", "online": {"check_samples": 4}})  # fmt: skip
+    env = {
+        "EAGLE3_FAULT": "remap:deep_off_by_one",
+        "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
+    }
+    run = tmp_path / "results" / "deep"
+    proc = run_workflow(tmp_path, config, check=False, env=env)
+    assert proc.returncode != 0
+    assert "hidden states: online (train.hidden_states)" in proc.stderr, "the plan says which mode runs"
+    assert (run / "checks" / "canary.json").exists(), "the canary passed: the fault is past its slice"
+    assert len(list((run / "hidden_states" / "files").glob("hs_*.safetensors"))) == 4, "the check set only"
+    log = (run / "logs" / "validate_hidden_states.log").read_text()
+    assert "full-depth check FAILED: 2 of 4 captured ids" in log
+    assert not (run / "hidden_states" / "validation.json").exists()
+    assert not (run / "logs" / "train_draft.log").exists()
+    assert not (run / "train_work").exists()

@@ -310,11 +310,11 @@ STAGE_RUN = r"""
 import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.settings import TrainSettings, with_schema_defaults
+from eagle3_workflow.settings import TrainSettings, view_of, with_schema_defaults
 from eagle3_workflow.training.stage import rerun_after_stop, train_draft
 spec = json.loads(sys.argv[1])
 paths = {k: Path(v) for k, v in spec["paths"].items()}
-settings = TrainSettings.model_validate(with_schema_defaults(train=spec["train"])["train"])
+settings = view_of(TrainSettings, with_schema_defaults(train=spec["train"])["train"])
 run_stage("train_draft", None, lambda log: train_draft(settings, **paths, trust_remote_code=False, cpu_threads=2),
           resumes=rerun_after_stop(paths["work_dir"], [settings.epochs]))
 """
@@ -366,7 +366,7 @@ def stop_training_at(
     stderr_path = tmp / "stage.stderr"
     with open(stderr_path, "w", encoding="utf-8") as stderr:  # a file: a full pipe would block the stage
         proc = subprocess.Popen(
-            [sys.executable, "-c", STAGE_RUN, json.dumps(spec)],
+            [sys.executable, "-c", stage_run, json.dumps(spec)],
             env=env,
             start_new_session=True,
             stdout=subprocess.DEVNULL,

@@ -1,0 +1,158 @@
+"""Online against offline training, side by side on one GPU, on a finished run's data: train_draft (the stage
+function, as the rule runs it) for --epochs epochs on the first --rows prepared rows, once reading the run's
+hidden-state files (offline), once generating every sample from its own vLLM server on the trainer's GPU
+(online, train.online.server_gpus: 0). Same config, data, seed and flags otherwise.
+
+usage: python bench/gpu/online_vs_offline_gpu.py RUN_DIR [--rows 2000] [--epochs 1] [--server-memory 0.35]
+                                                 [--work DIR] [--out FILE.json]
+
+RUN_DIR: results/<run> of a run that got through validate_hidden_states (its provenance.json holds the resolved
+config). Per mode: the stage's wall time, the trainer's time (wall minus the online server's start), steps and
+steps/s, the median of speculators' per-step profile (step_ms, fetch_ms: the time a step waited for data), and the
+disk: offline the bytes of the rows' hidden-state files (on disk for the whole run) plus train_work's high-water
+mark; online the high-water mark of the server's output folder plus train_work's. Ratios are online / offline.
+Also runs on CPU (a finished tiny run) to try it out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "workflow" / "scripts"), str(REPO / "bench" / "online")]
+
+from online_vs_offline import HighWater  # noqa: E402
+
+from eagle3_workflow.artefacts import ApiCompatReport, Provenance, load  # noqa: E402
+from eagle3_workflow.config_errors import validate_config  # noqa: E402
+from eagle3_workflow.hidden_states import hs_file  # noqa: E402
+from eagle3_workflow.settings import (  # noqa: E402
+    SCHEMA_PATH,
+    TrainDraftOnlineStage,
+    TrainSettings,
+    view_of,
+)
+from eagle3_workflow.training.stage import online_serving, train_draft  # noqa: E402
+
+
+def subset(prepared: Path, rows: int, out: Path) -> int:
+    import datasets
+
+    data = datasets.load_from_disk(str(prepared))
+    rows = min(rows, len(data))
+    if out.exists():
+        shutil.rmtree(out)
+    data.select(range(rows)).save_to_disk(str(out))
+    return rows
+
+
+def median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v == v)  # NaN: a column absent in some rows
+    return values[len(values) // 2] if values else None
+
+
+def profile(draft: Path) -> dict:
+    import pandas as pd
+
+    metrics = pd.read_csv(draft / "metrics.csv")
+    train = metrics[metrics["split"] == "train"]
+    found = {}
+    for column in ("profile/step_ms", "profile/fetch_ms", "profile/tokens_per_s", "step_ms", "fetch_ms"):
+        if column in train.columns:
+            found[column.split("/")[-1] + "_median"] = median(list(train[column].astype(float))[3:])
+    return found
+
+
+def run_mode(mode: str, config: dict, inputs: dict, work: Path) -> dict:
+    folder = work / mode
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    api = load(ApiCompatReport, inputs["api_compat"])
+    watch = HighWater(folder / "train_work", interval_s=0.5)
+    watch.start()
+    started = time.monotonic()
+    if mode == "offline":
+        settings = view_of(TrainSettings, config["train"])
+        summary = train_draft(settings, **inputs, work_dir=folder / "train_work", out_dir=folder / "draft",
+                              trust_remote_code=config["target"]["trust_remote_code"])  # fmt: skip
+    else:
+        stage = view_of(TrainDraftOnlineStage, config)
+        serving = online_serving(stage, api, str(inputs["target"]))
+        summary = train_draft(stage.train, **inputs, work_dir=folder / "train_work", out_dir=folder / "draft",
+                              trust_remote_code=config["target"]["trust_remote_code"], online=serving)  # fmt: skip
+    wall = time.monotonic() - started
+    work_peak = watch.stop()
+    startup = summary.online.server_ready_s if summary.online else 0.0
+    row = {
+        "mode": mode,
+        "wall_s": round(wall, 1),
+        "server_start_s": startup,
+        "trainer_s": round(wall - startup, 1),
+        "steps": summary.steps,
+        "steps_per_s": round(summary.steps / (wall - startup), 3),
+        "train_work_peak_bytes": work_peak,
+        "final_val_loss": summary.final_val_loss,
+        "final_val_full_acc": summary.final_val_full_acc,
+        **profile(folder / "draft"),
+    }
+    if summary.online is not None:
+        row["online"] = summary.online.model_dump()
+        row["hidden_states_peak_bytes"] = summary.online.peak_bytes
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--server-memory", type=float, default=0.35)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/online_vs_offline"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    run = args.run_dir.resolve()
+    config = load(Provenance, run / "provenance.json").config
+    config["train"] = {**config["train"], "epochs": args.epochs}
+    config["train"]["online"] = {**config["train"].get("online", {}), "server_gpus": 0,
+                                 "gpu_memory_utilization": args.server_memory}  # fmt: skip
+    validate_config(config, SCHEMA_PATH)
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rows = subset(run / "data" / "prepared", args.rows, work / "prepared")
+    api = load(ApiCompatReport, run / "checks" / "api_compat.json")
+    inputs = {
+        "target": Path(api.target.path) if Path(api.target.path).is_absolute() else run.parent.parent / api.target.path,
+        "prepared": work / "prepared",
+        "token_freq": run / "data" / "token_freq.pt",
+        "api_compat": run / "checks" / "api_compat.json",
+        "validation": run / "hidden_states" / "validation.json",
+        "files_dir": run / "hidden_states" / "files",
+    }
+    files_bytes = sum(hs_file(inputs["files_dir"], row).stat().st_size for row in range(rows))
+    offline = run_mode("offline", {**config, "train": {**config["train"], "hidden_states": "offline"}}, inputs, work)
+    offline["hidden_states_peak_bytes"] = files_bytes
+    online = run_mode("online", {**config, "train": {**config["train"], "hidden_states": "online"}}, inputs, work)
+    for row in (offline, online):
+        row["peak_disk_bytes"] = row["hidden_states_peak_bytes"] + row["train_work_peak_bytes"]
+    ratios = {
+        key: round(online[key] / offline[key], 3)
+        for key in ("wall_s", "trainer_s", "steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
+        if offline.get(key)
+    }
+    report = {"run_dir": str(run), "rows": rows, "epochs": args.epochs, "modes": [offline, online],
+              "online_over_offline": ratios}  # fmt: skip
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
