@@ -88,7 +88,7 @@ def train_inputs(tiny_targets, tmp_path_factory):
     from conftest import TINY_DATA, preparation
     from transformers import AutoTokenizer
 
-    from eagle3_workflow.prepare import prepare_conversations, write_prepared
+    from eagle3_workflow.prepare.conversations import prepare_conversations, write_prepared
 
     root = tmp_path_factory.mktemp("train_inputs")
     target = tiny_targets("llama", NUM_LAYERS)

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, LayerMatch, load, write
+from eagle3_workflow.artefacts import CanaryReport, CheckRow, LayerMatch
 from eagle3_workflow.errors import StageError, check_table
-from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
+from eagle3_workflow.extraction.replica import ClientSettings, ProgressTracker, Sample, extract_samples
 from eagle3_workflow.hidden_states import HiddenStateFiles, read_hidden_states, read_sample
 from eagle3_workflow.layer_match import (
     LAYER_KEY,
@@ -44,7 +44,7 @@ from eagle3_workflow.layer_match import (
     squared_distances,
 )
 from eagle3_workflow.prepared import open_prepared
-from eagle3_workflow.settings import CanaryStage, ExtractionStall, stage_settings
+from eagle3_workflow.settings import CanaryStage, ExtractionStall
 from eagle3_workflow.target_config import read_target_config, read_tensors, text_section, weight_files
 from eagle3_workflow.vllm_server import VLLMServer
 
@@ -475,38 +475,3 @@ def refuse_or_log(report: CanaryReport, log: logging.Logger) -> None:
         report.server_ready_s,
         table,
     )
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.gpu_placement import holding_gpus
-    from eagle3_workflow.runtime.stage import run_stage
-
-    @holding_gpus(snakemake)
-    def body(log: logging.Logger) -> None:
-        settings = stage_settings(CanaryStage, snakemake.params.settings)
-        api = load(ApiCompatReport, snakemake.input.api_compat)
-        if not api.passed:
-            raise StageError("api_compat.json says passed=false; the canary will not start")
-        canary = settings.canary
-        samples, messages = pick_samples(
-            Path(snakemake.input.prepared), canary.num_samples, canary.max_tokens_per_sample
-        )
-        request = CanaryRequest(
-            target_dir=Path(snakemake.input.target),
-            work_dir=Path(snakemake.params.work_dir),
-            samples=samples,
-            messages=messages,
-            spec_factory=server_spec_factory(settings, api.device),
-            server_log=Path(snakemake.log[0]),
-            device=api.device,
-            client=client_settings(settings.extraction),
-            canary_layers=canary.num_layers,
-            tolerance=canary.relative_tolerance,
-            render_samples=canary.render_samples,
-            trust_remote_code=settings.target.trust_remote_code,
-        )
-        report = run_canary(request)
-        refuse_or_log(report, log)
-        write(snakemake.output.report, report)
-
-    run_stage("canary", snakemake.log[0], body)

@@ -25,11 +25,9 @@ from typing import Any
 
 from eagle3_workflow.artefacts import (
     ApiCompatReport,
-    CanaryReport,
     ExtractionManifest,
     GreedyProbe,
     ProgressSnapshot,
-    load,
     write,
 )
 from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, space_of
@@ -38,7 +36,7 @@ from eagle3_workflow.files import process_umask
 from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, shard_rows
 from eagle3_workflow.prepared import read_input_ids
 from eagle3_workflow.runtime.stage import StageStopped
-from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient, stage_settings
+from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient
 from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
 
 log = logging.getLogger("eagle3.extraction")
@@ -652,45 +650,3 @@ def client_settings(extraction: ExtractionClient) -> ClientSettings:
         stall_timeout_s=extraction.stall_timeout_s,
         stall_factor=extraction.stall_factor,
     )
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.gpu_placement import holding_gpus
-    from eagle3_workflow.runtime.stage import run_stage
-
-    @holding_gpus(snakemake)
-    def body(log: logging.Logger) -> None:
-        settings = stage_settings(ExtractHiddenStatesStage, snakemake.params.settings)
-        extraction = settings.extraction
-        api = load(ApiCompatReport, snakemake.input.api_compat)
-        canary = load(CanaryReport, snakemake.input.canary)
-        if not api.passed or not canary.passed:
-            raise StageError(
-                "the gates did not pass (api_compat.json / canary.json say passed=false); extraction will not start"
-            )
-        replica = int(snakemake.wildcards.replica)
-        request = ReplicaRequest(
-            prepared_dir=Path(snakemake.input.prepared),
-            replica=replica,
-            replicas=extraction.replicas,
-            files=HiddenStateFiles(Path(snakemake.params.files_dir), len(api.layer_ids), api.target.hidden_size),
-            scratch_dir=Path(snakemake.params.scratch_dir),
-            server_spec_factory=server_spec_factory(settings, api, str(snakemake.input.target)),
-            server_log=Path(snakemake.log[0]),
-            disk_margin=extraction.disk_margin,
-            available_bytes_override=extraction.available_bytes_override,
-            probe_samples=extraction.greedy_probe_samples,
-            progress_path=Path(snakemake.params.progress),
-            manifest_path=Path(snakemake.output.manifest),
-        )
-        manifest = extract_replica(request, client_settings(extraction))
-        log.info(
-            "replica %d: %d extracted, %d reused, %s written, %.0f tok/s",
-            replica,
-            manifest.samples_extracted,
-            manifest.samples_reused,
-            human_bytes(manifest.bytes_written),
-            manifest.tokens_per_s,
-        )
-
-    run_stage("extract_hidden_states", snakemake.log[0], body)
