@@ -17,7 +17,7 @@ Extraction (tokens/s = prompt tokens / seconds; a server's start-up is never ins
   connector     the workflow's extraction server (extract_hidden_states + ExampleHiddenStatesConnector), the same
                 raw client; the clock stops when the last file's writer lock is released (file complete on disk):
                 what vLLM + its connector cost, without the workflow's client
-  workflow      the same server (warm), eagle3_workflow.extraction.replica.extract_samples: the stage's client (waits for
+  workflow      the same server (warm), eagle3_workflow.extraction_client.extract_samples: the stage's client (waits for
                 each file's lock, checks its header and token ids, renames it atomically)
   stage         eagle3_workflow.extraction.replica.extract_replica: the whole stage function as the rule runs it (disk
                 preflight, resume scan, own server, client, manifest); its manifest's tokens_per_s (cold)
@@ -60,14 +60,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import ApiCompatReport, TrainingSummary, load, write  # noqa: E402
-from eagle3_workflow.extraction.replica import (  # noqa: E402
-    ProgressTracker,
-    ReplicaRequest,
-    Sample,
-    client_settings,
-    extract_replica,
-    extract_samples,
-)
+from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
+from eagle3_workflow.extraction_client import ProgressTracker, Sample, extract_samples  # noqa: E402
 from eagle3_workflow.files import write_text_atomic  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles, resolve_layer_ids  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402

@@ -32,7 +32,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from eagle3_workflow.extraction.replica import Sample
+from eagle3_workflow.extraction_client import Sample
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
 
@@ -422,7 +422,8 @@ def extract_with_server(target: Path, work: Path, samples: list, extra_args: lis
     """Extract `samples` one at a time (each can hit the cache the previous one filled); returns prefix hits."""
     import httpx
 
-    from eagle3_workflow.extraction.replica import ProgressTracker, client_settings, extract_samples
+    from eagle3_workflow.extraction.replica import client_settings
+    from eagle3_workflow.extraction_client import ProgressTracker, extract_samples
     from eagle3_workflow.hidden_states import HiddenStateFiles
     from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
 

@@ -15,7 +15,7 @@ from conftest import REPO, TINY_DATA, preparation, run_workflow, tiny_config, ti
 from safetensors.torch import load_file, save_file
 
 from eagle3_workflow.canary.check import CanaryRequest, client_settings, run_canary
-from eagle3_workflow.extraction.replica import Sample
+from eagle3_workflow.extraction_client import Sample
 from eagle3_workflow.prepare.conversations import prepare_conversations
 from eagle3_workflow.settings import CanaryStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec

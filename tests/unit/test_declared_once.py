@@ -53,7 +53,11 @@ KNOWN: dict[tuple[str, str], str] = {
     (
         "workflow/scripts/eagle3_workflow/validation/full_depth.py",
         "parameter trust_remote_code = False",
-    ): "stream_reference() and full_depth_check(); full_depth.py's signatures are being changed in another branch",
+    ): "full_depth_check(); the full-depth check's signatures are being changed in another branch",
+    (
+        "workflow/scripts/eagle3_workflow/full_depth_reference.py",
+        "parameter trust_remote_code = False",
+    ): "stream_reference(); the full-depth check's signatures are being changed in another branch",
     (
         "workflow/scripts/eagle3_workflow/hidden_states.py",
         "parameter dtype = 'bfloat16'",

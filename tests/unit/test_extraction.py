@@ -17,14 +17,8 @@ from safetensors.torch import save_file
 
 from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, disk_full_line, mount_point
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.extraction.replica import (
-    ProgressTracker,
-    Sample,
-    ServerCannotWrite,
-    disk_full_message,
-    disk_preflight,
-    resume_scan,
-)
+from eagle3_workflow.extraction.replica import ServerCannotWrite, disk_full_message, disk_preflight, resume_scan
+from eagle3_workflow.extraction_client import ProgressTracker, Sample
 from eagle3_workflow.hidden_states import (
     HiddenStateFiles,
     check_file,

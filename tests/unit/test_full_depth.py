@@ -15,19 +15,17 @@ from conftest import tiny_settings
 from safetensors.torch import save_file
 
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.full_depth_reference import UnsupportedTarget, split_by_layer, stream_reference
 from eagle3_workflow.hidden_states import hs_file
 from eagle3_workflow.layer_match import POST_NORM, SlotMatch
 from eagle3_workflow.settings import ValidateHiddenStatesStage
 from eagle3_workflow.target_build.tiny import model_config
 from eagle3_workflow.validation.full_depth import (
-    UnsupportedTarget,
     check_stage,
     failure_message,
     full_depth_check,
     pick_rows,
     slot_verdicts,
-    split_by_layer,
-    stream_reference,
 )
 
 

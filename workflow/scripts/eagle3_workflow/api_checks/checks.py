@@ -326,7 +326,7 @@ FIX_HEADINGS = {
 
 def check_full_depth_reference(target_dir: str, trust_remote_code: bool, enabled: bool) -> tuple[str, bool]:
     """validate_hidden_states' full-depth reference can run this target (checked now, not after extraction)."""
-    from eagle3_workflow.validation.full_depth import UnsupportedTarget, preflight
+    from eagle3_workflow.full_depth_reference import UnsupportedTarget, preflight
 
     if not enabled:
         return "not checked: validation.full_depth_check is false (unsafe)", True

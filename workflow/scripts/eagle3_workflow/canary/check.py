@@ -33,7 +33,7 @@ import torch
 
 from eagle3_workflow.artefacts import CanaryReport, CheckRow, LayerMatch
 from eagle3_workflow.errors import StageError, check_table
-from eagle3_workflow.extraction.replica import ClientSettings, ProgressTracker, Sample, extract_samples
+from eagle3_workflow.extraction_client import ClientSettings, ProgressTracker, Sample, extract_samples
 from eagle3_workflow.hidden_states import HiddenStateFiles, read_hidden_states, read_sample
 from eagle3_workflow.layer_match import (
     LAYER_KEY,

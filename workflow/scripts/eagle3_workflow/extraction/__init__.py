@@ -3,6 +3,6 @@
 Which module owns what:
 
 - ``replica`` ``extract_replica``: the shard, disk preflight, resume scan, the server, the greedy probes, the manifest
-  and the state progress.json ends in; the async hidden-state client the canary uses too
+  and the state progress.json ends in (the client itself is extraction_client, shared with the canary)
 - ``stage``   ``main(snakemake)``, the rule's adapter
 """

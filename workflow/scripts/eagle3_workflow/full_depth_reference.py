@@ -1,0 +1,287 @@
+"""The fp32 reference of the WHOLE target, streamed one decoder layer at a time: what validate_hidden_states' full-depth
+check compares every captured slot with (validation/full_depth.py), and what check_api's preflight builds before any
+extraction (the decoder from the config, every layer's tensors in the checkpoint).
+
+Memory of one layer: the model is built from its config on the meta device (no weights). Its embedding (kept in
+the checkpoint's dtype: a lookup is exact) and final norm are read first; each decoder layer is read from the
+safetensors files (safe_open, only that layer's tensors, the file closed again) just before its forward, converted
+by transformers' own checkpoint conversion (DeepSeek's per-expert tensors become its fused experts, as in
+from_pretrained) and freed right after. The samples go through as ONE right-padded batch, through HF's own model
+forward (its causal + padding mask, its rotary embeddings), so the weights are read once: an 8B target runs on a
+CPU node, a 1T MoE in the time of one read of its weights. Each reference state is handed to the caller's visit as it
+streams by; none is kept. No vLLM here, no subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.layer_match import LAYER_KEY, POST_NORM
+from eagle3_workflow.target_config import NotSafetensors, read_tensors, weight_files
+
+log = logging.getLogger("eagle3.full_depth")
+
+REFERENCE = "HF transformers fp32 forward of the whole target, streamed one decoder layer at a time"
+TURN_OFF = (
+    "set validation.full_depth_check: false only if you accept training on hidden states nobody compared with the "
+    "target past the canary's slice (unsafe; recorded in validation.json and provenance.json)"
+)
+Visit = Callable[[str, torch.Tensor], None]
+
+
+class UnsupportedTarget(StageError):
+    """The streamed reference cannot run this checkpoint (architecture, quantization, tensor layout)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def unsupported(target_dir: Path, reason: str) -> UnsupportedTarget:
+    return UnsupportedTarget(
+        f"the full-depth check cannot run an fp32 reference of {target_dir}: {reason}. The hidden states are not "
+        f"proven past the canary's slice. Fix: a transformers that runs this architecture, or {TURN_OFF}",
+        reason,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the checkpoint
+
+
+def checkpoint_files(target_dir: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file that holds it (target_config.weight_files); UnsupportedTarget without
+    safetensors."""
+    try:
+        return weight_files(target_dir)
+    except NotSafetensors as exc:
+        raise unsupported(target_dir, "it has neither model.safetensors nor model.safetensors.index.json") from exc
+
+
+def split_by_layer(names: Sequence[str], num_layers: int) -> tuple[list[str], dict[int, list[str]]]:
+    """The tensors outside the decoder layers (the output head left out: the reference stops at the final norm), and
+    those of each layer 0..N-1. Layers numbered N and above (DeepSeek's multi-token-prediction layer) are not run."""
+    outside: list[str] = []
+    per_layer: dict[int, list[str]] = {k: [] for k in range(num_layers)}
+    for name in sorted(names):
+        match = LAYER_KEY.search(name)
+        if match is None:
+            if not name.startswith("lm_head."):
+                outside.append(name)
+        elif int(match.group(2)) < num_layers:
+            per_layer[int(match.group(2))].append(name)
+    return outside, per_layer
+
+
+# ------------------------------------------------------------------------------------------------ the model skeleton
+
+
+def build_skeleton(target_dir: Path, *, trust_remote_code: bool) -> tuple[Any, Any]:
+    """(model, its decoder) built from the config with every weight on the meta device (no memory). The buffers that
+    are computed rather than stored (rotary inverse frequencies) are computed, as from_pretrained does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any refusal is reported with its cause
+        raise unsupported(target_dir, f"transformers cannot read its config ({exc!r})") from exc
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
+        raise unsupported(target_dir, f"the checkpoint is quantized ({method}); the reference reads plain weights only")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        decoder = model.get_decoder()
+        layers, _ = decoder.layers, decoder.norm  # the decoder layers and the final norm the reference hooks
+    except Exception as exc:  # noqa: BLE001
+        raise unsupported(target_dir, f"transformers cannot build its decoder from the config ({exc!r})") from exc
+    model.eval()
+    owners = {name.rpartition(".")[0] for name, _ in model.named_non_persistent_buffers()}
+    for owner in sorted(owners):
+        module = model.get_submodule(owner)
+        module.to_empty(device="cpu", recurse=False)
+        model._init_weights(module)  # what from_pretrained runs for buffers a checkpoint lacks
+    left = [name for name, buffer in model.named_non_persistent_buffers() if buffer.is_meta]
+    if left:
+        raise unsupported(target_dir, f"buffers {left} could not be computed outside from_pretrained")
+    if len(layers) != int(decoder.config.num_hidden_layers):
+        raise unsupported(target_dir, f"its decoder has {len(layers)} layers, its config says otherwise")
+    return model, decoder
+
+
+def weight_bytes(module: Any, *, skip: str | None = None) -> int:
+    """Bytes of a module's loaded weights (parameters and buffers; names under `skip.` not counted)."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return sum(t.numel() * t.element_size() for name, t in tensors if not (skip and name.startswith(skip + ".")))
+
+
+def preflight(target_dir: Path, *, trust_remote_code: bool) -> str:
+    """What check_api runs before any extraction: transformers builds the decoder from the config (no weights) and
+    the checkpoint holds tensors of every decoder layer. Raises UnsupportedTarget; returns what it found."""
+    model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
+    files = checkpoint_files(target_dir)
+    _, per_layer = split_by_layer(list(files), len(decoder.layers))
+    empty = [index for index, names in per_layer.items() if not names]
+    if empty:
+        raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layers {empty[:8]}")
+    return f"{type(model).__name__}: {len(decoder.layers)} layers, {len(set(files.values()))} safetensors file(s)"
+
+
+def load_module(
+    model: Any, module: Any, tensors: dict[str, torch.Tensor], what: str, *, skip: str | None = None
+) -> int:
+    """Load checkpoint `tensors` into `module` of the meta `model` through transformers' own conversion (renames,
+    fused experts), in the skeleton's dtype (fp32). Returns the bytes now held; refuses when any weight of `module`
+    (but those under `skip.`, loaded later) stays unloaded."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    # dtype None: each tensor takes the dtype of the skeleton's parameter (fp32; the embedding: keep_stored_dtype)
+    config = LoadStateDictConfig(dtype=None, weight_mapping=get_model_conversion_mapping(model))
+    info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=tensors, load_config=config)
+    problems = [
+        f"{label} {sorted(keys)[:5]}"
+        for label, keys in (
+            ("unexpected tensors", info.unexpected_keys),
+            ("tensors of the wrong shape", info.mismatched_keys),
+            ("conversion errors", info.conversion_errors),
+            ("errors", info.error_msgs),
+        )
+        if keys
+    ]
+    unloaded = [
+        name
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+        if tensor.is_meta and not (skip and name.startswith(skip + "."))
+    ]
+    if unloaded:
+        problems.append(f"weights not in the checkpoint {unloaded[:5]}")
+    if problems:
+        reason = f"{what}: its tensors do not load into transformers' {type(module).__name__}: {'; '.join(problems)}"
+        raise UnsupportedTarget(f"{reason}. The full-depth reference cannot run this checkpoint; {TURN_OFF}", reason)
+    return weight_bytes(module, skip=skip)
+
+
+def keep_stored_dtype(embed: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The input embedding stays in the checkpoint's dtype (a lookup is exact in any dtype; its rows become fp32 after
+    the lookup): a 128k-token vocabulary in fp32 would be twice the memory of an 8B model's layer."""
+    shape = tuple(embed.weight.shape)
+    stored = [t.dtype for t in tensors.values() if tuple(t.shape) == shape]
+    if stored and stored[0].is_floating_point:
+        embed.to(dtype=stored[0])
+
+
+def free(module: Any) -> None:
+    """Give a module's weights back (to the meta device): memory returns to one layer."""
+    module.to("meta")
+
+
+# ------------------------------------------------------------------------------------------------ the forward
+
+
+def right_padded(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] input ids and attention mask, samples left-aligned (causal attention never sees the padding)."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for b, ids in enumerate(batch):
+        input_ids[b, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        mask[b, : len(ids)] = 1
+    return input_ids, mask
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """transformers' "Loading weights" bar, once per layer, would bury the stage's own progress lines."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def stream_reference(
+    target_dir: Path, batch: Sequence[Sequence[int]], visit: Visit, *, trust_remote_code: bool = False
+) -> tuple[int, int]:
+    """Run the fp32 HF forward of `batch` through the whole target, one decoder layer in memory at a time, and call
+    ``visit(label, states)`` with states [B, T, H] for every depth in vLLM's convention: str(k), k in 0..N-1, the
+    input of layer k; str(N) the pre-norm output of the last layer; POST_NORM the final norm's output. Positions
+    past a sample's length are padding. Returns (N, the most weight bytes held at once)."""
+    model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
+    layers = decoder.layers
+    num_layers = len(layers)
+    files = checkpoint_files(target_dir)  # each layer's tensors read (read_tensors) just before its forward
+    outside, per_layer = split_by_layer(list(files), num_layers)
+    held = {"now": 0, "peak": 0}
+    started = time.monotonic()
+
+    def hold(nbytes: int) -> None:
+        held["now"] += nbytes
+        held["peak"] = max(held["peak"], held["now"])
+
+    def before_layer(index: int) -> Callable[..., None]:
+        def hook(_module: Any, args: tuple, kwargs: dict) -> None:
+            if not per_layer[index]:
+                raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layer {index}")
+            tensors = read_tensors(target_dir, files, per_layer[index])
+            hold(load_module(model, layers[index], tensors, f"decoder layer {index}"))
+            visit(str(index), args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    def after_layer(index: int) -> Callable[..., None]:
+        def hook(module: Any, _args: tuple, output: Any) -> None:
+            if index == num_layers - 1:
+                visit(str(num_layers), _first_tensor(output))
+            nbytes = weight_bytes(module)
+            free(module)
+            held["now"] -= nbytes
+            if (index + 1) % max(1, num_layers // 8) == 0 or index == num_layers - 1:
+                log.info(
+                    "full-depth reference: %d/%d layers, %.1f s", index + 1, num_layers, time.monotonic() - started
+                )
+
+        return hook
+
+    embed = decoder.get_input_embeddings()
+
+    def after_embedding(module: Any, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+        held["now"] -= weight_bytes(module)
+        free(module)  # a large vocabulary's embedding is as big as a layer: not kept beside them
+        return output.float()  # rows of the stored dtype, exactly; from here on everything is fp32
+
+    hooks = [embed.register_forward_hook(after_embedding)]
+    hooks.append(decoder.norm.register_forward_hook(lambda _m, _a, out: visit(POST_NORM, _first_tensor(out))))
+    for index, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(before_layer(index), with_kwargs=True))
+        hooks.append(layer.register_forward_hook(after_layer(index)))
+    input_ids, mask = right_padded(batch, pad_id=0)
+    try:
+        with _quiet_loading():
+            tensors = read_tensors(target_dir, files, outside)
+            keep_stored_dtype(embed, tensors)
+            hold(load_module(model, decoder, tensors, "embedding and final norm", skip="layers"))
+            del tensors
+            with torch.inference_mode():
+                decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return num_layers, held["peak"]
