@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import api_report
 
-from eagle3_workflow.canary.check import (
+from eagle3_workflow.canary.slice import (
     canary_layer_count,
     canary_layer_ids,
     id_set_shape_problems,
