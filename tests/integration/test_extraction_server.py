@@ -32,7 +32,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from eagle3_workflow.extraction import Sample
+from eagle3_workflow.extraction_client import Sample
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
 
@@ -204,7 +204,7 @@ def test_sigterm_tears_the_server_down(clean_run, tmp_path):
 import json, logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO)
-from eagle3_workflow.extraction import ReplicaRequest, client_settings, extract_replica
+from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
 from eagle3_workflow.hidden_states import HiddenStateFiles
 from eagle3_workflow.settings import ExtractHiddenStatesStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec
@@ -246,7 +246,7 @@ import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
 from eagle3_workflow.artefacts import write
-from eagle3_workflow.extraction import ReplicaRequest, client_settings, extract_replica
+from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
 from eagle3_workflow.hidden_states import HiddenStateFiles
 from eagle3_workflow.settings import ExtractHiddenStatesStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec
@@ -394,7 +394,7 @@ def test_a_dead_server_leaves_the_failed_block_last(tiny_targets, tmp_path):
 def test_greedy_cross_check_on_the_full_model(tiny_targets, tmp_path, monkeypatch, fault):
     """The server's greedy token equals norm+lm_head of the captured id N; a wrong id N is caught."""
     from eagle3_workflow.artefacts import ExtractionManifest, load
-    from eagle3_workflow.validation import greedy_cross_check, greedy_failure_message
+    from eagle3_workflow.validation.checks import greedy_cross_check, greedy_failure_message
 
     if fault:
         monkeypatch.setenv("EAGLE3_FAULT", fault)
@@ -422,7 +422,8 @@ def extract_with_server(target: Path, work: Path, samples: list, extra_args: lis
     """Extract `samples` one at a time (each can hit the cache the previous one filled); returns prefix hits."""
     import httpx
 
-    from eagle3_workflow.extraction import ProgressTracker, client_settings, extract_samples
+    from eagle3_workflow.extraction.replica import client_settings
+    from eagle3_workflow.extraction_client import ProgressTracker, extract_samples
     from eagle3_workflow.hidden_states import HiddenStateFiles
     from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
 

@@ -14,9 +14,9 @@ import torch
 from conftest import REPO, TINY_DATA, preparation, run_workflow, tiny_config, tiny_settings
 from safetensors.torch import load_file, save_file
 
-from eagle3_workflow.canary import CanaryRequest, client_settings, run_canary
-from eagle3_workflow.extraction import Sample
-from eagle3_workflow.prepare import prepare_conversations
+from eagle3_workflow.canary.check import CanaryRequest, client_settings, run_canary
+from eagle3_workflow.extraction_client import Sample
+from eagle3_workflow.prepare.conversations import prepare_conversations
 from eagle3_workflow.settings import CanaryStage
 from eagle3_workflow.vllm_server import hidden_states_server_spec
 
@@ -147,7 +147,7 @@ def test_canary_names_the_layers_of_a_shifted_deepseek(tiny_targets, tmp_path, m
 def test_without_an_hf_reference_two_extractions_must_be_equal(tiny_targets, tmp_path, monkeypatch):
     """A checkpoint transformers cannot run (a quantization, say): the canary extracts every sample twice and the
     files must be bit-identical; the report says which reference it had."""
-    from eagle3_workflow import canary as canary_module
+    from eagle3_workflow.canary import check as canary_module
 
     monkeypatch.setattr(canary_module, "load_hf_reference", lambda _dir, _trust: (None, "no HF reference (test)"))
     report = canary(tiny_targets("llama"), tmp_path)

@@ -253,9 +253,9 @@ def planned_resources(stdout: str) -> dict[str, list[str]]:
 def test_every_gpu_rule_declares_its_placement(tmp_path):
     """The real workflow's plan: every GPU-using rule carries gpu=N and the placement settings, CPU rules
     neither; and every GPU stage's entry point holds its devices."""
-    import eagle3_workflow.canary as canary
+    import eagle3_workflow.canary.stage as canary
     import eagle3_workflow.evaluation.stage as evaluation
-    import eagle3_workflow.extraction as extraction
+    import eagle3_workflow.extraction.stage as extraction
     import eagle3_workflow.regenerate.stage as regenerate
     import eagle3_workflow.training.stage as training
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import rules_run, run_workflow, synthetic_run_config
 from synthetic_run import acceptance_report, write_synthetic_run
 
-from eagle3_workflow.model_card import CARD_NAME
+from eagle3_workflow.model_card.card import CARD_NAME
 
 
 @pytest.fixture

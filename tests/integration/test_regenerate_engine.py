@@ -11,7 +11,7 @@ import pytest
 from conftest import REGENERATE_SETTINGS, SEED_PROMPTS, preparation, run_workflow, tiny_config, tiny_settings
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.prepare import prepare_conversations
+from eagle3_workflow.prepare.conversations import prepare_conversations
 from eagle3_workflow.regenerate.stage import run_subprocess
 from eagle3_workflow.settings import RegenerateResponsesStage
 

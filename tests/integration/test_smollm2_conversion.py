@@ -12,8 +12,9 @@ import logging
 
 import pytest
 
+from eagle3_workflow.artefacts import BUILD_RECORD
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.smollm2 import BUILD_RECORD, build_smollm2_target, locate_gguf
+from eagle3_workflow.target_build.smollm2 import build_smollm2_target, locate_gguf
 
 
 def _gguf_or_skip():

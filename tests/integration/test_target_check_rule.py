@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import SEED_PROMPTS, run_workflow, tiny_config
 
-from eagle3_workflow.target_check import SANITY_PROMPTS
+from eagle3_workflow.target_check.sanity import SANITY_PROMPTS
 
 
 def regenerating_config(run: str, enabled: bool) -> dict:

@@ -93,7 +93,7 @@ def make_train_inputs(tiny_targets, root: Path) -> dict[str, Path]:
     from conftest import TINY_DATA, preparation
     from transformers import AutoTokenizer
 
-    from eagle3_workflow.prepare import prepare_conversations, write_prepared
+    from eagle3_workflow.prepare.conversations import prepare_conversations, write_prepared
 
     target = tiny_targets("llama", NUM_LAYERS)
     tokenizer = AutoTokenizer.from_pretrained(target)

@@ -66,7 +66,7 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys():
 
 
 def test_layer_id_failures_name_the_key_not_the_environment(tiny_targets):
-    from eagle3_workflow.api_checks import failure_advice
+    from eagle3_workflow.api_checks.checks import failure_advice
 
     report = api_report(tiny_targets("llama"), configured_layer_ids=[2, 2, 8])
     failed = [r for r in report.checks if not r.passed]
@@ -87,7 +87,7 @@ def test_default_layer_ids_that_collide_ask_for_explicit_ids():
 
 
 def test_environment_failures_name_the_package():
-    from eagle3_workflow.api_checks import failure_advice
+    from eagle3_workflow.api_checks.checks import failure_advice
     from eagle3_workflow.artefacts import CheckRow
 
     advice = failure_advice(

@@ -17,14 +17,8 @@ from safetensors.torch import save_file
 
 from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, disk_full_line, mount_point
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.extraction import (
-    ProgressTracker,
-    Sample,
-    ServerCannotWrite,
-    disk_full_message,
-    disk_preflight,
-    resume_scan,
-)
+from eagle3_workflow.extraction.replica import ServerCannotWrite, disk_full_message, disk_preflight, resume_scan
+from eagle3_workflow.extraction_client import ProgressTracker, Sample
 from eagle3_workflow.hidden_states import (
     HiddenStateFiles,
     check_file,
@@ -225,7 +219,7 @@ def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
 
 def test_greedy_check_row_accepts_ties_and_names_a_different_token():
     from eagle3_workflow.artefacts import GreedyProbe
-    from eagle3_workflow.validation import greedy_check_row
+    from eagle3_workflow.validation.checks import greedy_check_row
 
     head = torch.eye(4, 3) * torch.tensor([10.0, 10.0, 1.0])
     norm = torch.ones(3)
@@ -241,7 +235,7 @@ def test_greedy_check_row_accepts_ties_and_names_a_different_token():
 
 
 def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):
-    from eagle3_workflow.validation import load_final_head
+    from eagle3_workflow.validation.checks import load_final_head
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_hidden_layers": 2}))
     with pytest.raises(StageError, match="does not know the final norm of model_type 'gemma2'"):

@@ -1,4 +1,4 @@
-"""The full-depth check of validate_hidden_states (eagle3_workflow.full_depth) without vLLM: the streamed reference
+"""The full-depth check of validate_hidden_states (eagle3_workflow.validation.full_depth) without vLLM: the streamed reference
 equals a plain HF forward at every depth (llama, qwen3, deepseek_v3; sharded checkpoints; samples of different
 lengths in one padded batch), the slot verdicts name every wrong id, and a target it cannot run fails the stage with
 the cause. Through a real server and Snakemake (a fault past the canary's slice): tests/integration/test_gates_canary.py.
@@ -15,20 +15,18 @@ from conftest import tiny_settings
 from safetensors.torch import save_file
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.full_depth import (
-    UnsupportedTarget,
+from eagle3_workflow.full_depth_reference import UnsupportedTarget, split_by_layer, stream_reference
+from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.layer_match import POST_NORM, SlotMatch
+from eagle3_workflow.settings import ValidateHiddenStatesStage
+from eagle3_workflow.target_build.tiny import model_config
+from eagle3_workflow.validation.full_depth import (
     check_stage,
     failure_message,
     full_depth_check,
     pick_rows,
     slot_verdicts,
-    split_by_layer,
-    stream_reference,
 )
-from eagle3_workflow.hidden_states import hs_file
-from eagle3_workflow.layer_match import POST_NORM, SlotMatch
-from eagle3_workflow.settings import ValidateHiddenStatesStage
-from eagle3_workflow.tiny_target import model_config
 
 
 def random_target(out: Path, arch: str, num_layers: int, *, shard: str | None = "60KB") -> Path:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import api_report
 
-from eagle3_workflow.canary import (
+from eagle3_workflow.canary.slice import (
     canary_layer_count,
     canary_layer_ids,
     id_set_shape_problems,
@@ -116,7 +116,7 @@ def test_check_api_refuses_a_target_the_full_depth_reference_cannot_run(tiny_tar
 
 
 def test_check_api_catches_a_renamed_acceptance_counter(tiny_targets, monkeypatch):
-    from eagle3_workflow.evaluation import metrics
+    from eagle3_workflow import vllm_metrics as metrics
 
     monkeypatch.setattr(metrics, "SPEC_COUNTERS", {**metrics.SPEC_COUNTERS, "vllm:spec_decode_renamed": "x"})
     report = api_report(tiny_targets("llama"))
@@ -179,7 +179,7 @@ def _candidates(tokens: int = 12, hidden: int = 16, layers: int = 8):
     ],
 )
 def test_match_slots_names_every_remapped_slot(sources):
-    from eagle3_workflow.canary import convention_row
+    from eagle3_workflow.canary.check import convention_row
     from eagle3_workflow.layer_match import match_slots, squared_distances
 
     labels, candidates = _candidates()
@@ -195,7 +195,7 @@ def test_match_slots_names_every_remapped_slot(sources):
 
 
 def test_match_slots_passes_a_correct_capture_and_reports_the_margin():
-    from eagle3_workflow.canary import convention_row
+    from eagle3_workflow.canary.check import convention_row
     from eagle3_workflow.layer_match import match_slots, squared_distances
 
     labels, candidates = _candidates()

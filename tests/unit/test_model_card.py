@@ -12,6 +12,7 @@ import pytest
 from synthetic_run import acceptance_report, write_synthetic_run
 
 from eagle3_workflow.artefacts import (
+    BUILD_RECORD,
     AcceptanceReport,
     ApiCompatReport,
     ArtefactError,
@@ -24,9 +25,8 @@ from eagle3_workflow.artefacts import (
     write,
 )
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.model_card import CARD_NAME, CardInputs, package_draft, render_model_card, sha256_of
+from eagle3_workflow.model_card.card import CARD_NAME, CardInputs, package_draft, render_model_card, sha256_of
 from eagle3_workflow.settings import PackageDraftStage, view_of, with_schema_defaults
-from eagle3_workflow.smollm2 import BUILD_RECORD
 
 SECTIONS = {
     "target": {"path": None, "build": {"kind": "smollm2"}, "dtype": "bfloat16"},

@@ -12,7 +12,7 @@ from conftest import preparation
 
 from eagle3_workflow.chat import tokenize_conversation
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.prepare import prepare_conversations, token_frequencies
+from eagle3_workflow.prepare.conversations import prepare_conversations, token_frequencies
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -6,7 +6,7 @@ import subprocess
 
 from conftest import REPO
 
-from eagle3_workflow.provenance import git_state
+from eagle3_workflow.provenance.collect import git_state
 
 
 def test_git_state_reads_the_workflow_checkout_not_the_working_directory(tmp_path, monkeypatch):

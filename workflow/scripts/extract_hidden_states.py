@@ -1,5 +1,5 @@
-"""Snakemake entry for rule `extract_hidden_states`: the work is in eagle3_workflow.extraction."""
+"""Snakemake entry for rule `extract_hidden_states`: the work is in eagle3_workflow.extraction (main in its stage module)."""
 
-from eagle3_workflow.extraction import main
+from eagle3_workflow.extraction.stage import main
 
 main(snakemake)  # noqa: F821 - injected by Snakemake's script directive

@@ -133,8 +133,11 @@ class GreedyAnswer(Artefact):
     passed: bool
 
 
+BUILD_RECORD = "eagle3_build.json"  # SmolLM2Build's file in the target folder: written by the build, read by the card
+
+
 class SmolLM2Build(Artefact):
-    """<target>/eagle3_build.json, beside the weights of a target built from the SmolLM2 GGUF."""
+    """<target>/eagle3_build.json (BUILD_RECORD), beside the weights of a target built from the SmolLM2 GGUF."""
 
     written_by: ClassVar[str] = "build_smollm2_target"
 

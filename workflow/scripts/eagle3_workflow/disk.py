@@ -1,7 +1,7 @@
 """A full disk, recognised wherever it shows: an OSError of our own (ENOSPC, EDQUOT) or a line in a child's output
 (vLLM's connector writes the hidden-state files in the server process, so there it is only a log line), and the
 numbers a person needs then: which file system, how much is free now. No processes, no vLLM: the stage that failed
-says what is safe and what to do (extraction.py).
+says what is safe and what to do (extraction/replica.py).
 """
 
 from __future__ import annotations

@@ -11,13 +11,7 @@ from typing import Any
 from eagle3_workflow.artefacts import AcceptanceReport, AcceptanceResult, LosslessMismatch, Throughput
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.evaluation.protocol import NO_SPECULATION, RunResult
-
-SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "num_drafts",
-    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-}
-PER_POSITION_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
+from eagle3_workflow.vllm_metrics import PER_POSITION_METRIC, SPEC_COUNTERS
 
 
 @dataclasses.dataclass

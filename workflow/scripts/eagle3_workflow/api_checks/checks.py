@@ -22,8 +22,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from eagle3_workflow.artefacts import ApiCompatReport, CheckRow, TargetInfo, write
-from eagle3_workflow.errors import StageError, check_table
+from eagle3_workflow.artefacts import ApiCompatReport, CheckRow, TargetInfo
 from eagle3_workflow.hidden_states import resolve_layer_ids
 from eagle3_workflow.target_config import read_target_config
 
@@ -243,7 +242,7 @@ def check_spec_decode_metrics() -> tuple[str, bool]:
     from vllm import LLM
     from vllm.v1.spec_decode import metrics
 
-    from eagle3_workflow.evaluation.metrics import PER_POSITION_METRIC, SPEC_COUNTERS
+    from eagle3_workflow.vllm_metrics import PER_POSITION_METRIC, SPEC_COUNTERS
 
     source = inspect.getsource(metrics)
     missing = [name for name in [*SPEC_COUNTERS, PER_POSITION_METRIC] if f'"{name}"' not in source]
@@ -327,7 +326,7 @@ FIX_HEADINGS = {
 
 def check_full_depth_reference(target_dir: str, trust_remote_code: bool, enabled: bool) -> tuple[str, bool]:
     """validate_hidden_states' full-depth reference can run this target (checked now, not after extraction)."""
-    from eagle3_workflow.full_depth import UnsupportedTarget, preflight
+    from eagle3_workflow.full_depth_reference import UnsupportedTarget, preflight
 
     if not enabled:
         return "not checked: validation.full_depth_check is false (unsafe)", True
@@ -479,36 +478,3 @@ def trainer_fields_used() -> list[str]:
     except ImportError:
         return DEFAULT_TRAINER_FIELDS
     return list(getattr(training, "TRAINER_FIELDS_USED", DEFAULT_TRAINER_FIELDS))
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import CheckApiStage, stage_settings
-    from eagle3_workflow.vllm_server import resolve_device
-
-    def body(log: logging.Logger) -> None:
-        settings = stage_settings(CheckApiStage, snakemake.params.settings)
-        report = run_api_checks(
-            target_dir=str(snakemake.input.target),
-            prepared_dir=str(snakemake.input.prepared),
-            configured_layer_ids=settings.hidden_states.layer_ids,
-            vllm_min=settings.check_api.vllm_min,
-            vllm_max_exclusive=settings.check_api.vllm_max_exclusive,
-            device=resolve_device(settings.vllm.device),
-            trust_remote_code=settings.target.trust_remote_code,
-            trainer_fields=trainer_fields_used(),
-            full_depth_check=settings.validation.full_depth_check,
-        )
-        table = check_table(report.checks)
-        if not report.passed:
-            failed = [r for r in report.checks if not r.passed]
-            architecture_failed = any(r.name == "target architecture" for r in failed)
-            capable = eagle3_capable_architectures() if architecture_failed else None
-            raise StageError(
-                f"API compatibility check failed ({len(failed)} of {len(report.checks)}):\n{table}\n"
-                f"{failure_advice(failed, capable)}"
-            )
-        log.info("API compatibility: all %d checks pass\n%s", len(report.checks), table)
-        write(snakemake.output.report, report)
-
-    run_stage("check_api", snakemake.log[0], body)

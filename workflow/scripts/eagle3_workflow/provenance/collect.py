@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import logging
 import platform
 import socket
 import subprocess
@@ -12,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import Provenance, write
+from eagle3_workflow.artefacts import Provenance
 
 PACKAGES = (
     "snakemake",
@@ -80,14 +78,3 @@ def collect(config: dict[str, Any], workflow_root: str | Path) -> Provenance:
         accelerators=accelerators(),
         config=config,
     )
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.runtime.stage import run_stage
-
-    def body(log: logging.Logger) -> None:
-        record = collect(json.loads(snakemake.params.config), snakemake.params.workflow_root)
-        write(snakemake.output[0], record)
-        log.info("provenance: commit %s, host %s, packages %s", record.git_commit, record.host, record.packages)
-
-    run_stage("record_provenance", snakemake.log[0], body)

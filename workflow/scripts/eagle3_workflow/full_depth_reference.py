@@ -1,11 +1,6 @@
-"""The full-depth proof of validate_hidden_states: every captured production layer id, on the whole target.
-
-The canary proves the capture on a K-layer slice, and the greedy cross-check proves id N only. A capture that goes
-wrong past the slice (id 16 of a 32-layer target filled from layer 17) passes both. Here every slot of a few extracted
-samples (the longest and the shortest) is compared with an fp32 reference of the WHOLE target at every depth: the
-input of each layer 0..N-1 (HF ``output_hidden_states[k]``), the pre-norm output of the last layer (id N) and the
-final norm's output. With the canary's matching (layer_match), each slot must be nearest to the layer it claims
-(so also nearer than its neighbours) and within tolerance of it; every wrong slot is named.
+"""The fp32 reference of the WHOLE target, streamed one decoder layer at a time: what validate_hidden_states' full-depth
+check compares every captured slot with (validation/full_depth.py), and what check_api's preflight builds before any
+extraction (the decoder from the config, every layer's tensors in the checkpoint).
 
 Memory of one layer: the model is built from its config on the meta device (no weights). Its embedding (kept in
 the checkpoint's dtype: a lookup is exact) and final norm are read first; each decoder layer is read from the
@@ -13,8 +8,8 @@ safetensors files (safe_open, only that layer's tensors, the file closed again) 
 by transformers' own checkpoint conversion (DeepSeek's per-expert tensors become its fused experts, as in
 from_pretrained) and freed right after. The samples go through as ONE right-padded batch, through HF's own model
 forward (its causal + padding mask, its rotary embeddings), so the weights are read once: an 8B target runs on a
-CPU node, a 1T MoE in the time of one read of its weights. Each reference state is compared
-with the slots as it streams by; none is kept. No vLLM here, no subprocess.
+CPU node, a 1T MoE in the time of one read of its weights. Each reference state is handed to the caller's visit as it
+streams by; none is kept. No vLLM here, no subprocess.
 """
 
 from __future__ import annotations
@@ -28,20 +23,13 @@ from typing import Any
 
 import torch
 
-from eagle3_workflow.artefacts import DepthSlot, FullDepthReport
-from eagle3_workflow.errors import StageError, render_table
-from eagle3_workflow.hidden_states import human_bytes, read_hidden_states
-from eagle3_workflow.layer_match import LAYER_KEY, POST_NORM, SlotMatch, compare_layers, match_slots, squared_distances
-from eagle3_workflow.settings import ValidateHiddenStatesStage
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.layer_match import LAYER_KEY, POST_NORM
 from eagle3_workflow.target_config import NotSafetensors, read_tensors, weight_files
 
 log = logging.getLogger("eagle3.full_depth")
 
 REFERENCE = "HF transformers fp32 forward of the whole target, streamed one decoder layer at a time"
-UNSAFE_OFF = (
-    "validation.full_depth_check is false: the captured ids past the canary's slice were NOT compared with the "
-    "target (UNSAFE: a capture that is wrong only deep in the model trains a useless draft)"
-)
 TURN_OFF = (
     "set validation.full_depth_check: false only if you accept training on hidden states nobody compared with the "
     "target past the canary's slice (unsafe; recorded in validation.json and provenance.json)"
@@ -63,18 +51,6 @@ def unsupported(target_dir: Path, reason: str) -> UnsupportedTarget:
         f"proven past the canary's slice. Fix: a transformers that runs this architecture, or {TURN_OFF}",
         reason,
     )
-
-
-# ------------------------------------------------------------------------------------------------ which samples
-
-
-def pick_rows(lengths: Mapping[int, int]) -> list[int]:
-    """The longest sample (rotary embeddings and the causal mask far out) and the shortest; the lowest row on ties."""
-    if not lengths:
-        return []
-    longest = min(lengths, key=lambda row: (-lengths[row], row))
-    shortest = min(lengths, key=lambda row: (lengths[row], row))
-    return [longest] if longest == shortest else [longest, shortest]
 
 
 # ------------------------------------------------------------------------------------------------ the checkpoint
@@ -209,7 +185,7 @@ def free(module: Any) -> None:
     module.to("meta")
 
 
-# ------------------------------------------------------------------------------------------------ the reference
+# ------------------------------------------------------------------------------------------------ the forward
 
 
 def right_padded(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,199 +285,3 @@ def stream_reference(
         for handle in hooks:
             handle.remove()
     return num_layers, held["peak"]
-
-
-# ------------------------------------------------------------------------------------------------ the comparison
-
-
-class SlotComparison:
-    """The extracted slots of the samples ([T_b, L, H] each) against every reference depth as it streams by: summed
-    squared distances per slot and candidate, and each slot's error against its own layer (the canary's metrics)."""
-
-    def __init__(self, slots: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> None:
-        self.slots = [s.float() for s in slots]
-        self.layer_ids = list(layer_ids)
-        self.sq_norm = sum(s.pow(2).sum(dim=(0, 2)) for s in self.slots)
-        self.sq_dist: dict[str, torch.Tensor] = {}
-        self.max_rel: dict[str, float] = {}
-
-    def __call__(self, label: str, states: torch.Tensor) -> None:
-        dist = torch.zeros(len(self.layer_ids))
-        for b, got in enumerate(self.slots):
-            ref = states[b, : got.shape[0]].float()
-            dist += squared_distances(got, ref[:, None, :])[:, 0]
-            if label in {str(i) for i in self.layer_ids}:
-                j = self.layer_ids.index(int(label))
-                worst, _ = compare_layers(got[:, [j]], ref[:, None, :], [int(label)])
-                self.max_rel[label] = max(self.max_rel.get(label, 0.0), worst[label])
-        self.sq_dist[label] = dist
-
-    def matches(self, num_layers: int) -> list[SlotMatch]:
-        labels = [str(k) for k in range(num_layers + 1)] + [POST_NORM]
-        missing = [label for label in labels if label not in self.sq_dist]
-        if missing:
-            raise StageError(f"the full-depth reference produced no state for depths {missing}; it did not run through")
-        return match_slots(self.layer_ids, labels, torch.stack([self.sq_dist[x] for x in labels], dim=1), self.sq_norm)
-
-
-def slot_verdicts(matches: Sequence[SlotMatch], max_rel: Mapping[str, float], tolerance: float) -> list[DepthSlot]:
-    """Each slot: nearest to its own layer of all depths, and its error against that layer within tolerance."""
-    verdicts = []
-    for m in matches:
-        error = max_rel[str(m.claimed)]
-        if not m.ok:
-            problem = f"WRONG LAYER: id {m.claimed} is layer {m.best} (rel {m.best_rel:.3g}; vs its own layer {m.own_rel:.3g})"
-        elif error > tolerance:
-            problem = f"TOO FAR: id {m.claimed} max rel error {error:.3g} > tolerance {tolerance:g}"
-        else:
-            problem = ""
-        verdicts.append(
-            DepthSlot(
-                claimed=m.claimed,
-                best=m.best,
-                best_rel=m.best_rel,
-                runner_up=m.runner_up,
-                runner_up_rel=m.runner_up_rel,
-                own_rel=m.own_rel,
-                margin=round(m.margin, 3),
-                max_rel_error=error,
-                ok=not problem,
-                problem=problem,
-            )
-        )
-    return verdicts
-
-
-def read_slots(files_dir: Path, row: int, tokens: int) -> torch.Tensor:
-    """The first `tokens` positions of an extracted sample's hidden states, [T, L, H]."""
-    return read_hidden_states(files_dir, row, slice(None, tokens))
-
-
-def full_depth_check(
-    target_dir: Path,
-    files_dir: Path,
-    samples: Mapping[int, Sequence[int]],
-    layer_ids: Sequence[int],
-    *,
-    tolerance: float,
-    max_tokens: int,
-    trust_remote_code: bool = False,
-) -> FullDepthReport:
-    """Every captured id of the longest and the shortest of `samples` (row -> input ids, files in `files_dir`)
-    against the streamed fp32 reference of the whole target; the report names every wrong slot."""
-    started = time.monotonic()
-    rows = pick_rows({row: len(ids) for row, ids in samples.items()})
-    if not rows:
-        raise StageError("the full-depth check has no valid extracted sample to compare")
-    batch = [list(samples[row])[:max_tokens] for row in rows]
-    comparison = SlotComparison(
-        [read_slots(files_dir, row, len(ids)) for row, ids in zip(rows, batch, strict=True)], layer_ids
-    )
-    num_layers, peak = stream_reference(target_dir, batch, comparison, trust_remote_code=trust_remote_code)
-    slots = slot_verdicts(comparison.matches(num_layers), comparison.max_rel, tolerance)
-    return FullDepthReport(
-        enabled=True,
-        passed=all(s.ok for s in slots),
-        reference=REFERENCE,
-        num_layers=num_layers,
-        layer_ids=list(layer_ids),
-        rows=rows,
-        tokens=[len(ids) for ids in batch],
-        max_tokens_per_sample=max_tokens,
-        tolerance=tolerance,
-        slots=slots,
-        largest_layer_bytes=peak,
-        wall_s=round(time.monotonic() - started, 2),
-    )
-
-
-def disabled_report(layer_ids: Sequence[int], *, tolerance: float, max_tokens: int) -> FullDepthReport:
-    return FullDepthReport(
-        enabled=False,
-        passed=None,
-        reference="none (turned off)",
-        num_layers=max(layer_ids),
-        layer_ids=list(layer_ids),
-        rows=[],
-        tokens=[],
-        max_tokens_per_sample=max_tokens,
-        tolerance=tolerance,
-        slots=[],
-        largest_layer_bytes=0,
-        wall_s=0.0,
-        note=UNSAFE_OFF,
-    )
-
-
-def slot_table(report: FullDepthReport) -> str:
-    return render_table(
-        ["id", "nearest layer (rel)", "next nearest (rel)", "own layer rel", "max rel error", "verdict"],
-        [
-            (
-                s.claimed,
-                f"{s.best} ({s.best_rel:.3g})",
-                f"{s.runner_up} ({s.runner_up_rel:.3g})",
-                f"{s.own_rel:.3g}",
-                f"{s.max_rel_error:.3g}",
-                s.problem or "ok",
-            )
-            for s in report.slots
-        ],
-    )
-
-
-WRONG_LAYER_ADVICE = (
-    "The capture is wrong past the canary's slice (a layer-id remap in this vLLM build or its model code): the "
-    "hidden states are unusable for training; do not raise the tolerance. Check the vLLM version against envs/, "
-    "then rerun extraction (snakemake --forcerun extract_hidden_states)."
-)
-TOO_FAR_ADVICE = (
-    "Every id is nearest to its own layer, but farther from it than the tolerance: numerical drift of the serving "
-    "dtype through the whole depth, or a capture that scales or corrupts the state. Compare with the canary's errors "
-    "(checks/canary.json) and the margins above; raise validation.full_depth_relative_tolerance only if the drift is "
-    "the dtype's (it grows with depth), then rerun validate_hidden_states."
-)
-
-
-def failure_message(report: FullDepthReport) -> str:
-    wrong = [s for s in report.slots if not s.ok]
-    wrong_layer = any(s.best != str(s.claimed) for s in wrong)
-    return (
-        f"full-depth check FAILED: {len(wrong)} of {len(report.slots)} captured ids do not hold their own layer of the "
-        f"{report.num_layers}-layer target (rows {report.rows}, {report.tokens} tokens, vs {report.reference}; each id "
-        f"must be nearest to its own layer of all 0..{report.num_layers} (+ post-norm) and within max rel error "
-        f"{report.tolerance:g}):\n{slot_table(report)}\n{WRONG_LAYER_ADVICE if wrong_layer else TOO_FAR_ADVICE}"
-    )
-
-
-def check_stage(
-    settings: ValidateHiddenStatesStage,
-    *,
-    target_dir: Path,
-    files_dir: Path,
-    samples: Mapping[int, Sequence[int]],
-    layer_ids: Sequence[int],
-) -> FullDepthReport:
-    """validate_hidden_states' adapter: the check as configured (or the unsafe note when turned off); a failed check
-    raises with its table."""
-    validation = settings.validation
-    limits = dict(tolerance=validation.full_depth_relative_tolerance, max_tokens=validation.full_depth_max_tokens)
-    if not validation.full_depth_check:
-        log.warning("%s", UNSAFE_OFF)
-        return disabled_report(layer_ids, **limits)
-    report = full_depth_check(
-        target_dir, files_dir, samples, layer_ids, trust_remote_code=settings.target.trust_remote_code, **limits
-    )
-    if not report.passed:
-        raise StageError(failure_message(report))
-    log.info(
-        "full-depth check passed: every id of rows %s (%s tokens) holds its own layer of the %d-layer target "
-        "(%.1f s, at most %s of weights held):\n%s",
-        report.rows,
-        report.tokens,
-        report.num_layers,
-        report.wall_s,
-        human_bytes(report.largest_layer_bytes),
-        slot_table(report),
-    )
-    return report

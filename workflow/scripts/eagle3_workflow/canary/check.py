@@ -1,6 +1,6 @@
 """Stage `canary`: the production extraction path on a few-layer slice of the real checkpoint.
 
-1. Truncate: same config with K layers (every distinct layer type covered, e.g. DeepSeek-V3/Kimi's dense
+1. Truncate (slice.py): same config with K layers (every distinct layer type covered, e.g. DeepSeek-V3/Kimi's dense
    layers plus the first MoE layer, and at least 8 so the id set can have production's shape), reading only
    the needed tensors lazily from the safetensors shards.
 2. Serve it exactly as extraction does (same spec builder, connector, tensor-parallel size, client code) and
@@ -25,133 +25,24 @@ import dataclasses
 import json
 import logging
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3_workflow.artefacts import ApiCompatReport, CanaryReport, CheckRow, LayerMatch, load, write
+from eagle3_workflow.artefacts import CanaryReport, CheckRow, LayerMatch
+from eagle3_workflow.canary.slice import CanarySlice, build_truncated_target, canary_layer_count, canary_layer_ids
 from eagle3_workflow.errors import StageError, check_table
-from eagle3_workflow.extraction import ClientSettings, ProgressTracker, Sample, extract_samples
-from eagle3_workflow.hidden_states import HiddenStateFiles, read_hidden_states, read_sample
-from eagle3_workflow.layer_match import (
-    LAYER_KEY,
-    POST_NORM,
-    SlotMatch,
-    compare_layers,
-    match_slots,
-    squared_distances,
-)
+from eagle3_workflow.extraction_client import ClientSettings, ProgressTracker, Sample, extract_samples
+from eagle3_workflow.hidden_states import read_hidden_states, read_sample
+from eagle3_workflow.layer_match import POST_NORM, SlotMatch, compare_layers, match_slots, squared_distances
 from eagle3_workflow.prepared import open_prepared
-from eagle3_workflow.settings import CanaryStage, ExtractionStall, stage_settings
-from eagle3_workflow.target_config import read_target_config, read_tensors, text_section, weight_files
+from eagle3_workflow.settings import CanaryStage, ExtractionStall
+from eagle3_workflow.target_config import read_target_config
 from eagle3_workflow.vllm_server import VLLMServer
 
 log = logging.getLogger("eagle3.canary")
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
-
-
-MIN_SHAPED_LAYERS = 8  # the fewest layers where [2, K//2, K-2, K] has a gap between every pair of ids
-
-
-def canary_layer_count(text: Mapping[str, Any], requested: int | None) -> int:
-    """Layers to keep: every distinct layer type covered and room for a production-shaped id set (>= 8). `text`: the
-    language model's part of the config (TargetConfig.text)."""
-    total = int(text["num_hidden_layers"])
-    if requested:
-        return min(requested, total)
-    needed = MIN_SHAPED_LAYERS
-    dense = text.get("first_k_dense_replace")
-    if dense is not None:
-        needed = max(needed, int(dense) + 1)  # the dense layers plus the first MoE layer
-    layer_types = text.get("layer_types")
-    if layer_types:
-        first_seen: dict[str, int] = {}
-        for i, kind in enumerate(layer_types):
-            first_seen.setdefault(str(kind), i)
-        needed = max(needed, max(first_seen.values()) + 1)
-    return min(needed, total)
-
-
-def canary_layer_ids(layers: int) -> list[int]:
-    """Ids with the shape of production's [2, N//2, N-3, N] on a K-layer slice.
-
-    A gap between every pair of ids, the last id = K (the pre-norm output), and middle ids that are neither
-    first nor adjacent to another: a capture bug that remaps ids only when that keeps their count (which is
-    invisible on a contiguous 1..K set) moves at least one slot here. K-2 rather than K-3 keeps the gap at K=8.
-    """
-    if layers >= MIN_SHAPED_LAYERS:
-        return [2, layers // 2, layers - 2, layers]
-    if layers <= 2:
-        return list(range(1, layers + 1))
-    return sorted(range(layers, 0, -2))[-4:]  # every second layer down from K: gaps, at most four ids
-
-
-def id_set_shape_problems(ids: list[int], layers: int) -> list[str]:
-    """What keeps `ids` from having production's shape on a K-layer slice (empty = fine)."""
-    problems = []
-    if not ids or ids[-1] != layers:
-        problems.append(f"last id is not {layers}")
-    if any(b - a < 2 for a, b in zip(ids, ids[1:], strict=False)):
-        problems.append("two ids are adjacent")
-    if not any(0 < i < len(ids) - 1 for i in range(len(ids))):
-        problems.append("no middle id")
-    return problems
-
-
-def truncated_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
-    out = json.loads(json.dumps(config))
-    text = text_section(out)
-    text["num_hidden_layers"] = layers
-    if isinstance(text.get("layer_types"), list):
-        text["layer_types"] = text["layer_types"][:layers]
-    text.pop("num_nextn_predict_layers", None)  # MTP layers are not part of the slice
-    return out
-
-
-def keep_tensor(name: str, layers: int) -> bool:
-    match = LAYER_KEY.search(name)
-    return match is None or int(match.group(2)) < layers
-
-
-def build_truncated_target(target_dir: Path, out_dir: Path, layers: int) -> dict[str, Any]:
-    """Write a K-layer copy of the checkpoint, reading only the kept tensors (lazy safe_open, sharded or not)."""
-    from safetensors.torch import save_file
-
-    config = read_target_config(target_dir)
-    files = weight_files(target_dir)
-    tensors = read_tensors(target_dir, files, [name for name in files if keep_tensor(name, layers)])
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(truncated_config(config.raw, layers), indent=2))
-    for name in TOKENIZER_FILES:
-        if (target_dir / name).exists():
-            shutil.copy2(target_dir / name, out_dir / name)
-    for extra in target_dir.glob("*.py"):  # remote-code modules (used only when trust_remote_code is set)
-        shutil.copy2(extra, out_dir / extra.name)
-    log.info(
-        "canary target: %d of %d layers, %d tensors -> %s",
-        layers,
-        config.num_layers,
-        len(tensors),
-        out_dir,
-    )
-    return config.raw
 
 
 def reference_all_layers(input_ids: list[int], model: Any) -> tuple[list[str], torch.Tensor]:
@@ -359,19 +250,6 @@ class CanaryRequest:
     trust_remote_code: bool  # target.trust_remote_code (its default is the schema's)
 
 
-@dataclasses.dataclass(frozen=True)
-class CanarySlice:
-    """The K-layer slice of the target the canary serves: where it is written, and the ids captured from it."""
-
-    model_dir: Path
-    layers: int
-    layer_ids: list[int]
-    hidden_size: int
-
-    def files(self, folder: Path) -> HiddenStateFiles:
-        return HiddenStateFiles(folder, len(self.layer_ids), self.hidden_size)
-
-
 def run_canary(request: CanaryRequest) -> CanaryReport:
     target = read_target_config(request.target_dir)
     layers = canary_layer_count(target.text, request.canary_layers)
@@ -475,38 +353,3 @@ def refuse_or_log(report: CanaryReport, log: logging.Logger) -> None:
         report.server_ready_s,
         table,
     )
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.gpu_placement import holding_gpus
-    from eagle3_workflow.runtime.stage import run_stage
-
-    @holding_gpus(snakemake)
-    def body(log: logging.Logger) -> None:
-        settings = stage_settings(CanaryStage, snakemake.params.settings)
-        api = load(ApiCompatReport, snakemake.input.api_compat)
-        if not api.passed:
-            raise StageError("api_compat.json says passed=false; the canary will not start")
-        canary = settings.canary
-        samples, messages = pick_samples(
-            Path(snakemake.input.prepared), canary.num_samples, canary.max_tokens_per_sample
-        )
-        request = CanaryRequest(
-            target_dir=Path(snakemake.input.target),
-            work_dir=Path(snakemake.params.work_dir),
-            samples=samples,
-            messages=messages,
-            spec_factory=server_spec_factory(settings, api.device),
-            server_log=Path(snakemake.log[0]),
-            device=api.device,
-            client=client_settings(settings.extraction),
-            canary_layers=canary.num_layers,
-            tolerance=canary.relative_tolerance,
-            render_samples=canary.render_samples,
-            trust_remote_code=settings.target.trust_remote_code,
-        )
-        report = run_canary(request)
-        refuse_or_log(report, log)
-        write(snakemake.output.report, report)
-
-    run_stage("canary", snakemake.log[0], body)

@@ -16,10 +16,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import SanityAnswer, TargetSanityReport, write
+from eagle3_workflow.artefacts import SanityAnswer, TargetSanityReport
 from eagle3_workflow.chat import assistant_stop_set, load_chat_tokenizer
 from eagle3_workflow.errors import StageError, render_table
-from eagle3_workflow.settings import CheckTargetStage, stage_settings
+from eagle3_workflow.settings import CheckTargetStage
 
 log = logging.getLogger("eagle3.check_target")
 
@@ -120,19 +120,3 @@ def check_target(settings: CheckTargetStage, target: str, device: str, log_path:
             log.info("asked %r; answer %r (%s)", prompt, text[:200], finish)
             answers.append((prompt, text, finish))
     return judge(target, questions.max_tokens, stop.token_ids, answers)
-
-
-def main(snakemake: Any) -> None:
-    from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.vllm_server import resolve_device
-
-    def body(log: logging.Logger) -> None:
-        settings = stage_settings(CheckTargetStage, snakemake.params.settings)
-        device = resolve_device(settings.vllm.device)
-        report = check_target(settings, str(snakemake.input.target), device, snakemake.log[0])
-        if not report.passed:
-            raise StageError(failure_message(report))
-        log.info("the target answers its chat template sensibly (%d questions)", len(report.answers))
-        write(snakemake.output.report, report)
-
-    run_stage("check_target", snakemake.log[0], body)
