@@ -34,7 +34,8 @@ log = logging.getLogger("eagle3.runtime")
 LAUNCHER = Path(__file__).resolve().with_name("launcher.py")
 ERROR_LINES_KEPT = 400
 
-# Lines an engine child prints so that the parent can tell work from a hang (see ProgressWatch)
+# Lines an engine child prints so that the parent can tell work from a hang (see ProgressWatch); a worker prints
+# them through runtime.worker (report_busy, report_idle, engine_progress_bar)
 MARKER_PREFIX = "@@eagle3 "
 BUSY_MARKER = "@@eagle3 busy"  # requests are in flight from now on: the watch is armed
 PROGRESS_MARKER = "@@eagle3 progress"  # one request (or batch) finished
@@ -86,33 +87,6 @@ def first_traceback(lines: Sequence[str]) -> str:
     if span is None:
         return ""
     return "\n".join(strip_log_prefixes(line) for line in lines[span[0] : span[1]])
-
-
-def print_marker(marker: str) -> None:
-    """In the child: tell the parent about work (BUSY/PROGRESS/IDLE_MARKER). One line, flushed."""
-    print(marker, flush=True)
-
-
-def engine_progress_bar() -> type:
-    """A tqdm class for vllm.LLM.generate(use_tqdm=...): prints PROGRESS_MARKER per finished request.
-
-    vLLM calls `update(n)` on the bar as requests finish, from the loop that drives the engine, so a marker
-    means the engine answered (a heartbeat thread would keep ticking while the engine hangs). The bar itself
-    is drawn nowhere: its carriage-return output is useless in a log.
-    """
-    from tqdm import tqdm
-
-    class MarkerBar(tqdm):  # type: ignore[misc]
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            kwargs["file"] = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the bar
-            super().__init__(*args, **kwargs)
-
-        def update(self, n: float | None = 1) -> bool | None:
-            if n:
-                print_marker(PROGRESS_MARKER)
-            return super().update(n)
-
-    return MarkerBar
 
 
 @dataclasses.dataclass
