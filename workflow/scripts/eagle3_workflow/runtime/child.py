@@ -94,11 +94,12 @@ class ProgressWatch:
     """When requests are in flight, a finished one must be seen at least every `limit_s()` seconds.
 
     The limit adapts to the observed pace: `factor` times the slowest interval between finished items so far,
-    never below `floor_s` (vllm.stall_timeout_s), which also bounds the wait for the first item.
+    never below `floor_s` (the config key `setting`), which also bounds the wait for the first item.
     """
 
     floor_s: float
     factor: float = 20.0
+    setting: str = "vllm.stall_timeout_s"  # the key that sets floor_s, named in the stall message
     slowest_interval_s: float = 0.0
     armed: bool = False
     last_s: float = 0.0  # monotonic time of the last busy or progress marker
@@ -298,7 +299,7 @@ class ChildProcess:
             raise ChildFailure(
                 self.failure_text(
                     f"{self.name}: no progress for {quiet:.0f} s; engine alive but not answering (limit "
-                    f"{self.progress.limit_s():.0f} s: vllm.stall_timeout_s, or {self.progress.factor:g} times "
+                    f"{self.progress.limit_s():.0f} s: {self.progress.setting}, or {self.progress.factor:g} times "
                     "the slowest interval between finished requests so far). A wedged GPU, a hung collective or "
                     "a stopped engine process looks like this."
                 )

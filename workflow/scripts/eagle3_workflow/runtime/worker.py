@@ -60,16 +60,20 @@ class Watch:
 
     timeout_s: wall-clock limit (None: none), named in the message by `timeout_setting` (the config key that sets
     it). stall_timeout_s: with requests in flight a finished one must be seen at least every
-    max(stall_timeout_s, stall_factor x the slowest interval between finished ones so far); None: no stall watch.
+    max(stall_timeout_s, stall_factor x the slowest interval between finished ones so far); None: no stall watch;
+    named in the message by `stall_setting`.
     """
 
     timeout_s: float | None = None
     timeout_setting: str = ""
     stall_timeout_s: float | None = None
     stall_factor: float = STALL_FACTOR
+    stall_setting: str = "vllm.stall_timeout_s"
 
     def progress(self) -> ProgressWatch | None:
-        return ProgressWatch(floor_s=self.stall_timeout_s, factor=self.stall_factor) if self.stall_timeout_s else None
+        if not self.stall_timeout_s:
+            return None
+        return ProgressWatch(floor_s=self.stall_timeout_s, factor=self.stall_factor, setting=self.stall_setting)
 
     def timeout_hint(self) -> str:
         return f"({self.timeout_setting}) and was stopped" if self.timeout_setting else "and was stopped"
