@@ -48,7 +48,7 @@ log = logging.getLogger("eagle3.runtime")
 S = TypeVar("S", bound=Artefact)
 R = TypeVar("R", bound=Artefact)
 
-STALL_FACTOR = 20.0
+STALL_FACTOR = ProgressWatch.factor  # 20: the limit in slowest intervals so far
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
