@@ -39,20 +39,14 @@ def measurement_engine_kwargs(
     return kwargs
 
 
-def measurement_environment(
-    *, device: str, cpu_threads: int | None, in_process: bool, batch_invariant: bool = False
-) -> dict[str, str]:
-    """The child's environment; `batch_invariant` switches vLLM's batch-invariant kernels on for the whole
-    process (vLLM reads VLLM_BATCH_INVARIANT when it starts an engine and cannot switch back)."""
+def measurement_environment(*, device: str, cpu_threads: int | None, in_process: bool) -> dict[str, str]:
+    """The child's environment: vLLM's engine in-process (or not), as the engine kwargs say. Which kernels it runs
+    is the spec's (MeasurementSpec.batch_invariant): the process sets that switch itself."""
     from eagle3_workflow.runtime import child_environment
 
     env = child_environment(vllm_on_cpu=device == "cpu", cpu_threads=cpu_threads)
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if batch_invariant:
-        env["VLLM_BATCH_INVARIANT"] = "1"
-    else:
-        env.pop("VLLM_BATCH_INVARIANT", None)
     return env
 
 

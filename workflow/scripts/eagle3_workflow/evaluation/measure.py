@@ -63,6 +63,7 @@ def measured_sampling(spec: MeasurementSpec) -> dict[str, Any]:
 
 def measure(spec: MeasurementSpec) -> MeasurementResult:
     """Start each engine in turn, warm it up, run its lossless and timing passes, read its counters."""
+    use_kernels(batch_invariant=spec.batch_invariant)
     started = time.perf_counter()
     import vllm
 
@@ -75,8 +76,17 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
     return MeasurementResult(vllm_version=vllm.__version__, import_s=import_s, runs=results)
 
 
+def use_kernels(*, batch_invariant: bool) -> None:
+    """vLLM's batch-invariant kernels for this whole process, or its production ones (an inherited switch removed):
+    set before vLLM is imported; the engine processes vLLM starts inherit it."""
+    if batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    else:
+        os.environ.pop("VLLM_BATCH_INVARIANT", None)
+
+
 def numerics() -> str:
-    """The kernels this process runs with: the stage sets VLLM_BATCH_INVARIANT=1 for a lossless process."""
+    """The kernels this process runs with (use_kernels, from the spec)."""
     return "batch_invariant" if os.environ.get("VLLM_BATCH_INVARIANT") == "1" else "production"
 
 
