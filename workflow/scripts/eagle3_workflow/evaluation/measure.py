@@ -1,7 +1,8 @@
 """The measurement process, the stage's only ``-m`` entry: ``python -m eagle3_workflow.evaluation.measure
---spec spec.json --result result.json``, a runtime.worker (MeasurementSpec in, MeasurementResult out). It starts each engine of the spec in turn (vllm.LLM, offline), warms it
-up, times the greedy passes and reads vLLM's spec-decode counters before and after the first measured one; its
-output goes to the stage's log with a ``[eval-vllm]`` prefix. Only this module imports vLLM, inside the functions,
+--spec spec.json --result result.json``, a runtime.worker (MeasurementSpec in, MeasurementResult out). It starts
+each engine of the spec in turn (vllm.LLM, offline), warms it up, times the greedy passes and reads vLLM's
+spec-decode counters before and after the first measured one; its output goes to the stage's log with a
+``[eval-vllm]`` prefix. Only this module imports vLLM, inside the functions,
 so the stage process never does.
 
 Greedy decoding (temperature 0). The lossless pass asks for the top-5 raw logits of every generated token

@@ -46,8 +46,8 @@ def run_subprocess(
     stats_path: Path,
 ) -> RegenerationStats:
     """Run the regeneration in the worker ``python -m eagle3_workflow.regenerate.generate``, every output line into
-    `logger`; the conversations go to `output`, the stats (the worker's result) to `stats_path`. Its spec is kept
-    beside the conversations (a failed run can be repeated by hand with the command in the log)."""
+    `logger`; the conversations go to `output`, the stats (the worker's result) to `stats_path`. Its spec stays
+    beside the conversations (``.regenerated.spec.json``): with the command in the log, a failure can be rerun."""
     spec = RegenerationSpec(target=str(target), prompt_files=[str(p) for p in prompt_files], output=str(output),
                             settings=settings)  # fmt: skip
     job = Job(
