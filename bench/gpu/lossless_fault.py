@@ -46,14 +46,12 @@ def main() -> int:
     fault_dir = work / "fault"
     trained = next(r for r in spec.runs if r.label == "trained" and r.lossless_pass)
     run = trained.model_copy(update={"result_path": str(fault_dir / "trained.accept_any_draft.json"), "key": ""})
-    spec = spec.model_copy(update={"runs": [run]})
+    # the lossless kernels of the stage's own run on CUDA (the spec of an older run may lack the field)
+    spec = spec.model_copy(update={"runs": [run], "batch_invariant": args.device == "cuda"})
     plugins = str(REPO / "tests" / "fault_plugins")
     os.environ["EAGLE3_FAULT"] = "accept_any_draft"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [plugins, os.environ.get("PYTHONPATH")]))
-    batch_invariant = args.device == "cuda"
-    env = measurement_environment(
-        device=args.device, cpu_threads=None, in_process=True, batch_invariant=batch_invariant
-    )
+    env = measurement_environment(device=args.device, cpu_threads=None, in_process=True)
     result, wall_s = run_measurement_process(spec, fault_dir, "fault", env=env, log_path=fault_dir / "fault.log",
                                              timeout_s=900)  # fmt: skip
     faulty = result.runs[0]

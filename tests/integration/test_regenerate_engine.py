@@ -62,7 +62,7 @@ def test_a_failing_subprocess_is_a_stage_error_with_its_last_lines(tmp_path):
             output=tmp_path / "o.jsonl",
             stats_path=tmp_path / "s.json",
         )
-    assert "exited with status 1" in str(info.value)
+    assert "exited with code 1" in str(info.value)
     assert "no-model" in str(info.value)
     assert not (tmp_path / "o.jsonl").exists()
 

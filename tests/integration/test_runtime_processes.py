@@ -1,11 +1,14 @@
-"""The one process runtime with real processes: children die with their stage (even on SIGKILL), a stop signal is
-one line and exit 143, a hung engine is a failure, a server that fails at start is quoted and not waited for, and a
-full disk (a tmpfs of the test's own) neither silences a child nor buries a stage's message.
+"""The one process runtime with real processes: children die with their stage (even on SIGKILL; the report's nested
+Snakemake too), a stop signal is one line and exit 143, a hung engine is a failure, a server that fails at start is
+quoted and not waited for, a worker (runtime.worker) takes its typed spec and gives back its typed result or its
+traceback, and a full disk (a tmpfs of the test's own) neither silences a child nor buries a stage's message.
 The pure parts (log prefixes, first_traceback, the progress watch): tests/unit/test_runtime.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -173,6 +176,102 @@ def test_no_progress_while_busy_fails_with_the_stall_message():
     assert "@@eagle3" not in message  # markers stay out of logs and quotes
 
 
+# ---------------------------------------------------------------- runtime.worker: spec in, typed result out (fast)
+
+TOY_PROTOCOL = """
+from eagle3_workflow.artefacts import Artefact
+
+class Question(Artefact):
+    numbers: list[int]
+    stop_after: int | None = None  # SIGSTOP itself after that many numbers: alive, not answering
+
+class Answer(Artefact):
+    total: int
+"""
+
+TOY_WORKER = """
+import os, signal
+from toy_protocol import Answer, Question
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.runtime.worker import report_busy, report_progress, serve
+
+def add(question):
+    report_busy()
+    for done, _ in enumerate(question.numbers):
+        if done == question.stop_after:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        report_progress()
+    if not question.numbers:
+        raise StageError("nothing to add: give numbers")
+    print("added", len(question.numbers), "numbers", flush=True)
+    return Answer(total=sum(question.numbers))
+
+if __name__ == "__main__":
+    serve(Question, add, name="toy worker")
+"""
+
+
+@pytest.fixture(scope="module")
+def toy_worker(tmp_path_factory):
+    """A worker module and its protocol, importable here and in the child; the Job that runs it."""
+    from eagle3_workflow.runtime import child_environment
+    from eagle3_workflow.runtime.worker import Job
+
+    folder = tmp_path_factory.mktemp("toy")
+    (folder / "toy_protocol.py").write_text(TOY_PROTOCOL)
+    (folder / "toy_worker.py").write_text(TOY_WORKER)
+    env = child_environment()
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), env["PYTHONPATH"]])
+    sys.path.insert(0, str(folder))
+    import toy_protocol
+
+    yield toy_protocol, Job(name="the toy worker", env=env, log_path=folder / "toy.log", prefix="[toy] ")
+    sys.path.remove(str(folder))
+
+
+def test_a_worker_reads_its_spec_and_returns_a_typed_result(toy_worker, tmp_path):
+    from eagle3_workflow.runtime.worker import WorkerFiles, run_worker
+
+    protocol, job = toy_worker
+    files = WorkerFiles.in_folder(tmp_path, "sum")
+    finished = run_worker("toy_worker", protocol.Question(numbers=[1, 2, 3]), protocol.Answer, files=files, job=job)
+    assert finished.result == protocol.Answer(total=6)
+    assert finished.wall_s > 0
+    assert json.loads(files.spec.read_text()) == {"numbers": [1, 2, 3], "stop_after": None}
+    log = Path(job.log_path).read_text()
+    assert "[toy] added 3 numbers" in log
+    assert "@@eagle3" not in log  # progress markers are for the watch only
+
+
+def test_a_failing_worker_is_a_stage_error_quoting_its_traceback(toy_worker, tmp_path):
+    from eagle3_workflow.errors import StageError
+    from eagle3_workflow.runtime.worker import WorkerFiles, run_worker
+
+    protocol, job = toy_worker
+    files = WorkerFiles.in_folder(tmp_path, "empty")
+    files.result.write_text('{"total": 99}')  # an earlier attempt's: never read as this run's
+    with pytest.raises(StageError) as failure:
+        run_worker("toy_worker", protocol.Question(numbers=[]), protocol.Answer, files=files, job=job)
+    message = str(failure.value)
+    assert message.startswith("the toy worker exited with code 1\n")
+    quoted = message.split("first traceback in the output of the toy worker:\n", 1)[1].split("\nlast ", 1)[0]
+    assert quoted.splitlines()[-1] == "eagle3_workflow.errors.StageError: nothing to add: give numbers", quoted
+    assert not files.result.exists()
+
+
+def test_a_worker_that_stops_answering_fails_as_stalled(toy_worker, tmp_path):
+    """The watch's keys are the Job's: stall_timeout_s (and its factor) with requests in flight."""
+    from eagle3_workflow.runtime.child import ChildFailure
+    from eagle3_workflow.runtime.worker import Watch, WorkerFiles, run_worker
+
+    protocol, job = toy_worker
+    stalling = dataclasses.replace(job, watch=Watch(stall_timeout_s=2))
+    spec = protocol.Question(numbers=[1, 2, 3], stop_after=2)
+    with pytest.raises(ChildFailure) as failure:
+        run_worker("toy_worker", spec, protocol.Answer, files=WorkerFiles.in_folder(tmp_path, "s"), job=stalling)
+    assert "the toy worker: no progress for" in str(failure.value)
+
+
 STAGE_WITH_A_CHILD = """
 import logging, sys
 from eagle3_workflow.runtime.child import ChildProcess
@@ -237,6 +336,48 @@ def test_a_stop_signal_cannot_be_swallowed_on_its_way_up(tmp_path, script):
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert "the body ran on" not in proc.stdout
     assert "stage demo stopped by SIGTERM; the rerun resumes" in log_path.read_text()
+
+
+# ---------------------------------------------------------------- the report's nested Snakemake
+
+# a Snakefile that never finishes parsing: the nested `snakemake --report` stays up until it is killed
+HANGING_SNAKEFILE = """
+import pathlib, time
+pathlib.Path({parsed!r}).touch()
+time.sleep(600)
+"""
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_a_sigkilled_report_stage_leaves_no_nested_snakemake(tmp_path):
+    """Rule `report` runs `snakemake --report` on the workflow: SIGKILL of the stage (a cancelled job, a lost node)
+    must take the nested Snakemake with it, as it takes a vLLM server."""
+    snakefile, parsed = tmp_path / "Snakefile", tmp_path / "parsed"
+    snakefile.write_text(HANGING_SNAKEFILE.format(parsed=str(parsed)))
+    stage = Stage(f"""
+        from pathlib import Path
+        from eagle3_workflow.report.stage import build_report
+        from eagle3_workflow.runtime.stage import run_stage
+        log_path = {str(tmp_path / "report.log")!r}
+        run_stage("report", log_path, lambda log: build_report({str(snakefile)!r}, {{"run": "t"}},
+                  Path({str(tmp_path / "report.html")!r}), Path({str(tmp_path / "work")!r}), log_path))
+    """)
+    pids: set[int] = set()
+    try:
+        wait_until(parsed.exists, 120, "the nested snakemake to parse its Snakefile")
+        pids = tree(stage.proc.pid)
+        assert any(" -m snakemake -s " in _command_line(pid) for pid in pids), [_command_line(p) for p in pids]
+        stage.kill_and_expect_no_orphans(at_least=3)  # stage, launcher, nested snakemake
+    finally:  # before the fix the nested Snakemake outlived the stage: leave nothing running
+        stage.proc.kill()
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- a full disk (a tmpfs of the test's own)

@@ -284,6 +284,19 @@ def test_measurement_environment():
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env or env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
 
 
+def test_the_spec_not_the_environment_chooses_the_kernels(monkeypatch):
+    """The measurement process sets vLLM's batch-invariant switch from its spec before it imports vLLM; an inherited
+    switch does not leak into a production process."""
+    from eagle3_workflow.evaluation.measure import numerics, use_kernels
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert "VLLM_BATCH_INVARIANT" in measurement_environment(device="cuda", cpu_threads=None, in_process=False)
+    use_kernels(batch_invariant=False)
+    assert numerics() == "production"
+    use_kernels(batch_invariant=True)
+    assert numerics() == "batch_invariant"
+
+
 @pytest.mark.parametrize(
     ("modules", "absent"),
     [

@@ -405,3 +405,19 @@ def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
     assert "OPENBLAS_NUM_THREADS" not in env
     assert env["OMP_NUM_THREADS"] == "2"
     assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("workflow/scripts")
+
+
+def test_the_worker_spec_carries_the_settings_as_the_config_gave_them(tmp_path):
+    """The regeneration worker reads its settings from its spec file: back as the same typed model, and a key the
+    config left out stays out (the stats record the section as given)."""
+    from eagle3_workflow.artefacts import load, write
+    from eagle3_workflow.regenerate.protocol import RegenerationSpec
+    from eagle3_workflow.settings import as_config
+
+    settings = tiny_settings(RegenerateResponsesStage, regenerate={"magpie_prompts": 2})
+    spec = RegenerationSpec(target="/t", prompt_files=["p.txt"], output=str(tmp_path / "o.jsonl"), settings=settings)
+    write(tmp_path / "spec.json", spec)
+    again = load(RegenerationSpec, tmp_path / "spec.json")
+    assert again == spec
+    assert as_config(again.settings) == as_config(settings)
+    assert json.loads((tmp_path / "spec.json").read_text())["settings"] == as_config(settings)

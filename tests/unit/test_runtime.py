@@ -76,7 +76,7 @@ def test_progress_watch_adapts_to_the_pace_with_a_floor():
 
 def test_the_engine_progress_bar_prints_one_marker_per_finished_request(capsys):
     """Used the way vllm.LLM drives use_tqdm: created with total/desc/postfix, updated per finished request."""
-    from eagle3_workflow.runtime.child import engine_progress_bar
+    from eagle3_workflow.runtime.worker import engine_progress_bar
 
     bar = engine_progress_bar()(total=3, desc="Processed prompts", dynamic_ncols=True, postfix="est. speed")
     for _ in range(3):

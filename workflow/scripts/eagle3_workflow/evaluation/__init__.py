@@ -8,8 +8,9 @@ Which module owns what (pure modules import no vllm, torch or subprocess at modu
 - ``lossless``  the greedy comparison, its first divergences and the failure message with their table (pure).
 - ``baseline``  the untrained draft (torch, speculators).
 - ``protocol``  spec.json / result.json exchanged with the measurement process (artefacts.py models, pure).
-- ``launch``    the stage's side of a measurement process: engine kwargs, environment, ChildProcess.
-- ``measure``   the measurement process itself, the package's only ``-m`` entry; the only module importing vLLM.
+- ``launch``    the stage's side of a measurement process: engine kwargs, environment, its runtime.worker Job.
+- ``measure``   the measurement process itself (a runtime.worker), the stage's only ``-m`` entry; the only module
+  importing vLLM.
 - ``stage``     evaluate_draft (the orchestration) and the Snakemake adapter ``main(snakemake)``.
 Its settings are eagle3_workflow.settings.EvaluateDraftStage (the `evaluate` section as EvaluationSettings).
 

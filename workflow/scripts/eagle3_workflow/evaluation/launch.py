@@ -1,18 +1,14 @@
 """The stage's side of a measurement process: the offline engine's keyword arguments, the child's environment,
-and one ``python -m eagle3_workflow.evaluation.measure --spec spec.json --result result.json`` run on
-runtime.child.ChildProcess. vLLM never runs in the stage process: ``vllm.LLM`` spawns processes that re-import
+and one ``python -m eagle3_workflow.evaluation.measure --spec spec.json --result result.json`` run as a
+runtime.worker. vLLM never runs in the stage process: ``vllm.LLM`` spawns processes that re-import
 ``__main__``, and under Snakemake's script directive ``__main__`` is the stage script."""
 
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import load, write
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.protocol import LOG_PREFIX, MeasurementResult, MeasurementSpec
 from eagle3_workflow.settings import VllmSettings
 from eagle3_workflow.vllm_server import offline_engine_kwargs
@@ -43,20 +39,14 @@ def measurement_engine_kwargs(
     return kwargs
 
 
-def measurement_environment(
-    *, device: str, cpu_threads: int | None, in_process: bool, batch_invariant: bool = False
-) -> dict[str, str]:
-    """The child's environment; `batch_invariant` switches vLLM's batch-invariant kernels on for the whole
-    process (vLLM reads VLLM_BATCH_INVARIANT when it starts an engine and cannot switch back)."""
+def measurement_environment(*, device: str, cpu_threads: int | None, in_process: bool) -> dict[str, str]:
+    """The child's environment: vLLM's engine in-process (or not), as the engine kwargs say. Which kernels it runs
+    is the spec's (MeasurementSpec.batch_invariant): the process sets that switch itself."""
     from eagle3_workflow.runtime import child_environment
 
     env = child_environment(vllm_on_cpu=device == "cpu", cpu_threads=cpu_threads)
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if batch_invariant:
-        env["VLLM_BATCH_INVARIANT"] = "1"
-    else:
-        env.pop("VLLM_BATCH_INVARIANT", None)
     return env
 
 
@@ -70,44 +60,23 @@ def run_measurement_process(
     timeout_s: float,
     stall_timeout_s: float | None = None,
 ) -> tuple[MeasurementResult, float]:
-    """Run one measurement process; its output goes into the log. Returns the result and the wall time.
+    """Run one measurement process (<work_dir>/<name>.spec.json in, <name>.result.json back); its output goes into
+    the log. Returns the result and the wall time.
 
     The process is stopped if it runs past `timeout_s`, or if requests are in flight and none finishes for
-    `stall_timeout_s` (or longer, when the observed pace is slower: runtime.child.ProgressWatch)."""
-    from eagle3_workflow.runtime.child import ChildProcess, ProgressWatch
+    `stall_timeout_s` (or longer, when the observed pace is slower: runtime.worker.Watch)."""
+    from eagle3_workflow.runtime.worker import Job, Watch, WorkerFiles, run_worker
 
-    work_dir.mkdir(parents=True, exist_ok=True)
-    spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
-    write(spec_path, spec)
-    result_path.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "eagle3_workflow.evaluation.measure",
-        "--spec",
-        str(spec_path),
-        "--result",
-        str(result_path),
-    ]
     labels = ", ".join(r.label for r in spec.runs)
-    log.info("measurement process %s (%s): %s", name, labels, " ".join(cmd))
-    started = time.perf_counter()
-    child = ChildProcess(
-        cmd,
+    job = Job(
         name=f"the measurement process ({labels})",
         env=env,
+        watch=Watch(timeout_s=timeout_s, timeout_setting="evaluate.timeout_s", stall_timeout_s=stall_timeout_s),
         log_path=log_path,
         prefix=LOG_PREFIX,
-        clean=lambda line: line.removeprefix(LOG_PREFIX),
-        timeout_s=timeout_s,
-        timeout_hint="(evaluate.timeout_s) and was stopped",
-        progress=ProgressWatch(floor_s=stall_timeout_s) if stall_timeout_s else None,
         tail_lines=TAIL_LINES,
     )
-    with child:
-        code = child.wait()
-    wall_s = time.perf_counter() - started
-    if code != 0 or not result_path.exists():
-        raise StageError(child.failure_text(f"the measurement process ({labels}) exited with code {code}"))
-    log.info("measurement process %s done in %.1f s", name, wall_s)
-    return load(MeasurementResult, result_path), wall_s
+    files = WorkerFiles.in_folder(work_dir, name)
+    finished = run_worker("eagle3_workflow.evaluation.measure", spec, MeasurementResult, files=files, job=job)
+    log.info("measurement process %s done in %.1f s", name, finished.wall_s)
+    return finished.result, finished.wall_s

@@ -1,7 +1,8 @@
-"""The measurement process, the package's only ``-m`` entry: ``python -m eagle3_workflow.evaluation.measure
---spec spec.json --result result.json``. It starts each engine of the spec in turn (vllm.LLM, offline), warms it
-up, times the greedy passes and reads vLLM's spec-decode counters before and after the first measured one; its
-output goes to the stage's log with a ``[eval-vllm]`` prefix. Only this module imports vLLM, inside the functions,
+"""The measurement process, the stage's only ``-m`` entry: ``python -m eagle3_workflow.evaluation.measure
+--spec spec.json --result result.json``, a runtime.worker (MeasurementSpec in, MeasurementResult out). It starts
+each engine of the spec in turn (vllm.LLM, offline), warms it up, times the greedy passes and reads vLLM's
+spec-decode counters before and after the first measured one; its output goes to the stage's log with a
+``[eval-vllm]`` prefix. Only this module imports vLLM, inside the functions,
 so the stage process never does.
 
 Greedy decoding (temperature 0). The lossless pass asks for the top-5 raw logits of every generated token
@@ -10,16 +11,13 @@ by the logits of both runs. The timing passes ask for no logprobs, as a user ser
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import os
-import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
-from eagle3_workflow.artefacts import load, write
+from eagle3_workflow.artefacts import write
 from eagle3_workflow.evaluation.protocol import (
     LOG_PREFIX,
     ConcurrencyTiming,
@@ -28,7 +26,6 @@ from eagle3_workflow.evaluation.protocol import (
     MeasurementSpec,
     RunResult,
 )
-from eagle3_workflow.runtime.stage import describe_exception
 
 WARMUP_TOKENS = 4
 
@@ -67,10 +64,11 @@ def measured_sampling(spec: MeasurementSpec) -> dict[str, Any]:
 
 def measure(spec: MeasurementSpec) -> MeasurementResult:
     """Start each engine in turn, warm it up, run its lossless and timing passes, read its counters."""
+    use_kernels(batch_invariant=spec.batch_invariant)
     started = time.perf_counter()
     import vllm
 
-    from eagle3_workflow.runtime.child import engine_progress_bar
+    from eagle3_workflow.runtime.worker import engine_progress_bar
 
     import_s = time.perf_counter() - started
     progress_bar = engine_progress_bar()  # one marker per finished request: the parent's stall watch
@@ -79,8 +77,17 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
     return MeasurementResult(vllm_version=vllm.__version__, import_s=import_s, runs=results)
 
 
+def use_kernels(*, batch_invariant: bool) -> None:
+    """vLLM's batch-invariant kernels for this whole process, or its production ones (an inherited switch removed):
+    set before vLLM is imported; the engine processes vLLM starts inherit it."""
+    if batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    else:
+        os.environ.pop("VLLM_BATCH_INVARIANT", None)
+
+
 def numerics() -> str:
-    """The kernels this process runs with: the stage sets VLLM_BATCH_INVARIANT=1 for a lossless process."""
+    """The kernels this process runs with (use_kernels, from the spec)."""
     return "batch_invariant" if os.environ.get("VLLM_BATCH_INVARIANT") == "1" else "production"
 
 
@@ -89,12 +96,12 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any) -
     written to run.result_path at once, so a cut later in this process loses nothing measured."""
     from vllm import LLM, SamplingParams
 
-    from eagle3_workflow.runtime.child import BUSY_MARKER, IDLE_MARKER, print_marker
+    from eagle3_workflow.runtime.worker import report_busy, report_idle
 
     kwargs = dict(spec.engine) | dict(run.engine_overrides)
     if run.speculative_config:
         kwargs["speculative_config"] = dict(run.speculative_config)
-    print_marker(IDLE_MARKER)  # loading an engine is bounded by evaluate.timeout_s, not the stall watch
+    report_idle()  # loading an engine is bounded by evaluate.timeout_s, not the stall watch
     print(f"{LOG_PREFIX}{run.label}: starting the engine ({kwargs})", flush=True)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -103,7 +110,7 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any) -
     lossless = LosslessPass(outputs=[], generate_s=0.0, before=[], after=[])
     timings: list[ConcurrencyTiming] = []
     try:
-        print_marker(BUSY_MARKER)
+        report_busy()
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS), use_tqdm=progress_bar)
         if run.lossless_pass:
             lossless = lossless_pass(llm, prompts, SamplingParams(**measured_sampling(spec)), progress_bar)
@@ -209,19 +216,7 @@ def run_result(
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="one evaluate_draft measurement process (vLLM offline engine)")
-    parser.add_argument("--spec", required=True, help="MeasurementSpec JSON")
-    parser.add_argument("--result", required=True, help="where to write the MeasurementResult JSON")
-    args = parser.parse_args(argv)
-    try:
-        result = measure(load(MeasurementSpec, args.spec))
-        write(args.result, result)
-    except BaseException as exc:  # noqa: BLE001 - the parent quotes this from the log
-        print(f"{LOG_PREFIX}measurement FAILED: {describe_exception(exc)}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+if __name__ == "__main__":  # vLLM's spawned processes re-import __main__: the guard keeps them from re-running it
+    from eagle3_workflow.runtime.worker import serve
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    serve(MeasurementSpec, measure, name="evaluate_draft (measurement process)")

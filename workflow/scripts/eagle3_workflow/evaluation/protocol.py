@@ -55,6 +55,9 @@ class MeasurementSpec(Artefact):
     stop: list[str] = Field(default_factory=list)
     timing_concurrency: list[int] = Field(default_factory=lambda: [1])
     timing_prompts: int | None = None  # None: every prompt
+    # vLLM's batch-invariant kernels for the whole process: the process sets VLLM_BATCH_INVARIANT before it imports
+    # vLLM (vLLM reads it when it starts an engine and cannot switch back)
+    batch_invariant: bool = False
 
 
 class ConcurrencyTiming(Artefact):

@@ -229,9 +229,8 @@ def measure_runs(
         if not todo:
             continue
         env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
-                                      in_process=settings.tensor_parallel_size == 1,
-                                      batch_invariant=process.batch_invariant)  # fmt: skip
-        spec = MeasurementSpec(engine=engine, runs=todo, **spec_fields)
+                                      in_process=settings.tensor_parallel_size == 1)  # fmt: skip
+        spec = MeasurementSpec(engine=engine, runs=todo, batch_invariant=process.batch_invariant, **spec_fields)
         result, wall_s = run_measurement_process(spec, work_dir, f"measure_{i}", env=env, log_path=log_path,
                                                  timeout_s=settings.timeout_s,
                                                  stall_timeout_s=vllm_settings.stall_timeout_s)  # fmt: skip

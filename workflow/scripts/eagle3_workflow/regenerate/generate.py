@@ -1,9 +1,11 @@
-"""The regeneration engine child: `python -m eagle3_workflow.regenerate.generate` (the stage's only `-m` entry).
+"""The regeneration worker: `python -m eagle3_workflow.regenerate.generate --spec S --result R` (the stage's only
+`-m` entry, run through runtime.worker).
 
 Snakemake's ``script:`` directive makes the entry script ``__main__``, and vLLM's spawned workers re-import
-``__main__``; so the stage (stage.py) starts this module as a runtime.ChildProcess, whose ``__main__`` is guarded.
-It starts offline vLLM on the target, runs `regenerate` (read, Magpie, deduplicate, answer), and writes the
-ShareGPT JSONL and the stats atomically. vLLM is imported only inside the functions that start it.
+``__main__``; so the stage (stage.py) runs this module as a worker, whose ``__main__`` is guarded. It reads its
+RegenerationSpec (protocol.py), starts offline vLLM on the target, runs `regenerate` (read, Magpie, deduplicate,
+answer), writes the ShareGPT JSONL atomically and returns the stats, which runtime.worker writes as its result.
+vLLM is imported only inside the functions that start it.
 
 Prompts are rendered with the tokenizer's chat template and tokenized with ``add_special_tokens=False``, exactly
 as ``prepare_data`` tokenizes the written conversations, and handed to vLLM as token ids: the target sees the same
@@ -12,7 +14,6 @@ tokens it will later be trained to predict after (no doubled BOS from vLLM's own
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import RegenerationStats, write
+from eagle3_workflow.artefacts import RegenerationStats
 from eagle3_workflow.chat import StopSet, assistant_stop_set
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.regenerate.magpie import MagpieResult, generate_magpie_prompts, user_turn_template
@@ -36,7 +37,8 @@ from eagle3_workflow.regenerate.prompts import (
     read_prompt_file,
     to_sharegpt,
 )
-from eagle3_workflow.settings import RegenerateResponsesStage, RegenerateSettings, as_config, stage_settings
+from eagle3_workflow.regenerate.protocol import RegenerationSpec
+from eagle3_workflow.settings import RegenerateResponsesStage, RegenerateSettings, as_config
 from eagle3_workflow.vllm_server import generation_cuda_graphs, offline_engine_kwargs
 
 log = logging.getLogger("eagle3.regenerate")
@@ -233,7 +235,7 @@ def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3_workflow.runtime.child import engine_progress_bar
+    from eagle3_workflow.runtime.worker import engine_progress_bar
 
     progress_bar = engine_progress_bar()  # a marker per finished request: the parent's stall watch
 
@@ -273,19 +275,17 @@ def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
     return generate
 
 
-def run_regeneration(
-    target: Path, prompt_files: Sequence[Path], output: Path, stats_path: Path, settings: RegenerateResponsesStage
-) -> RegenerationStats:
-    """The subprocess's work: start vLLM on the target, regenerate, write both outputs atomically."""
+def run_regeneration(spec: RegenerationSpec) -> RegenerationStats:
+    """The worker's work: start vLLM on the target, regenerate, write the conversations atomically; the stats."""
     from eagle3_workflow.chat import load_chat_tokenizer
+    from eagle3_workflow.runtime.worker import report_busy
 
+    target, settings, output = Path(spec.target), spec.settings, Path(spec.output)
     tokenizer = load_chat_tokenizer(target, trust_remote_code=settings.target.trust_remote_code)
     if settings.vllm.extra_args:
         log.warning(
             "vllm.extra_args %s are server flags; the offline engine here ignores them", list(settings.vllm.extra_args)
         )
-    from eagle3_workflow.runtime.child import BUSY_MARKER, print_marker
-
     kwargs = regeneration_engine_kwargs(target, settings)
     log.info("starting vLLM: %s", kwargs)
     started = time.perf_counter()
@@ -294,14 +294,14 @@ def run_regeneration(
     llm = LLM(**kwargs)
     ready_s = time.perf_counter() - started
     log.info("vLLM ready in %.1f s", ready_s)
-    print_marker(BUSY_MARKER)  # from here on a request must finish every vllm.stall_timeout_s (or the pace's)
+    report_busy()  # from here on a request must finish every vllm.stall_timeout_s (or the pace's)
     chunk_size = max(64, 8 * settings.vllm.max_num_seqs)
+    prompt_files = [Path(p) for p in spec.prompt_files]
     records, stats = regenerate(tokenizer, vllm_generate_fn(llm, chunk_size), prompt_files, settings.regenerate,
                                 max_model_len=settings.vllm.max_model_len)  # fmt: skip
     stats.target = str(target)
     stats.engine_ready_s = round(ready_s, 2)
     write_jsonl_atomic(output, records)
-    write(stats_path, stats)
     log.info(
         "wrote %d conversations to %s; %d tokens generated in %.1f s (%.0f tok/s)",
         stats.conversations_written,
@@ -313,30 +313,7 @@ def run_regeneration(
     return stats
 
 
-def _cli(argv: Sequence[str] | None = None) -> None:
-    from eagle3_workflow.runtime.stage import run_stage
-
-    parser = argparse.ArgumentParser(
-        prog="python -m eagle3_workflow.regenerate.generate", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--target", required=True, type=Path)
-    parser.add_argument("--prompt-file", action="append", default=[], type=Path)
-    parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--stats", required=True, type=Path)
-    parser.add_argument("--config-json", required=True, help="the stage's settings (JSON)")
-    args = parser.parse_args(argv)
-    run_stage(
-        "regenerate_responses (vLLM subprocess)",
-        None,
-        lambda _log: run_regeneration(
-            args.target,
-            args.prompt_file,
-            args.output,
-            args.stats,
-            stage_settings(RegenerateResponsesStage, json.loads(args.config_json)),
-        ),
-    )
-
-
 if __name__ == "__main__":  # vLLM's spawned workers re-import __main__: the guard keeps them from re-running it
-    _cli()
+    from eagle3_workflow.runtime.worker import serve
+
+    serve(RegenerationSpec, run_regeneration, name="regenerate_responses (vLLM worker)")

@@ -4,23 +4,23 @@ A draft learns to predict the target's own continuations, so the best training d
 somebody else's. Prompts come from files and/or from the target itself (Magpie); they are deduplicated, answered
 with offline vLLM, and written as ShareGPT JSONL (what ``prepare_data`` reads) plus a small stats file.
 
-This module is the parent side: the rule's adapter (``main``) starts ``python -m eagle3_workflow.regenerate.generate``
-as a runtime.ChildProcess and streams its output into the rule's log; the child dies with the stage, and a request
-must finish every ``vllm.stall_timeout_s`` once the engine is up.
+This module is the parent side: the rule's adapter (``main``) runs ``python -m eagle3_workflow.regenerate.generate``
+as a runtime.worker (a RegenerationSpec in, the stats back) and streams its output into the rule's log; the worker
+dies with the stage, and a request must finish every ``vllm.stall_timeout_s`` once the engine is up.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.artefacts import RegenerationStats
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.runtime.child import ChildProcess, ProgressWatch
-from eagle3_workflow.settings import RegenerateResponsesStage, VllmSettings, as_config, stage_settings
+from eagle3_workflow.regenerate.protocol import RegenerationSpec
+from eagle3_workflow.runtime.worker import Job, Watch, WorkerFiles, run_worker
+from eagle3_workflow.settings import RegenerateResponsesStage, VllmSettings, stage_settings
 
 OUTPUT_TAIL_LINES = 40
 
@@ -44,44 +44,26 @@ def run_subprocess(
     *,
     output: Path,
     stats_path: Path,
-) -> None:
-    """Run the regeneration in `python -m eagle3_workflow.regenerate.generate`, every output line into `logger`; the
-    conversations go to `output`, the stats to `stats_path`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "eagle3_workflow.regenerate.generate",
-        "--target",
-        str(target),
-        "--output",
-        str(output),
-        "--stats",
-        str(stats_path),
-        "--config-json",
-        json.dumps(as_config(settings)),
-    ]
-    for path in prompt_files:
-        cmd += ["--prompt-file", str(path)]
-    logger.info("running: %s", " ".join(cmd[:4] + ["..."]))
-    child = ChildProcess(
-        cmd,
+) -> RegenerationStats:
+    """Run the regeneration in the worker ``python -m eagle3_workflow.regenerate.generate``, every output line into
+    `logger`; the conversations go to `output`, the stats (the worker's result) to `stats_path`. Its spec stays
+    beside the conversations (``.regenerated.spec.json``): with the command in the log, a failure can be rerun."""
+    spec = RegenerationSpec(target=str(target), prompt_files=[str(p) for p in prompt_files], output=str(output),
+                            settings=settings)  # fmt: skip
+    job = Job(
         name="the regeneration subprocess",
         env=subprocess_env(settings.vllm),
+        watch=Watch(stall_timeout_s=settings.vllm.stall_timeout_s),
         on_line=lambda line: logger.info("| %s", line),
-        progress=ProgressWatch(floor_s=settings.vllm.stall_timeout_s),
         tail_lines=OUTPUT_TAIL_LINES,
+        failure_hint="A vLLM start-up failure usually means the vllm section (max_model_len, kv_cache_memory_bytes) "
+        "does not fit the target or the machine",
     )
-    with child:
-        returncode = child.wait()
-    if returncode != 0:
-        raise StageError(
-            child.failure_text(f"the regeneration subprocess exited with status {returncode}", where="above")
-            + "\nA vLLM start-up failure usually means the vllm section (max_model_len, kv_cache_memory_bytes) "
-            "does not fit the target or the machine"
-        )
-    missing = [str(p) for p in (output, stats_path) if not p.exists()]
-    if missing:
-        raise StageError(f"the regeneration subprocess succeeded but did not write {missing}; this is a bug")
+    files = WorkerFiles(spec=output.with_name(f".{output.stem}.spec.json"), result=stats_path)
+    stats = run_worker("eagle3_workflow.regenerate.generate", spec, RegenerationStats, files=files, job=job).result
+    if not output.exists():
+        raise StageError(f"the regeneration subprocess succeeded but did not write {output}; this is a bug")
+    return stats
 
 
 def main(snakemake: Any) -> None:

@@ -8,7 +8,8 @@ makes it and `rule all` can ask for it. Two rules do that:
   ``results/<run>/report/``, each flagged with ``report(..., caption=..., category=...)`` (captions in
   ``workflow/report/``). ``snakemake --report`` run by hand on the same config therefore also works.
 - `report` runs ``python -m snakemake -s <Snakefile> --configfile <resolved config> --nolock --report
-  results/<run>/report.html`` on this same workflow, in its working directory.
+  results/<run>/report.html`` on this same workflow, in its working directory, as a runtime child
+  (runtime.worker.run_command): it dies with the stage, its output goes into the rule's log.
 
 Why two rules: Snakemake marks the outputs of a running job incomplete, and ``--report`` refuses incomplete
 files (``create_report`` has no ``--ignore-incomplete``); when `report` runs, `summarize_run` has finished.
@@ -23,9 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -147,24 +146,19 @@ def nested_report_command(
 
 
 def build_report(snakefile: str, config: dict[str, Any], html_path: Path, work_dir: Path, log_path: str | None) -> None:
-    """Run Snakemake's report on this workflow, with the outer run's resolved config."""
+    """Run Snakemake's report on this workflow, with the outer run's resolved config. The nested Snakemake is a
+    runtime child: its lines go into the rule's log, and it dies with the stage (even on SIGKILL)."""
+    from eagle3_workflow.runtime.worker import Job, run_command
+
     config_path = work_dir / "resolved_config.json"
     write_text_atomic(config_path, json.dumps(config, indent=2, default=str) + "\n")
     cmd = nested_report_command(snakefile, config_path, html_path)
     log.info("building the Snakemake report: %s", " ".join(cmd))
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    output = (proc.stdout + proc.stderr).strip()
-    if log_path:
-        with open(log_path, "a", encoding="utf-8") as sink:
-            sink.write(output + "\n")
-    if proc.returncode != 0 or not html_path.exists():
-        tail = "\n".join(output.splitlines()[-40:])
-        raise StageError(
-            f"`snakemake --report` exited with code {proc.returncode} (command: {' '.join(cmd)}); its last lines:\n"
-            f"{tail}"
-        )
-    log.info("report %s (%.1f MB) in %.1f s", html_path, html_path.stat().st_size / 1e6, time.perf_counter() - started)
+    wall_s = run_command(cmd, Job(name="`snakemake --report`", log_path=log_path, tail_lines=40,
+                                  failure_hint=f"command: {' '.join(cmd)}"))  # fmt: skip
+    if not html_path.exists():
+        raise StageError(f"`snakemake --report` exited with code 0 but wrote no {html_path} (command: {' '.join(cmd)})")
+    log.info("report %s (%.1f MB) in %.1f s", html_path, html_path.stat().st_size / 1e6, wall_s)
 
 
 def summarize_main(snakemake: Any) -> None:

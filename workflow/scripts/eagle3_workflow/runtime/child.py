@@ -34,7 +34,8 @@ log = logging.getLogger("eagle3.runtime")
 LAUNCHER = Path(__file__).resolve().with_name("launcher.py")
 ERROR_LINES_KEPT = 400
 
-# Lines an engine child prints so that the parent can tell work from a hang (see ProgressWatch)
+# Lines an engine child prints so that the parent can tell work from a hang (see ProgressWatch); a worker prints
+# them through runtime.worker (report_busy, report_idle, engine_progress_bar)
 MARKER_PREFIX = "@@eagle3 "
 BUSY_MARKER = "@@eagle3 busy"  # requests are in flight from now on: the watch is armed
 PROGRESS_MARKER = "@@eagle3 progress"  # one request (or batch) finished
@@ -88,43 +89,17 @@ def first_traceback(lines: Sequence[str]) -> str:
     return "\n".join(strip_log_prefixes(line) for line in lines[span[0] : span[1]])
 
 
-def print_marker(marker: str) -> None:
-    """In the child: tell the parent about work (BUSY/PROGRESS/IDLE_MARKER). One line, flushed."""
-    print(marker, flush=True)
-
-
-def engine_progress_bar() -> type:
-    """A tqdm class for vllm.LLM.generate(use_tqdm=...): prints PROGRESS_MARKER per finished request.
-
-    vLLM calls `update(n)` on the bar as requests finish, from the loop that drives the engine, so a marker
-    means the engine answered (a heartbeat thread would keep ticking while the engine hangs). The bar itself
-    is drawn nowhere: its carriage-return output is useless in a log.
-    """
-    from tqdm import tqdm
-
-    class MarkerBar(tqdm):  # type: ignore[misc]
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            kwargs["file"] = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the bar
-            super().__init__(*args, **kwargs)
-
-        def update(self, n: float | None = 1) -> bool | None:
-            if n:
-                print_marker(PROGRESS_MARKER)
-            return super().update(n)
-
-    return MarkerBar
-
-
 @dataclasses.dataclass
 class ProgressWatch:
     """When requests are in flight, a finished one must be seen at least every `limit_s()` seconds.
 
     The limit adapts to the observed pace: `factor` times the slowest interval between finished items so far,
-    never below `floor_s` (vllm.stall_timeout_s), which also bounds the wait for the first item.
+    never below `floor_s` (the config key `setting`), which also bounds the wait for the first item.
     """
 
     floor_s: float
     factor: float = 20.0
+    setting: str = "vllm.stall_timeout_s"  # the key that sets floor_s, named in the stall message
     slowest_interval_s: float = 0.0
     armed: bool = False
     last_s: float = 0.0  # monotonic time of the last busy or progress marker
@@ -329,7 +304,7 @@ class ChildProcess:
             raise ChildFailure(
                 self.failure_text(
                     f"{self.name}: no progress for {quiet:.0f} s; engine alive but not answering (limit "
-                    f"{self.progress.limit_s():.0f} s: vllm.stall_timeout_s, or {self.progress.factor:g} times "
+                    f"{self.progress.limit_s():.0f} s: {self.progress.setting}, or {self.progress.factor:g} times "
                     "the slowest interval between finished requests so far). A wedged GPU, a hung collective or "
                     "a stopped engine process looks like this."
                 )
