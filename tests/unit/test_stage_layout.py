@@ -38,13 +38,7 @@ STAGE_PACKAGES = sorted(folder.name for folder in PACKAGE.iterdir() if is_stage_
 ADAPTER_HELPERS = {"gpu_placement.py"}
 
 # (importing module, imported stage package) -> why it stays for now; an entry that no longer matches fails too
-KNOWN: dict[tuple[str, str], str] = {
-    (
-        "api_checks/checks.py",
-        "training",
-    ): "trainer_fields_used(): the speculators TrainConfig fields train_draft sets are computed in training/command.py "
-    "(TRAINER_FIELDS_USED, from the trainer's own argument builder); training/ is being changed in another branch",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def package_modules() -> list[Path]:

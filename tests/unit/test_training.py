@@ -16,6 +16,13 @@ from eagle3_workflow.artefacts import CheckpointInfo, TrainingFingerprint, load
 from eagle3_workflow.cpu_train_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import first_traceback
+from eagle3_workflow.trainer_command import (
+    TRAINER_FIELDS_USED,
+    TrainDevice,
+    TrainPaths,
+    build_train_command,
+    resolve_device,
+)
 from eagle3_workflow.trainer_interrupt import interrupt_patch_points_present, interrupt_record
 from eagle3_workflow.training.checkpoints import (
     FoundCheckpoint,
@@ -25,13 +32,6 @@ from eagle3_workflow.training.checkpoints import (
     prepare_resume,
     read_checkpoint,
     rerun_outlook,
-)
-from eagle3_workflow.training.command import (
-    TRAINER_FIELDS_USED,
-    TrainDevice,
-    TrainPaths,
-    build_train_command,
-    resolve_device,
 )
 from eagle3_workflow.training.launcher import trainer_env
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines

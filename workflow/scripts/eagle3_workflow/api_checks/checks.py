@@ -25,28 +25,11 @@ from packaging.version import Version
 from eagle3_workflow.artefacts import ApiCompatReport, CheckRow, TargetInfo
 from eagle3_workflow.hidden_states import resolve_layer_ids
 from eagle3_workflow.target_config import read_target_config
+from eagle3_workflow.trainer_command import TRAINER_FIELDS_USED
 
 log = logging.getLogger("eagle3.check_api")
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-# speculators train fields the train_draft rule passes (checked against speculators' TrainConfig schema)
-DEFAULT_TRAINER_FIELDS = [
-    "verifier_name_or_path",
-    "data_path",
-    "save_path",
-    "epochs",
-    "lr",
-    "draft_vocab_size",
-    "ttt_steps",
-    "target_layer_ids",
-    "num_layers",
-    "total_seq_len",
-    "draft_attn_impl",
-    "loss_implementation",
-    "train_data_ratio",
-    "num_workers",
-    "token_freq_path",
-]
 
 
 def _row(name: str, expected: str, check: Callable[[], tuple[str, bool]]) -> CheckRow:
@@ -374,7 +357,7 @@ def run_api_checks(
         _row(
             "speculators train fields",
             "TrainConfig has every flag the rule passes",
-            lambda: check_trainer_fields(trainer_fields or DEFAULT_TRAINER_FIELDS),
+            lambda: check_trainer_fields(trainer_fields or TRAINER_FIELDS_USED),
         ),
         _row(
             "trainer interrupt patch points",
@@ -472,9 +455,6 @@ def _target_rows(
 
 
 def trainer_fields_used() -> list[str]:
-    """The training command module's own list, when it declares one (it is the source of truth for flags)."""
-    try:
-        training = importlib.import_module("eagle3_workflow.training.command")
-    except ImportError:
-        return DEFAULT_TRAINER_FIELDS
-    return list(getattr(training, "TRAINER_FIELDS_USED", DEFAULT_TRAINER_FIELDS))
+    """The speculators TrainConfig fields train_draft sets, offline and online (trainer_command builds its
+    command line from the same code, so the list cannot drift)."""
+    return list(TRAINER_FIELDS_USED)
