@@ -251,6 +251,7 @@ def api_report(target: Path, **overrides):
         vllm_max_exclusive="0.34.0",
         device="cpu",
         trust_remote_code=False,
+        full_depth_check=True,
     )
     return run_api_checks(**(kwargs | overrides))
 

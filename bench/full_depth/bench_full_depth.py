@@ -63,6 +63,7 @@ def run_check(target: Path, files: Path, samples: dict[int, list[int]], layer_id
         layer_ids,
         tolerance=DEFAULTS.full_depth_relative_tolerance,
         max_tokens=DEFAULTS.full_depth_max_tokens,
+        trust_remote_code=False,
     )
     seconds = time.monotonic() - started
     print(slot_table(report), file=sys.stderr)
@@ -192,7 +193,10 @@ def capture_from_reference(target: Path, files: Path, samples: dict[int, list[in
     kept: dict[str, torch.Tensor] = {}
     wanted = {str(i) for i in layer_ids}
     stream_reference(
-        target, batch, lambda label, s: kept.__setitem__(label, s.to(torch.bfloat16)) if label in wanted else None
+        target,
+        batch,
+        lambda label, s: kept.__setitem__(label, s.to(torch.bfloat16)) if label in wanted else None,
+        trust_remote_code=False,
     )
     files.mkdir(parents=True, exist_ok=True)
     for b, row in enumerate(rows):

@@ -479,7 +479,9 @@ def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, w
     write(api_compat, ApiCompatReport(passed=True, device=args.device, layer_ids=layer_ids, checks=[], target=target,
                                       **versions))  # fmt: skip
     input_ids = read_input_ids(data_dir / "prepared")
-    report = validate_files(input_ids, HiddenStateFiles(files_dir, len(layer_ids), target.hidden_size))
+    report = validate_files(
+        input_ids, HiddenStateFiles(files_dir, len(layer_ids), target.hidden_size), max_bad_samples=0
+    )
     if not report.passed:
         raise SystemExit(f"hidden-state files did not validate: {report.missing[:5]} {list(report.bad.items())[:5]}")
     validation = work / "validation.json"

@@ -64,7 +64,7 @@ def run_mode(mode: str, work: Path, configs: list[Path], cores: int) -> dict:
     overlay.write_text(f"train:\n  hidden_states: {mode}\n", encoding="utf-8")
     run = next((c["run"] for c in map(yaml.safe_load, map(Path.read_text, reversed(configs))) if c.get("run")), "tiny")
     command = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--cores", str(cores),
-               "--configfile", *map(str, configs), str(overlay), f"results/{run}/eval/acceptance.json"]  # fmt: skip
+               f"results/{run}/eval/acceptance.json", "--configfile", *map(str, configs), str(overlay)]  # fmt: skip
     watch = HighWater(folder / "results" / run)
     watch.start()
     started = time.monotonic()

@@ -30,15 +30,6 @@ RULE_FILES = sorted([*(REPO / "workflow" / "rules").glob("*.smk"), REPO / "Snake
 # signatures of some; the others were outside its files), to remove with their next edit
 KNOWN: dict[tuple[str, str], str] = {
     (
-        "workflow/scripts/eagle3_workflow/api_checks/checks.py",
-        "parameter full_depth_check = True",
-    ): "run_api_checks(); its only rule caller passes validation.full_depth_check, tests/conftest.py's api_report relies "
-    "on the default",
-    (
-        "workflow/scripts/eagle3_workflow/target_build/smollm2.py",
-        "parameter dtype = 'bfloat16'",
-    ): "convert_gguf(); its only caller passes target.dtype",
-    (
         "workflow/scripts/eagle3_workflow/gpu_placement.py",
         "field wait_timeout_s = 300.0",
     ): "PlacementSettings: the fallback of a job without the gpu_placement resource (and of tests)",
@@ -46,23 +37,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "workflow/scripts/eagle3_workflow/gpu_placement.py",
         "field device = 'auto'",
     ): "PlacementSettings: the fallback of a job without the gpu_placement resource (and of tests)",
-    (
-        "workflow/scripts/eagle3_workflow/validation/checks.py",
-        "parameter max_bad_samples = 0",
-    ): "validate_files(); validation's signatures are being changed in another branch",
-    (
-        "workflow/scripts/eagle3_workflow/validation/full_depth.py",
-        "parameter trust_remote_code = False",
-    ): "full_depth_check(); the full-depth check's signatures are being changed in another branch",
-    (
-        "workflow/scripts/eagle3_workflow/full_depth_reference.py",
-        "parameter trust_remote_code = False",
-    ): "stream_reference(); the full-depth check's signatures are being changed in another branch",
-    (
-        "workflow/scripts/eagle3_workflow/hidden_states.py",
-        "parameter dtype = 'bfloat16'",
-    ): "estimate_bytes(): the element size of the hidden-state files, which extraction (being changed in another "
-    "branch) leaves at bf16; not target.dtype, whose name it shares",
 }
 
 

@@ -67,7 +67,9 @@ def test_streamed_reference_equals_a_plain_hf_forward(tmp_path, arch):
     target = random_target(tmp_path / arch, arch, 4)
     assert (target / "model.safetensors.index.json").exists(), "the test means to read a sharded checkpoint"
     streamed: dict[str, torch.Tensor] = {}
-    num_layers, peak = stream_reference(target, SAMPLES, lambda label, s: streamed.__setitem__(label, s.clone()))
+    num_layers, peak = stream_reference(
+        target, SAMPLES, lambda label, s: streamed.__setitem__(label, s.clone()), trust_remote_code=False
+    )
     assert num_layers == 4
     assert set(streamed) == {"0", "1", "2", "3", "4", POST_NORM}
     for b, ids in enumerate(SAMPLES):
@@ -139,7 +141,9 @@ DEEP_SAMPLES = {0: SAMPLES[0], 1: SAMPLES[1], 2: SAMPLES[0][:20]}
 
 def test_full_depth_check_passes_a_right_capture(deep_target, tmp_path):
     write_capture(tmp_path / "files", deep_target, DEEP_SAMPLES, DEEP_IDS, {})
-    report = full_depth_check(deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=0.05, max_tokens=32)
+    report = full_depth_check(
+        deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=0.05, max_tokens=32, trust_remote_code=False
+    )
     assert report.passed, failure_message(report)
     assert report.rows == [0, 1] and report.tokens == [32, 11]  # the longest (cut to max_tokens), the shortest
     assert [s.claimed for s in report.slots] == DEEP_IDS
@@ -150,7 +154,9 @@ def test_full_depth_check_passes_a_right_capture(deep_target, tmp_path):
 def test_full_depth_check_names_every_slot_taken_from_the_wrong_depth(deep_target, tmp_path):
     """Past the canary's slice only: id 9 from layer 10, and id 12 (the verifier's) after the final norm."""
     write_capture(tmp_path / "files", deep_target, DEEP_SAMPLES, DEEP_IDS, {9: 10, 12: POST_NORM})
-    report = full_depth_check(deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=0.05, max_tokens=64)
+    report = full_depth_check(
+        deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=0.05, max_tokens=64, trust_remote_code=False
+    )
     assert report.passed is False
     assert {s.claimed: s.best for s in report.slots if not s.ok} == {9: "10", 12: POST_NORM}
     message = failure_message(report)
@@ -162,7 +168,9 @@ def test_full_depth_check_names_every_slot_taken_from_the_wrong_depth(deep_targe
 
 def test_an_error_above_tolerance_on_the_right_layers_gets_the_drift_advice(deep_target, tmp_path):
     write_capture(tmp_path / "files", deep_target, DEEP_SAMPLES, DEEP_IDS, {})
-    report = full_depth_check(deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=1e-4, max_tokens=16)
+    report = full_depth_check(
+        deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=1e-4, max_tokens=16, trust_remote_code=False
+    )
     assert report.passed is False
     assert all(s.best == str(s.claimed) for s in report.slots)
     message = failure_message(report)
@@ -194,7 +202,7 @@ def test_a_quantized_checkpoint_is_refused_with_the_cause(tmp_path):
     config["quantization_config"] = {"quant_method": "compressed-tensors"}
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedTarget) as info:
-        stream_reference(target, [[5, 6, 7]], lambda *_: None)
+        stream_reference(target, [[5, 6, 7]], lambda *_: None, trust_remote_code=False)
     assert "quantized (compressed-tensors)" in str(info.value)
     assert "validation.full_depth_check: false" in str(info.value)
 
@@ -205,4 +213,4 @@ def test_a_checkpoint_without_a_layer_is_refused_naming_it(tmp_path):
     config["num_hidden_layers"] = 4  # the checkpoint has layers 0..2 only
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedTarget, match="no tensor of decoder layer 3"):
-        stream_reference(target, [[5, 6, 7]], lambda *_: None)
+        stream_reference(target, [[5, 6, 7]], lambda *_: None, trust_remote_code=False)

@@ -218,7 +218,7 @@ def _first_tensor(output: Any) -> torch.Tensor:
 
 
 def stream_reference(
-    target_dir: Path, batch: Sequence[Sequence[int]], visit: Visit, *, trust_remote_code: bool = False
+    target_dir: Path, batch: Sequence[Sequence[int]], visit: Visit, *, trust_remote_code: bool
 ) -> tuple[int, int]:
     """Run the fp32 HF forward of `batch` through the whole target, one decoder layer in memory at a time, and call
     ``visit(label, states)`` with states [B, T, H] for every depth in vLLM's convention: str(k), k in 0..N-1, the

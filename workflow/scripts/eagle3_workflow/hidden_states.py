@@ -106,9 +106,10 @@ def shard_rows(num_rows: int, replicas: int, replica: int) -> list[int]:
     return list(range(replica, num_rows, replicas))
 
 
-def estimate_bytes(token_counts: list[int], layer_count: int, hidden_size: int, dtype: str = "bfloat16") -> int:
+def estimate_bytes(token_counts: list[int], layer_count: int, hidden_size: int, element: str = "bfloat16") -> int:
     """Disk needed for these samples: tokens x layers x hidden x bytes, plus token ids and headers."""
-    per_token = layer_count * hidden_size * BYTES_PER_ELEMENT[dtype] + 8
+    # element: the files' element type (vLLM's connector writes bf16 whatever target.dtype says)
+    per_token = layer_count * hidden_size * BYTES_PER_ELEMENT[element] + 8
     return sum(token_counts) * per_token + SAFETENSORS_OVERHEAD * len(token_counts)
 
 

@@ -347,7 +347,7 @@ def run_api_checks(
     trust_remote_code: bool,
     trainer_fields: list[str] | None = None,
     need_render_endpoint: bool = True,
-    full_depth_check: bool = True,
+    full_depth_check: bool,
 ) -> ApiCompatReport:
     """All rows; pure apart from imports. The report's `passed` is the AND of the rows."""
     target = read_target_config(target_dir).info()

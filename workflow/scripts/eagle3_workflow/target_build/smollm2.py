@@ -93,7 +93,7 @@ def gguf_has_output_head(path: Path) -> bool:
     return any(tensor.name == "output.weight" for tensor in GGUFReader(str(path)).tensors)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "bfloat16") -> tuple[Any, dict[str, Any]]:
+def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str) -> tuple[Any, dict[str, Any]]:
     """Dequantize the GGUF and save model + tokenizer + chat template; returns (config, fp32 state dict)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -106,7 +106,7 @@ def greedy_failure_message(rows: list[GreedyCheck]) -> str:
 
 
 def validate_files(
-    input_ids: list[list[int]], files: HiddenStateFiles, *, max_bad_samples: int = 0, rows: list[int] | None = None
+    input_ids: list[list[int]], files: HiddenStateFiles, *, max_bad_samples: int, rows: list[int] | None = None
 ) -> ValidationReport:
     """Every prepared row's file in `files` checked in full (row = its index in `input_ids`), or only `rows` (online
     training's check set)."""

@@ -122,7 +122,7 @@ def full_depth_check(
     *,
     tolerance: float,
     max_tokens: int,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool,
 ) -> FullDepthReport:
     """Every captured id of the longest and the shortest of `samples` (row -> input ids, files in `files_dir`)
     against the streamed fp32 reference of the whole target; the report names every wrong slot."""
