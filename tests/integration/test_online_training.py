@@ -174,3 +174,36 @@ def test_a_sigterm_in_online_training_resumes_from_the_interrupt_save_with_a_new
     assert (summary.resumed_from.epoch, summary.resumed_from.local_step) == (0, 2)
     assert summary.resumed_from.path == str(save / "0") and summary.attempts == 2
     assert list(train_rows(tmp_path)["global_step"]) == list(range(summary.steps))  # none trained twice
+
+
+@pytest.mark.slow
+def test_a_stopped_online_server_fails_the_stage_as_stalled_and_leaves_nothing_behind(train_inputs, tmp_path):
+    """The server alive but not answering (SIGSTOP, as a wedged GPU looks): the stage fails as stalled, naming the
+    limit and quoting the server's last lines, instead of waiting out every request's timeout."""
+    config = online_config(ONLINE)
+    config["extraction"] |= {"stall_timeout_s": 5, "stall_factor": 2}
+    spec = {
+        "config": config,
+        "paths": {**{k: str(v) for k, v in train_inputs.items()}, "work_dir": str(tmp_path / "train_work"),
+                  "out_dir": str(tmp_path / "draft")},
+    }  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    work = tmp_path / "train_work"
+    with open(tmp_path / "stage.stderr", "w", encoding="utf-8") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", ONLINE_STAGE_RUN, json.dumps(spec)], env=env,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
+    try:
+        counts = work / "online" / "counts"
+        wait_until(lambda: list(counts.glob("checked-*.json")) or proc.poll() is not None, 900, "a generated sample")
+        assert proc.poll() is None, (tmp_path / "stage.stderr").read_text()[-3000:]
+        for process in processes_of(work / "online" / "hidden_states"):
+            process.suspend()  # SIGSTOP: alive, not answering
+        proc.wait(timeout=600)  # only a guard against a hang: the stall limit is 5 s here
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    text = (tmp_path / "stage.stderr").read_text()
+    assert proc.returncode == 1, text[-3000:]
+    assert "online training stalled: no generated sample arrived for" in text
+    assert "extraction.stall_timeout_s" in text and "vllm_server.log" in text
+    wait_until(lambda: not processes_of(work), 60, "nothing of the stage to be left")

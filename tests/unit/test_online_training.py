@@ -5,6 +5,7 @@ test_online_training.py)."""
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from tiny_training import TRAIN
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.hidden_states import check_rows, check_sample, rows_on_disk
 from eagle3_workflow.online_samples import OnlineSampleFailure, OnlineSpec, failed_rows, record_failure, samples_checked
+from eagle3_workflow.runtime.child import ProgressWatch
 from eagle3_workflow.trainer_command import TRAINER_FIELDS_USED, TrainDevice, TrainPaths, build_train_command
-from eagle3_workflow.training.online import OnlineWatch, split_devices
+from eagle3_workflow.training.online import OnlineFolders, OnlineStalled, OnlineWatch, split_devices
 from eagle3_workflow.training.stage import train_draft
 
 # ---------------------------------------------------------------- the check set
@@ -153,11 +155,40 @@ def test_the_checked_counts_of_every_trainer_process_add_up(tmp_path):
 
 
 def test_the_watch_keeps_the_high_water_mark_of_the_servers_files(tmp_path):
-    watch = OnlineWatch(server=None, storage=tmp_path)  # type: ignore[arg-type] - sample() reads the folder only
-    (tmp_path / "a.safetensors").write_bytes(b"x" * 100)
-    (tmp_path / "b.safetensors").write_bytes(b"x" * 50)
-    (tmp_path / "b.safetensors.lock").write_bytes(b"")
+    folders = OnlineFolders(tmp_path)
+    folders.storage.mkdir()
+    watch = OnlineWatch(server=None, folders=folders)  # type: ignore[arg-type] - sample() reads the folder only
+    (folders.storage / "a.safetensors").write_bytes(b"x" * 100)
+    (folders.storage / "b.safetensors").write_bytes(b"x" * 50)
+    (folders.storage / "b.safetensors.lock").write_bytes(b"")
     watch.sample()
-    (tmp_path / "a.safetensors").unlink()
+    (folders.storage / "a.safetensors").unlink()
     watch.sample()
     assert (watch.peak_files, watch.peak_bytes) == (2, 150)
+
+
+def test_samples_that_stop_arriving_fail_as_stalled_once_the_first_arrived_and_the_limit_adapts(tmp_path):
+    folders = OnlineFolders(tmp_path)
+    folders.counts.mkdir(parents=True)
+    server = types.SimpleNamespace(tail=["INFO last line of the server"], log_path=tmp_path / "vllm_server.log")
+    stall = ProgressWatch(floor_s=10.0, factor=20.0, setting="extraction.stall_timeout_s")
+    watch = OnlineWatch(server=server, folders=folders, stall=stall)  # type: ignore[arg-type]
+
+    def checked(samples: int) -> None:
+        (folders.counts / "checked-7-0.json").write_text(json.dumps({"samples": samples, "tokens": samples * 10}))
+
+    watch.watch_progress(0.0)
+    watch.watch_progress(500.0)  # the trainer starting (compiling, spawning workers): not armed before a sample
+    checked(1)
+    watch.watch_progress(501.0)
+    checked(2)
+    watch.watch_progress(502.0)  # slowest interval 1 s: the limit is max(floor 10 s, 20 x 1 s) = 20 s
+    watch.watch_progress(521.0)
+    with pytest.raises(OnlineStalled) as stalled:
+        watch.watch_progress(523.0)
+    message = str(stalled.value)
+    assert "no generated sample arrived for 21 s after 2 (limit 20 s: extraction.stall_timeout_s" in message
+    assert "INFO last line of the server" in message and "vllm_server.log" in message
+    checked(3)
+    watch.watch_progress(524.0)  # an interval of 22 s (an epoch's checkpoint, say): 20 x 22 = 440 s from now on
+    watch.watch_progress(900.0)

@@ -361,8 +361,10 @@ class TrainDraftStage(View):
 
 
 class TrainDraftOnlineStage(ServingStage):
-    """Online training serves the target itself: the server the canary proved, sized by the vllm section."""
+    """Online training serves the target itself: the server the canary proved, sized by the vllm section and
+    watched for stalls as extraction's server is."""
 
+    extraction: ExtractionStall
     train: OnlineTrainSettings
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 from eagle3_workflow.artefacts import OnlineTrainingStats
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.online_samples import API_KEY_ENV, OnlineSpec, failed_rows, samples_checked
+from eagle3_workflow.runtime.child import PROGRESS_MARKER, ProgressWatch
 from eagle3_workflow.settings import OnlineTraining
 from eagle3_workflow.trainer_entry import ONLINE_SPEC_ENV
 from eagle3_workflow.vllm_server import ServerSpec, VLLMServer
@@ -38,6 +40,7 @@ class OnlineServing:
     server_spec: Callable[[str], ServerSpec]
     device: str  # the server's: cuda or cpu (api_compat.json's)
     settings: OnlineTraining
+    stall: Callable[[], ProgressWatch]  # a fresh stall watch for each launch
     layer_count: int
     hidden_size: int
     dtype: str  # the hidden states' torch dtype name: the target's
@@ -111,17 +114,52 @@ def online_trainer_env(serving: OnlineServing, folders: OnlineFolders, api_key: 
     return {ONLINE_SPEC_ENV: spec.to_env(), API_KEY_ENV: api_key}
 
 
-class OnlineWatch:
-    """Called by the trainer's ChildProcess twice a second: raises the server's failure (the trainer is then
-    stopped, saving checkpoints/interrupted), and keeps the high-water mark of the server's output folder."""
+class OnlineStalled(StageError):
+    """The server is alive but no generated sample has arrived for longer than the stall limit."""
 
-    def __init__(self, server: VLLMServer, storage: Path) -> None:
-        self.server, self.storage = server, storage
+
+class OnlineWatch:
+    """Called by the trainer's ChildProcess twice a second: raises the server's failure, or a stall (samples
+    stopped arriving although the server is alive), and keeps the high-water mark of the server's output folder.
+    What it raises stops the trainer (it saves checkpoints/interrupted) and ends the attempt.
+
+    The stall watch is extraction's (``extraction.stall_timeout_s`` and ``stall_factor``): armed by the first
+    sample checked, it fails when none follows within max(stall_timeout_s, stall_factor x the slowest interval
+    between samples so far), so an epoch's end (a checkpoint saved, validation) widens the limit by itself."""
+
+    def __init__(self, server: VLLMServer, folders: OnlineFolders, stall: ProgressWatch | None = None) -> None:
+        self.server, self.folders, self.stall = server, folders, stall
+        self.storage = folders.storage
         self.peak_files = self.peak_bytes = 0
+        self.samples = 0
 
     def __call__(self) -> None:
-        self.server.check()
-        self.sample()
+        try:
+            self.server.check()
+            self.sample()
+            self.watch_progress(time.monotonic())
+        except StageError:
+            # the server goes first: the trainer's pending request then fails at once instead of waiting out its
+            # timeout, and the trainer, stopped next, ends within its grace
+            self.server.stop()
+            raise
+
+    def watch_progress(self, now: float) -> None:
+        if self.stall is None:
+            return
+        samples = samples_checked(self.folders.counts)[0]
+        if samples > self.samples:
+            self.samples = samples
+            self.stall.observe(PROGRESS_MARKER, now)
+        quiet = self.stall.stalled_for(now)
+        if quiet is not None:
+            tail = "\n".join(self.server.tail[-20:])
+            raise OnlineStalled(
+                f"online training stalled: no generated sample arrived for {quiet:.0f} s after {self.samples} "
+                f"(limit {self.stall.limit_s():.0f} s: {self.stall.setting}, or {self.stall.factor:g} times the "
+                "slowest interval between samples so far); the vLLM server is alive but not answering. A wedged "
+                f"GPU or a stopped engine looks like this. The server's last lines ({self.server.log_path}):\n{tail}"
+            )
 
     def sample(self) -> None:
         files = count = 0

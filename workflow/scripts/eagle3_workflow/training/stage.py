@@ -224,7 +224,7 @@ def _train_to_the_end(
         if device.kind == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_devices)
     with online_server(online, folders, devices=server_devices) as server:
-        watch = OnlineWatch(server, folders.storage)
+        watch = OnlineWatch(server, folders, online.stall())
         command = plan.command(online_trainer_arguments(online, f"{server.base_url}/v1"))
         env |= online_trainer_env(online, folders, server.api_key)
         final = run_attempt(command, env=env, watch=watch, **attempt)
@@ -332,7 +332,9 @@ def train_draft(
 
 def online_serving(settings: TrainDraftOnlineStage, api: ApiCompatReport, target: str) -> OnlineServing:
     """The online trainer's server: the canary's and extraction's (same builder, the run's layer ids), serving the
-    target under its path (the name speculators asks the endpoint for), sized by train.online."""
+    target under its path (the name speculators asks the endpoint for), sized by train.online, watched for stalls
+    as extraction's server is (extraction.stall_timeout_s, stall_factor)."""
+    from eagle3_workflow.runtime.child import ProgressWatch
     from eagle3_workflow.target_config import read_target_config
     from eagle3_workflow.vllm_server import hidden_states_server_spec
 
@@ -346,8 +348,14 @@ def online_serving(settings: TrainDraftOnlineStage, api: ApiCompatReport, target
     dtype = settings.target.dtype
     if dtype == "auto":
         dtype = read_target_config(target).dtype or "bfloat16"
+    extraction = settings.extraction
+
+    def stall() -> ProgressWatch:
+        return ProgressWatch(floor_s=extraction.stall_timeout_s, factor=extraction.stall_factor,
+                             setting="extraction.stall_timeout_s")  # fmt: skip
+
     return OnlineServing(
-        server_spec, api.device, settings.train.online, len(api.layer_ids), api.target.hidden_size, dtype
+        server_spec, api.device, settings.train.online, stall, len(api.layer_ids), api.target.hidden_size, dtype
     )
 
 
