@@ -26,6 +26,7 @@ from eagle3_workflow.artefacts import ProgressSnapshot, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.hidden_states import HiddenStateFiles
+from eagle3_workflow.runtime.child import stall_limit_s
 from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
 
 log = logging.getLogger("eagle3.extraction")
@@ -33,11 +34,6 @@ log = logging.getLogger("eagle3.extraction")
 
 class ServerStalled(StageError):
     """The server is alive but no sample finished for the stall limit while requests were in flight."""
-
-
-def stall_limit_s(floor_s: float, factor: float, slowest_sample_s: float) -> float:
-    """How long the client waits for the next finished sample: the floor, or more when samples are slow."""
-    return max(floor_s, factor * slowest_sample_s)
 
 
 @dataclasses.dataclass

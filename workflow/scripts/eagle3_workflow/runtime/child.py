@@ -89,6 +89,12 @@ def first_traceback(lines: Sequence[str]) -> str:
     return "\n".join(strip_log_prefixes(line) for line in lines[span[0] : span[1]])
 
 
+def stall_limit_s(floor_s: float, factor: float, slowest_s: float) -> float:
+    """How long a watch waits for the next finished item: the floor, or `factor` times the slowest seen so far when
+    that is longer (every stall watch of the workflow: engines, extraction's client, the online trainer)."""
+    return max(floor_s, factor * slowest_s)
+
+
 @dataclasses.dataclass
 class ProgressWatch:
     """When requests are in flight, a finished one must be seen at least every `limit_s()` seconds.
@@ -105,7 +111,7 @@ class ProgressWatch:
     last_s: float = 0.0  # monotonic time of the last busy or progress marker
 
     def limit_s(self) -> float:
-        return max(self.floor_s, self.factor * self.slowest_interval_s)
+        return stall_limit_s(self.floor_s, self.factor, self.slowest_interval_s)
 
     def observe(self, line: str, now: float) -> None:
         if line.startswith(PROGRESS_MARKER):
