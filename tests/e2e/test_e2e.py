@@ -63,3 +63,42 @@ def test_a_second_run_does_nothing(tiny_run):
     run, _ = tiny_run
     proc = run_workflow(run.parent.parent, tiny_config(run="tiny"), extra=["-n"])
     assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_online_training_through_the_rules_keeps_a_handful_of_hidden_state_files(tmp_path):
+    """train.hidden_states: online through Snakemake, to the trained draft: the plan says so, extraction writes the
+    check set only, and while the trainer runs the run folder never holds more than a handful of hidden-state
+    files (sampled every 20 ms, the check set's files aside)."""
+    import os
+    import threading
+
+    config = tiny_config(run="online", data={"max_samples": 48},
+                         train={"hidden_states": "online", "epochs": 1, "online": {"check_samples": 4}})  # fmt: skip
+    run = tmp_path / "results" / "online"
+    storage = run / "train_work" / "online" / "hidden_states"
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            try:
+                peak[0] = max(peak[0], sum(1 for e in os.scandir(storage) if e.name.endswith(".safetensors")))
+            except OSError:
+                continue
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    try:
+        proc = run_workflow(tmp_path, config, targets=["results/online/draft"])
+    finally:
+        done.set()
+        watcher.join()
+    assert "hidden states: online (train.hidden_states)" in proc.stderr
+    assert len(list((run / "hidden_states" / "files").glob("hs_*.safetensors"))) == 4  # the check set
+    training = json.loads((run / "draft" / "training.json").read_text())
+    assert training["hidden_states"] == "online"
+    online = training["online"]
+    rows = json.loads((run / "data" / "manifest.json").read_text())["records_kept"]
+    assert online["samples_checked"] == rows and online["failed_samples"] == {}  # one epoch: each row once
+    assert 1 <= peak[0] <= 4 and 1 <= online["peak_files"] <= 4
+    assert not list(storage.glob("*.safetensors"))

@@ -91,6 +91,7 @@ def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
     assert "21,000" in card
     assert "| optimizer, lr | adamw, 0.0003 |" in card
     assert "| epochs, steps | 2, 4 |" in card  # as trained
+    assert "| hidden states | offline: files extracted to disk once, read every epoch |" in card
     assert "16000 Magpie user turns" in card
     # provenance: commit and every published file with its hash
     assert "abc123" in card

@@ -192,3 +192,19 @@ def test_samples_that_stop_arriving_fail_as_stalled_once_the_first_arrived_and_t
     checked(3)
     watch.watch_progress(524.0)  # an interval of 22 s (an epoch's checkpoint, say): 20 x 22 = 440 s from now on
     watch.watch_progress(900.0)
+
+
+def test_the_report_and_the_model_card_say_where_the_hidden_states_came_from(tmp_path):
+    from synthetic_run import training_summary
+
+    from eagle3_workflow.artefacts import OnlineTrainingStats
+
+    offline = training_summary(tmp_path / "draft")
+    assert offline.hidden_states_source() == "offline: files extracted to disk once, read every epoch"
+    stats = OnlineTrainingStats(server_ready_s=19.5, samples_checked=768, tokens_checked=55182,
+                                failed_samples={"7": "timed out"}, peak_files=1, peak_bytes=72440)  # fmt: skip
+    online = offline.model_copy(update={"hidden_states": "online", "online": stats})
+    assert online.hidden_states_source() == (
+        "online: generated on demand by the trainer's own vLLM server, 768 samples (55182 tokens) checked as they "
+        "arrived, 1 skipped after failing; at most 1 files on disk at once"
+    )

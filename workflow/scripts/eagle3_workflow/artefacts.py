@@ -413,6 +413,18 @@ class TrainingSummary(Artefact):
     hidden_states: Literal["offline", "online"]  # train.hidden_states: files on disk, or generated on demand
     online: OnlineTrainingStats | None  # online only
 
+    def hidden_states_source(self) -> str:
+        """Where the trainer's hidden states came from, in words (the report and the model card)."""
+        if self.online is None:
+            return f"{self.hidden_states}: files extracted to disk once, read every epoch"
+        online = self.online
+        failed = f", {len(online.failed_samples)} skipped after failing" if online.failed_samples else ""
+        return (
+            f"{self.hidden_states}: generated on demand by the trainer's own vLLM server, {online.samples_checked} "
+            f"samples ({online.tokens_checked} tokens) checked as they arrived{failed}; at most {online.peak_files} "
+            "files on disk at once"
+        )
+
 
 class TrainingFingerprint(Artefact):
     """train_work/fingerprint.json: what the checkpoints in train_work/ were made from. Every key counts (a key

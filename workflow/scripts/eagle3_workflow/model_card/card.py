@@ -121,6 +121,7 @@ def _training_section(inputs: CardInputs) -> list[str]:
         f"{training.device}, {_fmt(training.processes)} process(es) |",
         f"| draft | EAGLE-3, {train_cfg.draft_layers} decoder layer(s), {train_cfg.ttt_steps} TTT steps |",
         f"| draft vocabulary | {_fmt(training.draft_vocab_size)} tokens |",
+        f"| hidden states | {training.hidden_states_source()} |",
         f"| optimizer, lr | {train_cfg.optimizer}, {train_cfg.lr} |",
         f"| epochs, steps | {_fmt(training.epochs)}, {_fmt(training.steps)} |",
         f"| packed sequence length | {_fmt(train_cfg.total_seq_len)} |",

@@ -307,6 +307,7 @@ def summary_page(
         ("git commit", provenance.git_commit + (" (dirty)" if provenance.git_dirty else "")),
         ("records kept / read", f"{manifest.records_kept} / {manifest.records_read}"),
         ("tokens extracted", sum(m.tokens for m in extraction)),
+        ("hidden states", training.hidden_states_source()),
         ("final training loss", final_loss if final_loss is not None else "n/a"),
         ("final validation loss", training.final_val_loss),
         ("acceptance length, trained draft", acceptance.trained.mean_acceptance_length),
