@@ -101,4 +101,8 @@ def test_online_training_through_the_rules_keeps_a_handful_of_hidden_state_files
     rows = json.loads((run / "data" / "manifest.json").read_text())["records_kept"]
     assert online["samples_checked"] == rows and online["failed_samples"] == {}  # one epoch: each row once
     assert 1 <= peak[0] <= 4 and 1 <= online["peak_files"] <= 4
-    assert not list(storage.glob("*.safetensors"))
+    assert not list(storage.glob("*.safetensors")), "every generated file was deleted once loaded"
+    assert not (run / "train_work" / "data" / "hidden_states").exists(), "no hidden-state file is read from disk"
+    command = " ".join(training["command"])
+    assert "--on-missing generate" in command and "--vllm-endpoint http://127.0.0.1:" in command
+    assert (run / "draft" / "model.safetensors").exists() and training["online"]["server_ready_s"] > 0

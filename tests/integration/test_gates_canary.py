@@ -265,7 +265,8 @@ def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_pat
     """A 32-layer target, production ids [2, 16, 29, 32]; the fault moves every id above 8 but the last one layer
     deeper (16 -> 17, 29 -> 30), keeping the count. The canary's 8-layer slice ([2, 4, 6, 8]) cannot see it and
     id 32 is right (the greedy cross-check passes): only the full-depth check of validate_hidden_states stops it,
-    naming both slots, and train_draft never starts. The same run without the fault passes."""
+    naming both slots, and train_draft never starts; online training's check set is stopped the same way. The same
+    run without the fault passes."""
     from eagle3_workflow.artefacts import ValidationReport, load
 
     config = tiny_config(run="deep", target={"build": DEEP_BUILD}, data={"max_samples": 24})
@@ -287,6 +288,17 @@ def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_pat
     assert not (run / "logs" / "train_draft.log").exists()
     assert not (run / "draft").exists()
 
+    # online training (train.hidden_states) validates its check set the same way: the fault stops it too, before
+    # the trainer's server starts (the check set's files are among those on disk: extraction reuses them)
+    online = {**config, "train": {**config["train"], "hidden_states": "online", "online": {"check_samples": 4}}}
+    proc = run_workflow(tmp_path, online, check=False, env=env)
+    assert proc.returncode != 0
+    assert "hidden states: online (train.hidden_states)" in proc.stderr, "the plan says which mode runs"
+    log = (run / "logs" / "validate_hidden_states.log").read_text()
+    assert "validated 4/4 samples" in log
+    assert "full-depth check FAILED: 2 of 4 captured ids" in log
+    assert not (run / "logs" / "train_draft.log").exists() and not (run / "train_work").exists()
+
     shutil.rmtree(run / "hidden_states")  # the faulty capture; extraction and validation run again, without the fault
     validation = run / "hidden_states" / "validation.json"
     run_workflow(tmp_path, config, targets=[str(validation.relative_to(tmp_path))])
@@ -294,27 +306,3 @@ def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_pat
     assert report is not None and report.enabled and report.passed
     assert report.num_layers == 32 and report.layer_ids == [2, 16, 29, 32]
     assert [s.best for s in report.slots] == ["2", "16", "29", "32"]
-
-
-@pytest.mark.slow
-def test_online_trainings_check_set_stops_a_capture_wrong_past_the_canary(tmp_path):
-    """Online, extraction writes only the check set (train.online.check_samples) and validate_hidden_states proves it
-    at full depth as it does every file offline: the fault past the canary's slice stops before the trainer's
-    server starts."""
-    config = tiny_config(run="deep", target={"build": DEEP_BUILD}, data={"max_samples": 24},
-                         train={"hidden_states": "online", "online": {"check_samples": 4}})  # fmt: skip
-    env = {
-        "EAGLE3_FAULT": "remap:deep_off_by_one",
-        "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
-    }
-    run = tmp_path / "results" / "deep"
-    proc = run_workflow(tmp_path, config, check=False, env=env)
-    assert proc.returncode != 0
-    assert "hidden states: online (train.hidden_states)" in proc.stderr, "the plan says which mode runs"
-    assert (run / "checks" / "canary.json").exists(), "the canary passed: the fault is past its slice"
-    assert len(list((run / "hidden_states" / "files").glob("hs_*.safetensors"))) == 4, "the check set only"
-    log = (run / "logs" / "validate_hidden_states.log").read_text()
-    assert "full-depth check FAILED: 2 of 4 captured ids" in log
-    assert not (run / "hidden_states" / "validation.json").exists()
-    assert not (run / "logs" / "train_draft.log").exists()
-    assert not (run / "train_work").exists()

@@ -81,6 +81,8 @@ NOT_READ: dict[str, set[str]] = {
     "check_target": {"target_check/enabled"},  # whether the rule runs
     "extract_hidden_states": {"extraction/gpus_per_replica", "extraction/runtime_minutes"},  # resources
     "evaluate_draft": {"evaluate/gpus"},  # a resource
+    # the presets train offline: train.online sizes the online trainer's server and is read only online
+    "train_draft": {"train/online"},
 }
 # Keys that change which jobs or files exist (a new run name, another target, other inputs): what they replan is
 # decided by missing outputs and inputs, not params, so they are left out of the per-key dry runs.
@@ -92,6 +94,8 @@ SHAPE_KEYS = {
     "regenerate/enabled",
     "regenerate/prompt_files",
     "target_check/enabled",
+    # offline <-> online: extraction and validation cover every row or the check set, training gets a server
+    "train/hidden_states",
 }
 # a changed value the schema accepts and the dry run can plan with (evaluate.prompts=file needs a prompt file)
 CHANGED = {"evaluate/prompts": lambda value: "heldout" if value == "humaneval" else "humaneval"}

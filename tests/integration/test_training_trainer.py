@@ -89,7 +89,7 @@ def train_inputs(tiny_targets, tmp_path_factory):
 
 
 def make_train_inputs(tiny_targets, root: Path) -> dict[str, Path]:
-    """train_inputs' files in `root` (tests/integration/test_online_training.py builds its own)."""
+    """train_inputs' files in `root` (tests/integration/test_online_trainer.py builds its own)."""
     from conftest import TINY_DATA, preparation
     from transformers import AutoTokenizer
 

@@ -1,6 +1,6 @@
 """train.hidden_states: online, the pure parts: which rows go to disk, how a job's GPUs are split, the trainer's
 flags, the per-sample check and the failure policy (the real server and trainer: tests/integration/
-test_online_training.py)."""
+test_online_trainer.py, tests/e2e/test_e2e.py)."""
 
 from __future__ import annotations
 
