@@ -203,6 +203,8 @@ def test_the_report_and_the_model_card_say_where_the_hidden_states_came_from(tmp
     assert offline.hidden_states_source() == "offline: files extracted to disk once, read every epoch"
     stats = OnlineTrainingStats(server_ready_s=19.5, samples_checked=768, tokens_checked=55182,
                                 failed_samples={"7": "timed out"}, peak_files=1, peak_bytes=72440)  # fmt: skip
+    republished = offline.model_copy(update={"hidden_states": "online"})  # a forced rerun started no trainer
+    assert republished.hidden_states_source().endswith("(this launch started none)")
     online = offline.model_copy(update={"hidden_states": "online", "online": stats})
     assert online.hidden_states_source() == (
         "online: generated on demand by the trainer's own vLLM server, 768 samples (55182 tokens) checked as they "

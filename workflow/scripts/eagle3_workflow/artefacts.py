@@ -415,8 +415,10 @@ class TrainingSummary(Artefact):
 
     def hidden_states_source(self) -> str:
         """Where the trainer's hidden states came from, in words (the report and the model card)."""
-        if self.online is None:
-            return f"{self.hidden_states}: files extracted to disk once, read every epoch"
+        if self.hidden_states == "offline":
+            return "offline: files extracted to disk once, read every epoch"
+        if self.online is None:  # a forced rerun published the trained checkpoint without starting the trainer
+            return "online: generated on demand by the trainer's own vLLM server (this launch started none)"
         online = self.online
         failed = f", {len(online.failed_samples)} skipped after failing" if online.failed_samples else ""
         return (
