@@ -82,20 +82,26 @@ def processes_of(folder: Path) -> list[psutil.Process]:
     return found
 
 
+def start_online_stage(config: dict, inputs: dict, tmp_path: Path) -> subprocess.Popen:
+    """The online train_draft stage in a process of its own (ONLINE_STAGE_RUN), its stderr in stage.stderr; the
+    caller waits for a state, kills or reaps it."""
+    spec = {
+        "config": config,
+        "paths": {**{k: str(v) for k, v in inputs.items()}, "work_dir": str(tmp_path / "train_work"),
+                  "out_dir": str(tmp_path / "draft")},
+    }  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "stage.stderr", "w", encoding="utf-8") as stderr:  # the child keeps its own copy
+        return subprocess.Popen([sys.executable, "-c", ONLINE_STAGE_RUN, json.dumps(spec)], env=env,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_sigkilled_online_stage_leaves_no_server_and_no_trainer(train_inputs, tmp_path):
     """SIGKILL to the stage alone (what the OOM killer or a lost node does): nothing of it may keep a GPU."""
     config = online_config(ONLINE)
-    spec = {
-        "config": config,
-        "paths": {**{k: str(v) for k, v in train_inputs.items()}, "work_dir": str(tmp_path / "train_work"),
-                  "out_dir": str(tmp_path / "draft")},
-    }  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     counts = tmp_path / "train_work" / "online" / "counts"
-    with open(tmp_path / "stage.stderr", "w", encoding="utf-8") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", ONLINE_STAGE_RUN, json.dumps(spec)], env=env,
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
+    proc = start_online_stage(config, train_inputs, tmp_path)
     try:
         # a state, not a clock: the trainer has checked a generated sample, so server and trainer both run
         wait_until(lambda: list(counts.glob("checked-*.json")) or proc.poll() is not None, 900, "a generated sample")
@@ -137,16 +143,8 @@ def test_a_stopped_online_server_fails_the_stage_as_stalled_and_leaves_nothing_b
     limit and quoting the server's last lines, instead of waiting out every request's timeout."""
     config = online_config(ONLINE)
     config["extraction"] |= {"stall_timeout_s": 5, "stall_factor": 2}
-    spec = {
-        "config": config,
-        "paths": {**{k: str(v) for k, v in train_inputs.items()}, "work_dir": str(tmp_path / "train_work"),
-                  "out_dir": str(tmp_path / "draft")},
-    }  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     work = tmp_path / "train_work"
-    with open(tmp_path / "stage.stderr", "w", encoding="utf-8") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", ONLINE_STAGE_RUN, json.dumps(spec)], env=env,
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
+    proc = start_online_stage(config, train_inputs, tmp_path)
     try:
         counts = work / "online" / "counts"
         wait_until(lambda: list(counts.glob("checked-*.json")) or proc.poll() is not None, 900, "a generated sample")
