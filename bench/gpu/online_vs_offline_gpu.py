@@ -17,7 +17,6 @@ Also runs on CPU (a finished tiny run) to try it out.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "workflow" / "scripts"), str(REPO / "bench" / "online")]
 
-from online_vs_offline import HighWater  # noqa: E402
+from online_vs_offline import HighWater, emit, online_over_offline  # noqa: E402
 
 from eagle3_workflow.artefacts import ApiCompatReport, Provenance, load  # noqa: E402
 from eagle3_workflow.config_errors import validate_config  # noqa: E402
@@ -140,18 +139,12 @@ def main() -> None:
     online = run_mode("online", {**config, "train": {**config["train"], "hidden_states": "online"}}, inputs, work)
     for row in (offline, online):
         row["peak_disk_bytes"] = row["hidden_states_peak_bytes"] + row["train_work_peak_bytes"]
-    ratios = {
-        key: round(online[key] / offline[key], 3)
-        for key in ("wall_s", "trainer_s", "steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
-        if offline.get(key)
-    }
+    ratios = online_over_offline(
+        offline, online, ("wall_s", "trainer_s", "steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
+    )
     report = {"run_dir": str(run), "rows": rows, "epochs": args.epochs, "modes": [offline, online],
               "online_over_offline": ratios}  # fmt: skip
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,20 @@ def run_mode(mode: str, work: Path, configs: list[Path], cores: int) -> dict:
     }
 
 
+def online_over_offline(offline: dict, online: dict, keys: tuple[str, ...]) -> dict[str, float]:
+    """online / offline for each key offline measured (both benches' ratio column)."""
+    return {key: round(online[key] / offline[key], 3) for key in keys if offline.get(key)}
+
+
+def emit(report: dict, out: Path | None) -> None:
+    """The report as JSON on stdout, and into `out` when given."""
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n", encoding="utf-8")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True)
@@ -102,17 +116,11 @@ def main() -> None:
     configs = [c.resolve() for c in (args.config or [REPO / "config" / "config.yaml"])]
     rows = [run_mode(mode, args.work.resolve(), configs, args.cores) for mode in ("offline", "online")]
     offline, online = rows
-    ratios = {
-        key: round(online[key] / offline[key], 3)
-        for key in ("snakemake_wall_s", "peak_run_folder_bytes", "train_draft_wall_s", "mean_acceptance_length")
-        if offline[key]
-    }
+    ratios = online_over_offline(
+        offline, online, ("snakemake_wall_s", "peak_run_folder_bytes", "train_draft_wall_s", "mean_acceptance_length")
+    )
     report = {"configs": [str(c) for c in configs], "modes": rows, "online_over_offline": ratios}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def online_server(serving: OnlineServing, folders: OnlineFolders, *, devices: li
         yield server
 
 
-def online_stats(folders: OnlineFolders, watch: OnlineWatch | None, server_ready_s: float) -> OnlineTrainingStats:
+def online_stats(folders: OnlineFolders, watch: OnlineWatch, server_ready_s: float) -> OnlineTrainingStats:
     """What draft/training.json records of an online run."""
     samples, tokens = samples_checked(folders.counts)
     failed = failed_rows(folders.failures)
@@ -196,6 +196,6 @@ def online_stats(folders: OnlineFolders, watch: OnlineWatch | None, server_ready
         samples_checked=samples,
         tokens_checked=tokens,
         failed_samples={str(row): reason for row, reason in sorted(failed.items())},
-        peak_files=watch.peak_files if watch else 0,
-        peak_bytes=watch.peak_bytes if watch else 0,
+        peak_files=watch.peak_files,
+        peak_bytes=watch.peak_bytes,
     )
