@@ -2,7 +2,8 @@
 retrain or a config change, and what it leaves alone.
 
 - a replica that failed (fault injection: extraction.fail_after_samples) reruns alone, resuming from the
-  samples already on disk; data preparation and the gates are not redone;
+  samples already on disk; data preparation and the gates are not redone (the rerun goes up to validation: the
+  stages after it are the tiny pipeline's, which test_e2e.py checks);
 - `-R train_draft --until train_draft` retrains without re-extracting;
 - a killed controller (and its jobs) recovers with `--unlock` then `--rerun-incomplete`;
 - a changed train.* value reruns training and what follows it, nothing before (Snakemake 9's default rerun
@@ -109,8 +110,9 @@ def test_failed_replica_reruns_alone_and_resumes(tmp_path):
     assert plan & PREPARE_AND_GATES == set(), plan
     assert "extract_hidden_states" in plan
 
-    second = snakemake(workdir, config)
-    assert planned_rules(second) & PREPARE_AND_GATES == set()
+    # the rerun up to validation: what follows it is the tiny pipeline's (tests/e2e/test_e2e.py)
+    second = snakemake(workdir, config, "results/failing/hidden_states/validation.json")
+    assert planned_rules(second) == EXTRACTION, planned_rules(second)
     assert mtimes(gate_artefacts(run_dir)) == gates_before, "prepare/gate artefacts were rewritten"
     manifest = replica_manifest(run_dir)
     assert manifest["samples_reused"] >= len(survived) - 1, manifest  # one may have been mid-rename
@@ -119,7 +121,7 @@ def test_failed_replica_reruns_alone_and_resumes(tmp_path):
     after = hidden_state_files(run_dir)
     unchanged = [path for path, mtime in survived.items() if after.get(path) == mtime]
     assert len(unchanged) >= len(survived) - 1
-    assert (run_dir / "report.html").exists()
+    assert json.loads((run_dir / "hidden_states" / "validation.json").read_text())["passed"] is True
 
 
 def test_changed_training_params_rerun_training_and_later_only(completed_run, tmp_path):
@@ -171,7 +173,9 @@ def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(tmp_path):
     assert locked.returncode != 0
     assert "LockException" in locked.stderr or "cannot be locked" in locked.stderr, locked.stderr[-3000:]
     snakemake(workdir, config, "--unlock")
-    snakemake(workdir, config, "--rerun-incomplete")
+    # up to validation: what follows it is the tiny pipeline's (tests/e2e/test_e2e.py)
+    resumed = snakemake(workdir, config, "results/killed/hidden_states/validation.json", "--rerun-incomplete")
+    assert planned_rules(resumed) == EXTRACTION, planned_rules(resumed)
     manifest = replica_manifest(run_dir)
     assert manifest["samples_reused"] >= written - 1, (manifest, written)
-    assert (run_dir / "report.html").exists()
+    assert json.loads((run_dir / "hidden_states" / "validation.json").read_text())["passed"] is True

@@ -94,9 +94,14 @@ def test_cluster_schedules_declared_gpus(slurm_cluster, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(2700)  # a hang guard above the run's own (2400 s), so that one fails first, with its output
 def test_tiny_run_through_slurm_profile(slurm_cluster, tmp_path):
+    # every rule, with less work in each than the tiny preset's (what a rule computes is tests/e2e/test_e2e.py's):
+    # this test is about what SLURM is asked for and runs
     config = tiny_config(
         "slurm",
+        data={"max_samples": 64},
         extraction={"gpus_per_replica": EXTRACTION_GPUS},
+        train={"epochs": 1},
+        evaluate={"num_prompts": 4, "max_tokens": 16},
         slurm={"cpu_partition": "cpu", "gpu_partition": "gpu", "mem_mb_gpu_job": 4000, "mem_mb_cpu_job": 4000},
     )
     workdir = tmp_path / "work"

@@ -18,6 +18,9 @@ or not (then the bonus token after the last one): the wrong-acceptance bug class
 Both rejection samplers are patched: the V1 model runner's (CPU, and GPU runs such as n-gram) and the V2 GPU
 model runner's (EAGLE-3 on CUDA).
 
+Each fault is installed when the module it patches is first imported (`_AfterImport`), not at startup: a process
+that never imports vLLM (Snakemake, most jobs) does not load it for a fault.
+
 EAGLE3_FAULT=stop_after_optimizer_step:<n> makes a training process stop itself (SIGSTOP) right after its n-th
 optimizer step, inside that step (before the scheduler step and the step count), through torch's global optimizer
 post-hook. A test then signals the stage, whose teardown sends SIGTERM and SIGCONT to the trainer: the stop signal
@@ -25,6 +28,7 @@ lands at exactly that point of training, whatever the machine's speed.
 """
 
 import os
+import sys
 
 FAULT = os.environ.get("EAGLE3_FAULT", "")
 CANARY_SLICE = 8  # the canary's slice on a tiny target (canary/slice.py, MIN_SHAPED_LAYERS)
@@ -81,33 +85,32 @@ REMAPS = {
 }
 
 
-def _install_remap(name):
-    from vllm.model_executor.models import interfaces
-
+def _remap(name):
     remap = REMAPS[name]
 
-    def remapped(self, aux_hidden_states, layer_idx, hidden_states, residual):
-        claimed = tuple(sorted(self.aux_hidden_state_layers))
-        if not claimed:
+    def install(interfaces):
+        def remapped(self, aux_hidden_states, layer_idx, hidden_states, residual):
+            claimed = tuple(sorted(self.aux_hidden_state_layers))
+            if not claimed:
+                return aux_hidden_states
+            value = hidden_states + residual if residual is not None else hidden_states
+            if layer_idx == 0:
+                self._fault_stash = {}
+            self._fault_stash[layer_idx] = value
+            last = len(self.layers)
+            if layer_idx == last:  # the final call of a forward: emit one slot per claimed id, in id order
+                self._fault_stash["post_norm"] = self.norm(value)
+                sources = remap(claimed, last)
+                aux_hidden_states.extend(self._fault_stash[sources[k]] for k in claimed)
+                self._fault_stash = {}
             return aux_hidden_states
-        value = hidden_states + residual if residual is not None else hidden_states
-        if layer_idx == 0:
-            self._fault_stash = {}
-        self._fault_stash[layer_idx] = value
-        last = len(self.layers)
-        if layer_idx == last:  # the final call of a forward: emit one slot per claimed id, in id order
-            self._fault_stash["post_norm"] = self.norm(value)
-            sources = remap(claimed, last)
-            aux_hidden_states.extend(self._fault_stash[sources[k]] for k in claimed)
-            self._fault_stash = {}
-        return aux_hidden_states
 
-    interfaces.EagleModelMixin._maybe_add_hidden_state = remapped
+        interfaces.EagleModelMixin._maybe_add_hidden_state = remapped
+
+    return install
 
 
-def _install_accept_any_draft():
-    from vllm.v1.sample import rejection_sampler as v1
-
+def _accept_any_v1(v1):
     v1_sample = v1.rejection_sample
 
     # vLLM's own positional signature, as vLLM calls it
@@ -123,10 +126,10 @@ def _install_accept_any_draft():
         return out
 
     v1.rejection_sample = accept_any_v1
-    try:  # the V2 GPU model runner (needs triton: absent on CPU)
-        from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
-    except ImportError:
-        return
+
+
+def _accept_any_v2(v2):
+    # the V2 GPU model runner's (imported only where triton is: never on CPU)
     v2_sample = v2.rejection_sample
 
     def accept_any_v2(target_logits, draft_logits, draft_sampled, cu_num_logits, *args, **kwargs):
@@ -145,51 +148,97 @@ def _install_accept_any_draft():
     v2.rejection_sample = accept_any_v2
 
 
-def _install_stop_after_optimizer_step(count):
-    import signal
+def _stop_after_optimizer_step(count):
+    def install(optimizer_module):
+        import signal
 
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+        done = [0]
 
-    done = [0]
+        def stop_here(_optimizer, _args, _kwargs):
+            done[0] += 1
+            if done[0] == count:
+                os.kill(os.getpid(), signal.SIGSTOP)
 
-    def stop_here(_optimizer, _args, _kwargs):
-        done[0] += 1
-        if done[0] == count:
-            os.kill(os.getpid(), signal.SIGSTOP)
+        optimizer_module.register_optimizer_step_post_hook(stop_here)
 
-    register_optimizer_step_post_hook(stop_here)
+    return install
 
 
-if FAULT == "shift_layers":
-    from vllm.model_executor.models import deepseek_v2, interfaces
+def _shift_down_layers(interfaces):
+    mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
 
-    _mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
+    def shifted_mixin(self, layers):
+        mixin_set(self, tuple(layer - 1 for layer in layers))
 
-    def _shifted_mixin(self, layers):
-        _mixin_set(self, tuple(layer - 1 for layer in layers))
+    interfaces.EagleModelMixin._set_aux_hidden_state_layers = shifted_mixin
 
-    interfaces.EagleModelMixin._set_aux_hidden_state_layers = _shifted_mixin
 
-    def _shifted_deepseek(self, layers):
+def _shift_down_deepseek(deepseek_v2):
+    def shifted_deepseek(self, layers):
         self.model.aux_hidden_state_layers = tuple(layer - 1 for layer in layers)
 
-    deepseek_v2.DeepseekV2ForCausalLM.set_aux_hidden_state_layers = _shifted_deepseek
-elif FAULT == "shift_up_if_count_kept":
+    deepseek_v2.DeepseekV2ForCausalLM.set_aux_hidden_state_layers = shifted_deepseek
+
+
+def _shift_when_count_kept(interfaces):
     # issue 13 verbatim: id k captured from layer k+1 whenever k+1 < N, applied only when that keeps the number
     # of distinct ids. On a contiguous 1..K set the shift would merge two ids, so it never fires there.
-    from vllm.model_executor.models import interfaces
+    mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
 
-    _mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
-
-    def _shift_when_count_kept(self, layers):
+    def shift_when_count_kept(self, layers):
         last = len(self.layers)
         shifted = tuple(sorted({k + 1 if k + 1 < last else k for k in layers}))
-        _mixin_set(self, shifted if len(shifted) == len(set(layers)) else tuple(layers))
+        mixin_set(self, shifted if len(shifted) == len(set(layers)) else tuple(layers))
 
-    interfaces.EagleModelMixin._set_aux_hidden_state_layers = _shift_when_count_kept
+    interfaces.EagleModelMixin._set_aux_hidden_state_layers = shift_when_count_kept
+
+
+class _AfterImport:
+    """A sys.meta_path finder that runs hooks[name](module) right after module `name` is executed, before whoever
+    imported it gets it back. A process that never imports the patched module (Snakemake, a job's script, a
+    stage's helpers) never loads vLLM or torch for a fault: importing them up front cost every Python process of
+    a fault test ~10 s."""
+
+    def __init__(self, hooks):
+        self.hooks = dict(hooks)
+
+    def find_spec(self, name, path, target=None):
+        hook = self.hooks.pop(name, None)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            hook(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+INTERFACES = "vllm.model_executor.models.interfaces"
+if FAULT == "shift_layers":
+    HOOKS = {INTERFACES: _shift_down_layers, "vllm.model_executor.models.deepseek_v2": _shift_down_deepseek}
+elif FAULT == "shift_up_if_count_kept":
+    HOOKS = {INTERFACES: _shift_when_count_kept}
 elif FAULT == "accept_any_draft":
-    _install_accept_any_draft()
+    HOOKS = {
+        "vllm.v1.sample.rejection_sampler": _accept_any_v1,
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler": _accept_any_v2,
+    }
 elif FAULT.startswith("remap:"):
-    _install_remap(FAULT.split(":", 1)[1])
+    HOOKS = {INTERFACES: _remap(FAULT.split(":", 1)[1])}
 elif FAULT.startswith("stop_after_optimizer_step:"):
-    _install_stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))
+    HOOKS = {"torch.optim.optimizer": _stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))}
+else:
+    HOOKS = {}
+if HOOKS:
+    sys.meta_path.insert(0, _AfterImport(HOOKS))

@@ -24,6 +24,7 @@ from conftest import (
     REPO,
     fill_up,
     kill_tree,
+    rules_run,
     run_workflow,
     start_workflow,
     tiny_config,
@@ -66,6 +67,18 @@ def clean_run(tmp_path_factory):
     return workdir
 
 
+def copy_of_clean_run(clean_run: Path, dest: Path, *, hidden_states: bool) -> Path:
+    """The clean run's results and Snakemake records (file times kept) in `dest`: its target, data and gates are
+    done, so a test's run goes straight to extraction. hidden_states=False: without its extraction."""
+    import shutil
+
+    shutil.copytree(clean_run / "results", dest / "results")
+    shutil.copytree(clean_run / ".snakemake", dest / ".snakemake", symlinks=True)
+    if not hidden_states:
+        shutil.rmtree(hidden_dir(dest, "x"))
+    return dest
+
+
 @pytest.mark.slow
 def test_clean_run_writes_progress_manifest_and_validation(clean_run):
     hidden = hidden_dir(clean_run, "x")
@@ -92,7 +105,9 @@ def test_clean_run_writes_progress_manifest_and_validation(clean_run):
 
 @pytest.mark.slow
 def test_two_replicas_split_the_work_and_match_the_clean_run(clean_run, tmp_path):
-    run_workflow(tmp_path, extraction_config("x", replicas=2), extra=["--until", "validate_hidden_states"])
+    copy_of_clean_run(clean_run, tmp_path, hidden_states=False)
+    proc = run_workflow(tmp_path, extraction_config("x", replicas=2), extra=["--until", "validate_hidden_states"])
+    assert sorted(rules_run(proc)) == ["extract_hidden_states", "extract_hidden_states", "validate_hidden_states"]
     hidden = hidden_dir(tmp_path, "x")
     rows = [set(json.loads((hidden / f"replica_{r}.json").read_text())["rows"]) for r in range(2)]
     assert not rows[0] & rows[1]
@@ -107,11 +122,12 @@ def vllm_processes(marker: str) -> list[int]:
 
 @pytest.mark.slow
 def test_server_killed_mid_run_fails_fast_then_rerun_resumes(clean_run, tmp_path):
-    # "Fast" is a state, not a clock: the stall limit is an hour, so before the hang guard below only the server
-    # watch can end the stage, and the failure must name the dead server, not a stall.
-    config = extraction_config("x", concurrency=1, stall_timeout_s=3600)
+    # "Fast" is a state, not a clock: the hang guard below (240 s) comes before the stall limit (300 s, the
+    # default), so only the server watch can end the stage in time, and the failure must name the dead server.
+    config = extraction_config("x", concurrency=1)
+    assert tiny_settings(ExtractHiddenStatesStage).extraction.stall_timeout_s > 240
     files = hidden_dir(tmp_path, "x") / "files"
-    run_workflow(tmp_path, config, extra=["--until", "canary"])  # gates first: the kill below lands in extraction
+    copy_of_clean_run(clean_run, tmp_path, hidden_states=False)  # gates done: the kill below lands in extraction
     output = tmp_path / "snakemake.log"
     proc = start_workflow(tmp_path, config, output, extra=["--until", "validate_hidden_states"])
     scratch_marker = str(hidden_dir(tmp_path, "x") / "scratch_replica_0")
@@ -124,7 +140,7 @@ def test_server_killed_mid_run_fails_fast_then_rerun_resumes(clean_run, tmp_path
         assert servers, "no vLLM server found to kill"
         for pid in servers:
             os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=300)  # a hang guard only: the stall limit is an hour
+        proc.wait(timeout=240)  # a hang guard only, shorter than the stall limit
     finally:
         if proc.poll() is None:
             kill_tree(proc)
@@ -151,10 +167,7 @@ def test_server_killed_mid_run_fails_fast_then_rerun_resumes(clean_run, tmp_path
 
 @pytest.mark.slow
 def test_truncated_file_is_caught_by_validation_and_redone(clean_run, tmp_path):
-    import shutil
-
-    shutil.copytree(clean_run / "results", tmp_path / "results")
-    shutil.copytree(clean_run / ".snakemake", tmp_path / ".snakemake", symlinks=True)
+    copy_of_clean_run(clean_run, tmp_path, hidden_states=True)
     config = extraction_config("x")
     victim = hidden_dir(tmp_path, "x") / "files" / "hs_7.safetensors"
     victim.write_bytes(victim.read_bytes()[:-100])
@@ -179,11 +192,7 @@ def test_truncated_file_is_caught_by_validation_and_redone(clean_run, tmp_path):
 
 @pytest.mark.slow
 def test_disk_preflight_refuses_before_any_server_starts(clean_run, tmp_path):
-    import shutil
-
-    shutil.copytree(clean_run / "results", tmp_path / "results")
-    shutil.copytree(clean_run / ".snakemake", tmp_path / ".snakemake", symlinks=True)
-    shutil.rmtree(hidden_dir(tmp_path, "x"))
+    copy_of_clean_run(clean_run, tmp_path, hidden_states=False)
     config = extraction_config("x", available_bytes_override=100_000)
     proc = run_workflow(tmp_path, config, extra=["--until", "extract_hidden_states"], check=False)
     assert proc.returncode != 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -234,11 +235,28 @@ def test_workflow_stops_at_check_api_on_bad_layer_ids(tmp_path):
     assert_extraction_never_ran(tmp_path, "badids")
 
 
-@pytest.mark.slow
+def dag_edges(dot: str) -> set[tuple[str, str]]:
+    """(upstream rule, downstream rule) for every edge of `snakemake --dag`'s dot output."""
+    labels = {node: label.split("\\n")[0] for node, label in re.findall(r'^\s*(\d+)\[label = "([^"]+)"', dot, re.M)}
+    return {(labels[a], labels[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", dot, re.M)}
+
+
 @pytest.mark.parametrize("hidden_states", ["offline", "online"])
-def test_workflow_stops_at_canary_on_shifted_layers(tmp_path, hidden_states):
-    """Online training (train.hidden_states) is gated the same way: no extraction, no trainer, no server."""
-    config = tiny_config(run="shifted", train={"hidden_states": hidden_states})
+def test_training_needs_the_canary_and_the_validated_hidden_states_in_both_modes(tmp_path, hidden_states):
+    """Snakemake's own plan: train_draft waits for the canary and for validation, offline and online (online its
+    check set), so the failed canary below stops online training as it stops offline training, without a second
+    run through a real server."""
+    config = tiny_config(run="planned", train={"hidden_states": hidden_states})
+    proc = run_workflow(tmp_path, config, extra=["-n", "--forceall", "--dag"])
+    edges = dag_edges(proc.stdout)
+    assert {("canary", "train_draft"), ("validate_hidden_states", "train_draft")} <= edges, sorted(edges)
+    assert {("canary", "extract_hidden_states"), ("extract_hidden_states", "validate_hidden_states")} <= edges
+
+
+@pytest.mark.slow
+def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
+    """No extraction, no trainer, no server (online training waits for the same canary: the test above)."""
+    config = tiny_config(run="shifted")
     env = {
         "EAGLE3_FAULT": "shift_layers",
         "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
