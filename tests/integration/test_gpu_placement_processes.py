@@ -36,7 +36,7 @@ WORKER = textwrap.dedent(
     from eagle3_workflow.runtime import child_environment
 
     name, gpus, machine, lock_dir, report_dir, release_file = sys.argv[1:7]
-    settings = PlacementSettings(gpus=int(gpus), lock_dir=Path(lock_dir), machine_gpus=int(machine), wait_timeout_s=60)
+    settings = PlacementSettings(gpus=int(gpus), lock_dir=Path(lock_dir), machine_gpus=int(machine), wait_timeout_s=60, device="auto")
     logging.basicConfig(level=logging.INFO)
     with hold_gpus(settings, logging.getLogger(name), job=name) as devices:
         seen = subprocess.run(
@@ -133,7 +133,7 @@ def test_two_four_gpu_jobs_get_disjoint_sets(tmp_path):
 def test_a_killed_jobs_gpus_are_free_again(tmp_path):
     procs, reports, release = start_workers(tmp_path, count=1, gpus=8, machine=8)
     wait_for_reports(procs, reports, 1)
-    busy = PlacementSettings(gpus=1, lock_dir=tmp_path / "locks", machine_gpus=8, wait_timeout_s=0)
+    busy = PlacementSettings(gpus=1, lock_dir=tmp_path / "locks", machine_gpus=8, wait_timeout_s=0, device="auto")
     with pytest.raises(StageError, match=r"--resources gpu=8"):
         with hold_gpus(busy, LOG, env={}):
             pass
@@ -141,13 +141,17 @@ def test_a_killed_jobs_gpus_are_free_again(tmp_path):
     assert procs[0].wait(timeout=60) == -signal.SIGKILL
     env: dict[str, str] = {}
     with hold_gpus(
-        PlacementSettings(gpus=8, lock_dir=tmp_path / "locks", machine_gpus=8, wait_timeout_s=0), LOG, env=env
+        PlacementSettings(gpus=8, lock_dir=tmp_path / "locks", machine_gpus=8, wait_timeout_s=0, device="auto"),
+        LOG,
+        env=env,
     ) as devices:
         assert devices == [str(i) for i in range(8)]
         assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     assert "CUDA_VISIBLE_DEVICES" not in env  # restored, and the locks released:
     with hold_gpus(
-        PlacementSettings(gpus=8, lock_dir=tmp_path / "locks", machine_gpus=8, wait_timeout_s=0), LOG, env={}
+        PlacementSettings(gpus=8, lock_dir=tmp_path / "locks", machine_gpus=8, wait_timeout_s=0, device="auto"),
+        LOG,
+        env={},
     ):
         pass
 

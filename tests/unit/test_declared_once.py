@@ -8,8 +8,8 @@ This walks the schema and fails where the workflow's code (workflow/, Snakefile,
   parameter, a class field or a `.get("key", value)` named as a config key whose value is that key's schema
   default. Code that needs a default without a config reads the schema (settings.with_schema_defaults).
 
-Tests are not scanned: a value a test sets is a statement of what it tests. A copy in code this change did not
-edit is named in KNOWN with its reason; an entry that no longer matches fails too, so the list only shrinks.
+Tests are not scanned: a value a test sets is a statement of what it tests. KNOWN is empty: a copy that has to stay
+for a while is named there with its reason, and an entry that no longer matches fails, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -28,16 +28,7 @@ RULE_FILES = sorted([*(REPO / "workflow" / "rules").glob("*.smk"), REPO / "Snake
 
 # (file, what) -> why it stays for now: copies in modules this change did not edit (another branch is changing the
 # signatures of some; the others were outside its files), to remove with their next edit
-KNOWN: dict[tuple[str, str], str] = {
-    (
-        "workflow/scripts/eagle3_workflow/gpu_placement.py",
-        "field wait_timeout_s = 300.0",
-    ): "PlacementSettings: the fallback of a job without the gpu_placement resource (and of tests)",
-    (
-        "workflow/scripts/eagle3_workflow/gpu_placement.py",
-        "field device = 'auto'",
-    ): "PlacementSettings: the fallback of a job without the gpu_placement resource (and of tests)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def schema_keys(node: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], dict]]:

@@ -51,8 +51,10 @@ class PlacementSettings:
     gpus: int
     lock_dir: Path = Path(DEFAULT_LOCK_DIR)
     machine_gpus: int | None = None  # None: count them with nvidia-smi
-    wait_timeout_s: float = 300.0
-    device: str = "auto"  # vllm.device: decides what a machine without any GPU means
+    # gpu_placement.wait_timeout_s and vllm.device, from the resource; None where the job has none (a CPU job, or
+    # one inside a SLURM allocation: neither locks devices). A local GPU job without them is refused (local_plan).
+    wait_timeout_s: float | None = None
+    device: str | None = None  # decides what a machine without any GPU means
 
     @classmethod
     def from_resources(cls, resources: Any) -> PlacementSettings:
@@ -132,9 +134,21 @@ def scheduler_plan(gpus: int, env: Mapping[str, str]) -> Plan | None:
     return Plan(keep=False, pool=tuple(allocated), count=gpus, namespace=f"slurm{job_id}")
 
 
+def require_placement_resource(settings: PlacementSettings) -> None:
+    """A job that locks devices (on a local machine, or sharing a SLURM allocation) needs the values only the
+    gpu_placement resource carries."""
+    if settings.wait_timeout_s is None or settings.device is None:
+        raise StageError(
+            f"this job needs {settings.gpus} GPU(s) placed but has no {RESOURCE_NAME} resource to place them by: "
+            "the workflow's GPU rules set it (gpu_resources in workflow/rules/common.smk); a rule of your own that "
+            "asks for resources.gpu needs it too"
+        )
+
+
 def local_plan(settings: PlacementSettings, env: Mapping[str, str], machine_gpus: int) -> Plan:
     """The plan of a local job: lock `gpus` of the visible devices (CUDA_VISIBLE_DEVICES, if the user set one,
     restricts the run to those devices)."""
+    require_placement_resource(settings)
     visible = device_list(env.get("CUDA_VISIBLE_DEVICES"))
     pool = visible if visible is not None and settings.machine_gpus is None else [str(i) for i in range(machine_gpus)]
     if not pool and settings.device != "cuda":
@@ -259,6 +273,7 @@ def hold_gpus(
             log.info("gpu placement: nothing to assign (%s)", plan.reason)
         yield device_list(environ.get("CUDA_VISIBLE_DEVICES")) or []
         return
+    require_placement_resource(settings)
     settings.lock_dir.mkdir(parents=True, exist_ok=True)
     held = wait_for_devices(plan, settings.lock_dir, settings.wait_timeout_s, log)
     devices = sorted(held, key=plan.pool.index)
