@@ -18,12 +18,13 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import copied_run, kill_tree, run_workflow, start_workflow, tiny_config
+from conftest import copied_run, kill_tree, run_workflow, start_workflow
 
 pytestmark = pytest.mark.slow
 
@@ -84,13 +85,19 @@ def completed_run(tiny_pipeline, tmp_path):
     return copied_run(workdir, tmp_path / "completed"), copy.deepcopy(config)
 
 
-def test_failed_replica_reruns_alone_and_resumes(tmp_path):
-    workdir = tmp_path / "work"
-    run_dir = workdir / "results" / "failing"
-    config = tiny_config("failing")
-    # the data first, to size the fault: the first attempt stops after more than half of the samples, so
-    # that the second one, resuming, has fewer than that left and finishes
-    snakemake(workdir, config, "results/failing/data/manifest.json")
+@pytest.fixture
+def run_without_extraction(completed_run):
+    """The complete tiny run less its hidden states: data and gates done, extraction to do again."""
+    workdir, config = completed_run
+    shutil.rmtree(workdir / "results" / config["run"] / "hidden_states")
+    return workdir, config
+
+
+def test_failed_replica_reruns_alone_and_resumes(run_without_extraction):
+    workdir, config = run_without_extraction
+    run_dir = workdir / "results" / config["run"]
+    # the first attempt stops after more than half of the samples, so that the second one, resuming, has fewer
+    # than that left and finishes
     kept = json.loads((run_dir / "data" / "manifest.json").read_text())["records_kept"]
     fail_after = kept // 2 + 1
     config["extraction"]["fail_after_samples"] = fail_after
@@ -111,7 +118,7 @@ def test_failed_replica_reruns_alone_and_resumes(tmp_path):
     assert "extract_hidden_states" in plan
 
     # the rerun up to validation: what follows it is the tiny pipeline's (tests/e2e/test_e2e.py)
-    second = snakemake(workdir, config, "results/failing/hidden_states/validation.json")
+    second = snakemake(workdir, config, f"results/{config['run']}/hidden_states/validation.json")
     assert planned_rules(second) == EXTRACTION, planned_rules(second)
     assert mtimes(gate_artefacts(run_dir)) == gates_before, "prepare/gate artefacts were rewritten"
     manifest = replica_manifest(run_dir)
@@ -152,11 +159,9 @@ def test_retrain_without_reextracting(completed_run):
     assert "evaluate_draft" in plan, plan
 
 
-def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(tmp_path):
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    config = tiny_config("killed")
-    run_dir = workdir / "results" / "killed"
+def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(run_without_extraction):
+    workdir, config = run_without_extraction
+    run_dir = workdir / "results" / config["run"]
     controller = start_workflow(workdir, config, workdir / "controller.log")
     try:
         # kill once extraction has written some samples (resume must then reuse them)
@@ -174,7 +179,8 @@ def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(tmp_path):
     assert "LockException" in locked.stderr or "cannot be locked" in locked.stderr, locked.stderr[-3000:]
     snakemake(workdir, config, "--unlock")
     # up to validation: what follows it is the tiny pipeline's (tests/e2e/test_e2e.py)
-    resumed = snakemake(workdir, config, "results/killed/hidden_states/validation.json", "--rerun-incomplete")
+    validation = f"results/{config['run']}/hidden_states/validation.json"
+    resumed = snakemake(workdir, config, validation, "--rerun-incomplete")
     assert planned_rules(resumed) == EXTRACTION, planned_rules(resumed)
     manifest = replica_manifest(run_dir)
     assert manifest["samples_reused"] >= written - 1, (manifest, written)

@@ -296,6 +296,7 @@ def test_real_gpu_stages_hold_their_devices(tmp_path):
     not fit this test's budget)."""
     config = tiny_config(
         "placed",
+        data={"max_samples": 16},  # the placement is the point, not the samples
         extraction={"replicas": 1, "gpus_per_replica": 1},
         gpu_placement={"machine_gpus": 2, "lock_dir": str(tmp_path / "locks")},
     )
