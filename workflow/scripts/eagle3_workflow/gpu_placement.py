@@ -51,8 +51,9 @@ class PlacementSettings:
     gpus: int
     lock_dir: Path = Path(DEFAULT_LOCK_DIR)
     machine_gpus: int | None = None  # None: count them with nvidia-smi
-    # gpu_placement.wait_timeout_s and vllm.device, from the resource; None where the job has none (a CPU job, or
-    # one inside a SLURM allocation: neither locks devices). A local GPU job without them is refused (local_plan).
+    # gpu_placement.wait_timeout_s and vllm.device, from the resource; None where the job has none. Only a job that
+    # locks devices needs them (a local GPU job, or one sharing a SLURM allocation): without them it is refused
+    # (require_placement_resource); a CPU job, or one whose SLURM allocation is all its own, runs without.
     wait_timeout_s: float | None = None
     device: str | None = None  # decides what a machine without any GPU means
 
