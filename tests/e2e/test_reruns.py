@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -86,11 +85,11 @@ def completed_run(tiny_pipeline, tmp_path):
 
 
 @pytest.fixture
-def run_without_extraction(completed_run):
-    """The complete tiny run less its hidden states: data and gates done, extraction to do again."""
-    workdir, config = completed_run
-    shutil.rmtree(workdir / "results" / config["run"] / "hidden_states")
-    return workdir, config
+def run_without_extraction(tiny_pipeline, tmp_path):
+    """A copy of the complete tiny run less its hidden states: data and gates done, extraction to do again."""
+    workdir, config, _ = tiny_pipeline
+    hidden_states = Path("results") / config["run"] / "hidden_states"
+    return copied_run(workdir, tmp_path / "completed", without=hidden_states), copy.deepcopy(config)
 
 
 def test_failed_replica_reruns_alone_and_resumes(run_without_extraction):

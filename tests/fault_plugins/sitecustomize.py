@@ -18,13 +18,13 @@ or not (then the bonus token after the last one): the wrong-acceptance bug class
 Both rejection samplers are patched: the V1 model runner's (CPU, and GPU runs such as n-gram) and the V2 GPU
 model runner's (EAGLE-3 on CUDA).
 
-Each fault is installed when the module it patches is first imported (`_AfterImport`), not at startup: a process
-that never imports vLLM (Snakemake, most jobs) does not load it for a fault.
-
 EAGLE3_FAULT=stop_after_optimizer_step:<n> makes a training process stop itself (SIGSTOP) right after its n-th
 optimizer step, inside that step (before the scheduler step and the step count), through torch's global optimizer
 post-hook. A test then signals the stage, whose teardown sends SIGTERM and SIGCONT to the trainer: the stop signal
 lands at exactly that point of training, whatever the machine's speed.
+
+Each fault is installed when the module it patches is first imported (`_AfterImport`), not at startup: a process
+that never imports vLLM (Snakemake, most jobs) does not load it for a fault.
 """
 
 import os
@@ -164,33 +164,37 @@ def _stop_after_optimizer_step(count):
     return install
 
 
-def _shift_down_layers(interfaces):
-    mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
+def _claimed_ids(transform):
+    """A fault that changes the ids vLLM's EagleModelMixin is told to capture: transform(model, ids) -> ids."""
 
-    def shifted_mixin(self, layers):
-        mixin_set(self, tuple(layer - 1 for layer in layers))
+    def install(interfaces):
+        mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
 
-    interfaces.EagleModelMixin._set_aux_hidden_state_layers = shifted_mixin
+        def changed(self, layers):
+            mixin_set(self, transform(self, layers))
+
+        interfaces.EagleModelMixin._set_aux_hidden_state_layers = changed
+
+    return install
+
+
+def _one_layer_early(_model, layers):
+    return tuple(layer - 1 for layer in layers)
 
 
 def _shift_down_deepseek(deepseek_v2):
     def shifted_deepseek(self, layers):
-        self.model.aux_hidden_state_layers = tuple(layer - 1 for layer in layers)
+        self.model.aux_hidden_state_layers = _one_layer_early(self, layers)
 
     deepseek_v2.DeepseekV2ForCausalLM.set_aux_hidden_state_layers = shifted_deepseek
 
 
-def _shift_when_count_kept(interfaces):
+def _up_when_count_kept(model, layers):
     # issue 13 verbatim: id k captured from layer k+1 whenever k+1 < N, applied only when that keeps the number
     # of distinct ids. On a contiguous 1..K set the shift would merge two ids, so it never fires there.
-    mixin_set = interfaces.EagleModelMixin._set_aux_hidden_state_layers
-
-    def shift_when_count_kept(self, layers):
-        last = len(self.layers)
-        shifted = tuple(sorted({k + 1 if k + 1 < last else k for k in layers}))
-        mixin_set(self, shifted if len(shifted) == len(set(layers)) else tuple(layers))
-
-    interfaces.EagleModelMixin._set_aux_hidden_state_layers = shift_when_count_kept
+    last = len(model.layers)
+    shifted = tuple(sorted({k + 1 if k + 1 < last else k for k in layers}))
+    return shifted if len(shifted) == len(set(layers)) else tuple(layers)
 
 
 class _AfterImport:
@@ -226,9 +230,9 @@ class _AfterImport:
 
 INTERFACES = "vllm.model_executor.models.interfaces"
 if FAULT == "shift_layers":
-    HOOKS = {INTERFACES: _shift_down_layers, "vllm.model_executor.models.deepseek_v2": _shift_down_deepseek}
+    HOOKS = {INTERFACES: _claimed_ids(_one_layer_early), "vllm.model_executor.models.deepseek_v2": _shift_down_deepseek}
 elif FAULT == "shift_up_if_count_kept":
-    HOOKS = {INTERFACES: _shift_when_count_kept}
+    HOOKS = {INTERFACES: _claimed_ids(_up_when_count_kept)}
 elif FAULT == "accept_any_draft":
     HOOKS = {
         "vllm.v1.sample.rejection_sampler": _accept_any_v1,

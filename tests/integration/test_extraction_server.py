@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    copied_run,
     fill_up,
     kill_tree,
     rules_run,
@@ -68,15 +69,11 @@ def clean_run(tmp_path_factory):
 
 
 def copy_of_clean_run(clean_run: Path, dest: Path, *, hidden_states: bool) -> Path:
-    """The clean run's results and Snakemake records (file times kept) in `dest`: its target, data and gates are
-    done, so a test's run goes straight to extraction. hidden_states=False: without its extraction."""
-    import shutil
-
-    shutil.copytree(clean_run / "results", dest / "results")
-    shutil.copytree(clean_run / ".snakemake", dest / ".snakemake", symlinks=True)
-    if not hidden_states:
-        shutil.rmtree(hidden_dir(dest, "x"))
-    return dest
+    """The clean run in `dest`: its target, data and gates are done, so a test's run goes straight to extraction.
+    hidden_states=False: without its extraction."""
+    return copied_run(
+        clean_run, dest, without=None if hidden_states else hidden_dir(clean_run, "x").relative_to(clean_run)
+    )
 
 
 @pytest.mark.slow
