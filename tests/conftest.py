@@ -347,6 +347,24 @@ def copied_run(workdir: Path, dest: Path, *, without: Path | None = None) -> Pat
     return dest
 
 
+# ---------------------------------------------------------------- where a suite's time goes
+
+# EAGLE3_TEST_TIMELINE=<file>: each worker appends one JSON line per test phase (worker, test, phase, start and
+# stop as epoch seconds), for bench/test_timeline.py to show which tests run side by side and which end last.
+TIMELINE = os.environ.get("EAGLE3_TEST_TIMELINE")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not TIMELINE or getattr(report, "node", None) is not None:  # xdist's controller: the worker wrote it
+        return
+    import json
+
+    line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": report.nodeid, "phase": report.when,
+            "start": report.start, "stop": report.stop, "outcome": report.outcome}  # fmt: skip
+    with open(TIMELINE, "a") as timeline:  # one short write per line: workers do not interleave
+        timeline.write(json.dumps(line) + "\n")
+
+
 # ---------------------------------------------------------------- the folder is the kind of test
 
 FOLDER_MARKERS = ("unit", "integration", "e2e")  # registered, with what each folder holds, in pyproject.toml

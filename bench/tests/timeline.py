@@ -1,0 +1,58 @@
+"""Where `make test`'s wall time goes: read the timeline that EAGLE3_TEST_TIMELINE=<file> makes the suite write
+(tests/conftest.py) and print each worker's busy time, idle gaps and last tests, and the tests that take longest.
+
+    EAGLE3_TEST_TIMELINE=/tmp/timeline.jsonl make test
+    python bench/tests/timeline.py /tmp/timeline.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def read_tests(path: Path) -> list[dict]:
+    """One record per test: worker, start and stop of its setup-call-teardown."""
+    tests: dict[tuple[str, str], dict] = {}
+    for line in path.read_text().splitlines():
+        phase = json.loads(line)
+        key = (phase["worker"], phase["test"])
+        test = tests.setdefault(key, {"worker": phase["worker"], "test": phase["test"], "start": phase["start"],
+                                      "stop": phase["stop"]})  # fmt: skip
+        test["start"] = min(test["start"], phase["start"])
+        test["stop"] = max(test["stop"], phase["stop"])
+    return sorted(tests.values(), key=lambda t: t["start"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("timeline", type=Path)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    tests = read_tests(args.timeline)
+    origin = min(t["start"] for t in tests)
+    end = max(t["stop"] for t in tests)
+    print(f"{len(tests)} tests, {end - origin:.0f} s from the first start to the last stop")
+    by_worker: dict[str, list[dict]] = defaultdict(list)
+    for test in tests:
+        by_worker[test["worker"]].append(test)
+    for worker, own in sorted(by_worker.items()):
+        busy = sum(t["stop"] - t["start"] for t in own)
+        last = own[-1]
+        print(f"{worker}: {len(own)} tests, busy {busy:.0f} s, idle {end - origin - busy:.0f} s, done at "
+              f"{last['stop'] - origin:.0f} s; last: {last['test']} ({last['start'] - origin:.0f}-"
+              f"{last['stop'] - origin:.0f} s)")  # fmt: skip
+    print(f"\nlongest {args.top} (start-stop, seconds from the first start):")
+    for test in sorted(tests, key=lambda t: t["start"] - t["stop"])[: args.top]:
+        print(f"  {test['stop'] - test['start']:7.1f} s  {test['worker']}  {test['start'] - origin:5.0f}-"
+              f"{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
+    print("\nthe last 10 to finish:")
+    for test in sorted(tests, key=lambda t: t["stop"])[-10:]:
+        print(f"  {test['stop'] - test['start']:7.1f} s  {test['worker']}  {test['start'] - origin:5.0f}-"
+              f"{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
