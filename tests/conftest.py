@@ -337,13 +337,13 @@ def tiny_pipeline(tmp_path_factory):
     return workdir, config, time.monotonic() - started
 
 
-def copied_run(workdir: Path, dest: Path, *, without: Path | None = None) -> Path:
+def copied_run(workdir: Path, dest: Path, *, without: Path | tuple[Path, ...] = ()) -> Path:
     """A copy of a finished run's working directory (results and .snakemake, file times kept), to rerun parts of it
-    without touching the original; `dest` may exist (a test's tmp_path). without: a folder of the run (relative to
-    the working directory) left out of the copy, e.g. its hidden states, so that the rerun makes it again."""
+    without touching the original; `dest` may exist (a test's tmp_path). without: folders of the run (relative to
+    the working directory) left out of the copy, e.g. its hidden states, so that the rerun makes them again."""
     shutil.copytree(workdir, dest, symlinks=True, dirs_exist_ok=True)
-    if without is not None:
-        shutil.rmtree(dest / without)
+    for folder in (without,) if isinstance(without, Path) else without:
+        shutil.rmtree(dest / folder)
     return dest
 
 

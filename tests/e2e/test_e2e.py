@@ -4,9 +4,10 @@ report, a draft vLLM serves losslessly, and an honest learning check (trained be
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from conftest import run_workflow, tiny_config
+from conftest import copied_run, rules_run, run_workflow, tiny_config
 
 
 @pytest.fixture
@@ -66,16 +67,21 @@ def test_a_second_run_does_nothing(tiny_run):
 
 
 @pytest.mark.slow
-def test_online_training_through_the_rules_keeps_a_handful_of_hidden_state_files(tmp_path):
+def test_online_training_through_the_rules_keeps_a_handful_of_hidden_state_files(tiny_pipeline, tmp_path):
     """train.hidden_states: online through Snakemake, to the trained draft: the plan says so, extraction writes the
     check set only, and while the trainer runs the run folder never holds more than a handful of hidden-state
-    files (sampled every 20 ms, the check set's files aside)."""
+    files (sampled every 20 ms, the check set's files aside). It starts from a copy of the tiny pipeline less its
+    hidden states and training: the switch reruns exactly extraction (the check set), validation and training;
+    the data and the gates before them are the offline run's (they do not read train.hidden_states)."""
     import os
     import threading
 
-    config = tiny_config(run="online", data={"max_samples": 48},
-                         train={"hidden_states": "online", "epochs": 1, "online": {"check_samples": 4}})  # fmt: skip
-    run = tmp_path / "results" / "online"
+    workdir, config, _ = tiny_pipeline
+    run = Path("results") / config["run"]
+    workdir = copied_run(workdir, tmp_path, without=(run / "hidden_states", run / "train_work", run / "draft"))
+    config = {**config, "train": {**config["train"], "hidden_states": "online", "epochs": 1,
+                                  "online": {"check_samples": 4}}}  # fmt: skip
+    run = workdir / run
     storage = run / "train_work" / "online" / "hidden_states"
     peak, done = [0], threading.Event()
 
@@ -89,10 +95,11 @@ def test_online_training_through_the_rules_keeps_a_handful_of_hidden_state_files
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
     try:
-        proc = run_workflow(tmp_path, config, targets=["results/online/draft"])
+        proc = run_workflow(workdir, config, targets=[str(run.relative_to(workdir) / "draft")])
     finally:
         done.set()
         watcher.join()
+    assert rules_run(proc) == ["extract_hidden_states", "validate_hidden_states", "train_draft"]
     assert "hidden states: online (train.hidden_states)" in proc.stderr
     assert len(list((run / "hidden_states" / "files").glob("hs_*.safetensors"))) == 4  # the check set
     training = json.loads((run / "draft" / "training.json").read_text())

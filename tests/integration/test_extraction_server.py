@@ -72,7 +72,7 @@ def copy_of_clean_run(clean_run: Path, dest: Path, *, hidden_states: bool) -> Pa
     """The clean run in `dest`: its target, data and gates are done, so a test's run goes straight to extraction.
     hidden_states=False: without its extraction."""
     return copied_run(
-        clean_run, dest, without=None if hidden_states else hidden_dir(clean_run, "x").relative_to(clean_run)
+        clean_run, dest, without=() if hidden_states else hidden_dir(clean_run, "x").relative_to(clean_run)
     )
 
 
