@@ -1,5 +1,6 @@
 """Where `make test`'s wall time goes: read the timeline that EAGLE3_TEST_TIMELINE=<file> makes the suite write
-(tests/conftest.py) and print each worker's busy time, idle gaps and last tests, and the tests that take longest.
+(tests/conftest.py) and print each worker's busy time, idle time and last test, the tests that used the most CPU,
+and those that ended last.
 
     EAGLE3_TEST_TIMELINE=/tmp/timeline.jsonl make test
     python bench/suite/timeline.py /tmp/timeline.jsonl
@@ -16,6 +17,12 @@ from pathlib import Path
 def read_tests(path: Path) -> list[dict]:
     """One record per test (worker, test, start, stop, cpu), in the order they started."""
     return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda t: t["start"])
+
+
+def row(test: dict, origin: float) -> str:
+    """One test: wall and CPU seconds, worker, start-stop in seconds from `origin`, id."""
+    return (f"  {test['stop'] - test['start']:7.1f} s {test['cpu']:7.1f} cpu  {test['worker']}  "
+            f"{test['start'] - origin:5.0f}-{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
 
 
 def main() -> None:
@@ -40,12 +47,10 @@ def main() -> None:
               f"{last['stop'] - origin:.0f} s)")  # fmt: skip
     print(f"\nmost CPU, top {args.top} (wall, CPU, start-stop in seconds from the first start):")
     for test in sorted(tests, key=lambda t: -t["cpu"])[: args.top]:
-        print(f"  {test['stop'] - test['start']:7.1f} s {test['cpu']:7.1f} cpu  {test['worker']}  "
-              f"{test['start'] - origin:5.0f}-{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
+        print(row(test, origin))
     print("\nthe last 10 to finish:")
     for test in sorted(tests, key=lambda t: t["stop"])[-10:]:
-        print(f"  {test['stop'] - test['start']:7.1f} s {test['cpu']:7.1f} cpu  {test['worker']}  "
-              f"{test['start'] - origin:5.0f}-{test['stop'] - origin:5.0f}  {test['test']}")  # fmt: skip
+        print(row(test, origin))
 
 
 if __name__ == "__main__":
