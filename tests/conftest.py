@@ -231,11 +231,14 @@ def rules_run(proc: subprocess.CompletedProcess) -> list[str]:
     return re.findall(r"^(?:local)?rule (\w+):", proc.stdout + proc.stderr, flags=re.MULTILINE)
 
 
-def synthetic_run_config(target: Path, run: str = "t", **overrides: dict) -> dict:
-    """tiny_config for a finished run written by tests/synthetic_run.py on the target folder `target` (nothing
-    built), for the last rules to run alone."""
+def synthetic_run_config(workdir: Path, target: Path, run: str = "t", **overrides: dict) -> dict:
+    """tiny_config for a finished run written by tests/synthetic_run.py in `workdir` on the target folder `target`
+    (nothing built), for the last rules to run alone: its data source is the run's own copy of the data."""
+    from synthetic_run import synthetic_data
+
     config = tiny_config(run, target={"path": str(target)}, **overrides)
     config["target"].pop("build")
+    config["data"]["sources"] = [{"path": str(synthetic_data(workdir)), "format": "sharegpt"}]
     return config
 
 
@@ -286,18 +289,40 @@ def fill_up(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_targets(tmp_path_factory):
-    """Build tiny targets lazily, once per architecture: tiny_targets('llama') -> Path."""
+    """Build tiny targets lazily, once per shape: tiny_targets('llama') -> Path; other target.build keys as keywords
+    (tiny_targets('deepseek_v3', hidden_size=128))."""
     from eagle3_workflow.target_build.tiny import build_tiny_target
 
     root = tmp_path_factory.mktemp("tiny_targets")
     built: dict[str, Path] = {}
 
-    def get(arch: str = "llama", num_layers: int = 8) -> Path:
-        key = f"{arch}-{num_layers}"
+    def get(arch: str = "llama", num_layers: int = 8, **shape_keys: int) -> Path:
+        key = "-".join([arch, str(num_layers), *(f"{k}{v}" for k, v in sorted(shape_keys.items()))])
         if key not in built:
-            build = {"kind": "tiny", "arch": arch, "num_layers": num_layers}
+            build = {"kind": "tiny", "arch": arch, "num_layers": num_layers, **shape_keys}
             shape = view_of(TinyShape, with_schema_defaults(target={"build": build})["target"]["build"])
             built[key] = build_tiny_target(root / key, [TINY_DATA, SEED_PROMPTS], shape)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def kimi_stand_ins(tmp_path_factory):
+    """The Kimi-K2.5 stand-in (target.build.kind kimi_k25), built lazily once per variant: kimi_stand_ins('none')
+    (bf16) or kimi_stand_ins('int4') -> Path."""
+    from eagle3_workflow.settings import KimiShape
+    from eagle3_workflow.target_build.kimi import build_kimi_k25_target
+
+    root = tmp_path_factory.mktemp("kimi_stand_ins")
+    built: dict[str, Path] = {}
+
+    def get(quantization: str = "none", num_layers: int = 8) -> Path:
+        key = f"{quantization}-{num_layers}"
+        if key not in built:
+            build = {"kind": "kimi_k25", "quantization": quantization, "num_layers": num_layers, "hidden_size": 128}
+            shape = view_of(KimiShape, with_schema_defaults(target={"build": build})["target"]["build"])
+            built[key] = build_kimi_k25_target(root / key, [TINY_DATA, SEED_PROMPTS], shape)
         return built[key]
 
     return get

@@ -112,6 +112,14 @@ TRAINING_METRICS = """attempt,split,epoch,global_step,loss,loss_0,loss_1,full_ac
 """
 
 
+SHIPPED_DATA = Path(__file__).resolve().parent.parent / "config" / "data" / "tiny_conversations.jsonl"
+
+
+def synthetic_data(workdir: Path) -> Path:
+    """The synthetic run's data source: a copy of the shipped conversations in its working directory."""
+    return workdir / "inputs" / SHIPPED_DATA.name
+
+
 def write_synthetic_run(
     workdir: Path,
     run: str,
@@ -124,10 +132,17 @@ def write_synthetic_run(
 ) -> Path:
     """results/<run>/ with every artefact up to eval/acceptance.json (or up to draft/ when acceptance is None).
 
-    prepared and draft are copied in when given (real ones), else minimal stand-ins are written.
+    prepared and draft are copied in when given (real ones), else minimal stand-ins are written. `target` must lie
+    under `workdir` (its mtimes are set older than the run's); the run's data source is a copy of the shipped data
+    under workdir (synthetic_data: conftest's synthetic_run_config points at it), so nothing outside workdir changes.
     """
     import shutil
 
+    if not target.resolve().is_relative_to(workdir.resolve()):
+        raise ValueError(f"target {target} is not under {workdir}: copy it there first (its mtimes are changed)")
+    data = synthetic_data(workdir)
+    data.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(SHIPPED_DATA, data)
     out = workdir / "results" / run
     order: list[Path] = []
 
@@ -158,7 +173,7 @@ def write_synthetic_run(
     _dump(staged(out / "checks" / "api_compat.json"), api_compat_report(target, checks))
     _dump(staged(out / "checks" / "canary.json"), CanaryReport(
         passed=True, device="cpu", canary_layers=4, canary_layer_ids=[2, 4], reference="HF transformers fp32",
-        tolerance=0.05, per_layer_max_rel_error={"2": 0.004, "4": 0.006},
+        proof="hf_fp32", tolerance=0.05, per_layer_max_rel_error={"2": 0.004, "4": 0.006},
         per_layer_mean_rel_error={"2": 0.001, "4": 0.002}, samples=4, server_ready_s=15.0, checks=checks,
     ))  # fmt: skip
     _dump(staged(out / "hidden_states" / "replica_0.json"), ExtractionManifest(
@@ -182,11 +197,10 @@ def write_synthetic_run(
     if acceptance is not None:
         _dump(staged(out / "eval" / "acceptance.json"), acceptance)
 
-    # every file at least as new as everything it is made from; the inputs (target, and the shipped data files,
-    # only minutes old in a fresh clone) older than all of them: only their mtime changes, never their content
+    # every file at least as new as everything it is made from; the inputs (the target, and the run's own copy of
+    # the data, synthetic_data) older than all of them: only the mtimes of files under workdir change
     base = time.time() - 1000
-    shipped_data = Path(__file__).resolve().parent.parent / "config" / "data"
-    for path in [target, *target.rglob("*"), *shipped_data.iterdir()]:
+    for path in [target, *target.rglob("*"), data.parent, data]:
         os.utime(path, (base - 10, base - 10))
     for i, path in enumerate(order):
         stamp = base + 10 * (i + 1)

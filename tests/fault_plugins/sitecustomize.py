@@ -23,6 +23,14 @@ optimizer step, inside that step (before the scheduler step and the step count),
 post-hook. A test then signals the stage, whose teardown sends SIGTERM and SIGCONT to the trainer: the stop signal
 lands at exactly that point of training, whatever the machine's speed.
 
+EAGLE3_FAULT=tp_worker_dies_at_first_forward is the story's failure: on a DeepSeek-V3-style target (vLLM's
+deepseek_v2 module: DeepSeek-V3, Kimi-K2's language model) served at tensor_parallel_size >= 2, the worker of TP rank
+1 (never rank 0) raises an AttributeError with an empty message from its decoder layer's call at the first forward
+of real requests (a model-runner step with scheduled tokens, after the engine said it was ready; the start-up's
+profile and warm-up forwards run untouched), as a wrong method name in a patched model does. Rank 0 then waits in
+the layer's all-reduce for a peer that is gone, and vLLM reports nothing to the engine: only the worker's log says
+it. The TP rank comes from vllm.distributed inside the worker process.
+
 Each fault is installed when the module it patches is first imported (`_AfterImport`), not at startup: a process
 that never imports vLLM (Snakemake, most jobs) does not load it for a fault.
 """
@@ -197,6 +205,37 @@ def _up_when_count_kept(model, layers):
     return shifted if len(shifted) == len(set(layers)) else tuple(layers)
 
 
+_REAL_FORWARD = [False]  # set by the model runner's first step with scheduled tokens (this process)
+
+
+def _mark_real_forwards(gpu_model_runner):
+    runner = gpu_model_runner.GPUModelRunner
+    execute_model = runner.execute_model
+
+    def execute_model_marked(self, scheduler_output, *args, **kwargs):
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            _REAL_FORWARD[0] = True
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model_marked
+
+
+def _tp_worker_dies_at_first_forward(deepseek_v2):
+    import time
+
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    layer_forward = deepseek_v2.DeepseekV2DecoderLayer.forward
+
+    def decoder_layer_forward(self, *args, **kwargs):
+        if _REAL_FORWARD[0] and get_tensor_model_parallel_rank() == 1:
+            print(f"EAGLE3_FAULT tp_worker_dies_at_first_forward: TP rank 1 raises at t={time.time():.3f}", flush=True)
+            raise AttributeError()  # noqa: RSE102 -- the point: an exception whose message is empty
+        return layer_forward(self, *args, **kwargs)
+
+    deepseek_v2.DeepseekV2DecoderLayer.forward = decoder_layer_forward
+
+
 class _AfterImport:
     """A sys.meta_path finder that runs hooks[name](module) right after module `name` is executed, before whoever
     imported it gets it back. A process that never imports the patched module (Snakemake, a job's script, a
@@ -240,6 +279,11 @@ elif FAULT == "accept_any_draft":
     }
 elif FAULT.startswith("remap:"):
     HOOKS = {INTERFACES: _remap(FAULT.split(":", 1)[1])}
+elif FAULT == "tp_worker_dies_at_first_forward":
+    HOOKS = {
+        "vllm.v1.worker.gpu_model_runner": _mark_real_forwards,
+        "vllm.model_executor.models.deepseek_v2": _tp_worker_dies_at_first_forward,
+    }
 elif FAULT.startswith("stop_after_optimizer_step:"):
     HOOKS = {"torch.optim.optimizer": _stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))}
 else:

@@ -5,6 +5,7 @@ numbers and lossless=True; vLLM's n-gram proposer exercises the accept path. The
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -62,10 +63,10 @@ def scratch_draft(prepared, tmp_path_factory):
 
 @pytest.mark.slow
 def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_draft, prepared, tmp_path):
-    target = Path(prepared["target"])
+    target = Path(shutil.copytree(prepared["target"], tmp_path / "target"))  # the synthetic run ages its target
     write_synthetic_run(tmp_path, "t", target=target, prepared=prepared["prepared"], draft=scratch_draft,
                         training_metrics=None)  # fmt: skip
-    config = synthetic_run_config(target, train={"train_data_ratio": 0.75},
+    config = synthetic_run_config(tmp_path, target, train={"train_data_ratio": 0.75},
                                   evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
     proc = run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
                         extra=["--rerun-triggers=mtime"], timeout=900)  # fmt: skip

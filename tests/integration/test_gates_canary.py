@@ -41,7 +41,7 @@ def canary_inputs(target: Path, count: int = 3):
     return samples, [s.messages for s in result.samples]
 
 
-def canary(target: Path, work: Path, samples=None, messages=None):
+def canary(target: Path, work: Path, samples=None, messages=None, reference: str = "hf_fp32"):
     if samples is None:
         samples, messages = canary_inputs(target)
 
@@ -63,6 +63,7 @@ def canary(target: Path, work: Path, samples=None, messages=None):
         tolerance=0.05,
         render_samples=2,
         trust_remote_code=False,
+        reference=reference,
     )
     return run_canary(request)
 
@@ -83,7 +84,7 @@ def row(report, name: str):
 def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
     report = canary(tiny_targets(arch), tmp_path)
     assert report.passed, report.checks
-    assert report.reference.startswith("HF transformers")
+    assert report.proof == "hf_fp32" and report.reference.startswith("HF transformers")
     assert max(report.per_layer_max_rel_error.values()) < 0.05
     assert report.canary_layer_ids == [2, 4, 6, 8]  # production's shape on the 8-layer tiny target
     assert set(report.layer_matches) == {"2", "4", "6", "8"}
@@ -145,18 +146,32 @@ def test_canary_names_the_layers_of_a_shifted_deepseek(tiny_targets, tmp_path, m
 
 
 @pytest.mark.slow
-def test_without_an_hf_reference_two_extractions_must_be_equal(tiny_targets, tmp_path, monkeypatch):
-    """A checkpoint transformers cannot run (a quantization, say): the canary extracts every sample twice and the
-    files must be bit-identical; the report says which reference it had."""
-    from eagle3_workflow.canary import check as canary_module
-
-    monkeypatch.setattr(canary_module, "load_hf_reference", lambda _dir, _trust: (None, "no HF reference (test)"))
-    report = canary(tiny_targets("llama"), tmp_path)
+def test_self_consistency_runs_only_when_asked_and_the_artefact_says_so(tiny_targets, tmp_path):
+    """canary.reference: self_consistency (the weaker proof, never a silent fallback: a target the fp32 reference
+    cannot run fails check_api, tests/unit/test_moe_routing.py): every sample is extracted twice, the files must be
+    bit-identical, and canary.json names the proof."""
+    report = canary(tiny_targets("llama"), tmp_path, reference="self_consistency")
     assert report.passed, report.checks
-    assert report.reference == "no HF reference (test)"
+    assert report.proof == "self_consistency" and "weaker" in report.reference
     assert row(report, "self-consistency").passed
+    assert not any(r.name == "vs HF fp32 reference" for r in report.checks)
     assert not report.layer_matches
     assert (tmp_path / "files_repeat" / "hs_0.safetensors").exists(), "the second extraction went to its own folder"
+
+
+@pytest.mark.slow
+def test_a_healthy_moe_target_at_hidden_128_passes(tiny_targets, tmp_path):
+    """DeepSeek-V3, hidden 128, 8 experts, top-2: bf16 serving routes a few near-tied tokens to the other expert
+    (measured: 5 of 173 tokens up to 0.079 max rel error, every one back to <= 0.008 with that routing swapped), which
+    the per-token maximum called a failure. Those tokens are excused, counted; the rest still hold 0.05."""
+    report = canary(tiny_targets("deepseek_v3", hidden_size=128, head_dim=64), tmp_path)
+    assert report.passed, report.checks
+    assert report.proof == "hf_fp32"
+    assert all(m.best == k for k, m in report.layer_matches.items())
+    assert max(report.per_layer_max_rel_error.values()) <= 0.05
+    assert sum(report.per_layer_ambiguous_tokens.values()) > 0, "the routers were seen"
+    tokens = sum(len(s.input_ids) for s in canary_inputs(tiny_targets("deepseek_v3", hidden_size=128, head_dim=64))[0])
+    assert all(n <= 0.1 * tokens for n in report.per_layer_excused_tokens.values())
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ def synthetic(tmp_path) -> tuple[Path, dict]:
     target = tmp_path / "target"
     target.mkdir()
     write_synthetic_run(tmp_path, "t", target=target, acceptance=acceptance_report())
-    return target, synthetic_run_config(target)
+    return target, synthetic_run_config(tmp_path, target)
 
 
 def test_rule_package_draft_runs_after_evaluation(tmp_path, synthetic):

@@ -48,16 +48,24 @@ PRESETS = ["tiny", "smollm2-135m"]  # between them, every rule of the workflow
 MAY_BE_ABSENT = {"target/build"}
 
 
-def rules_of(preset: str, workdir: Path) -> dict[str, Any]:
-    """The preset's rules, parsed by Snakemake (no DAG): name -> rule."""
+# a rule no preset runs: the tiny preset with the Kimi-K2.5 stand-in as its target (build_kimi_k25_target)
+EXTRA_PLANS = {"tiny-kimi": ("tiny", {"target": {"build": {"kind": "kimi_k25", "hidden_size": 128}}})}
+
+
+def rules_of(preset: str, workdir: Path, override: dict | None = None) -> dict[str, Any]:
+    """The preset's rules (`override` a later config file), parsed by Snakemake (no DAG): name -> rule."""
     from snakemake.api import SnakemakeApi
     from snakemake.settings.enums import Quietness
     from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings, StorageSettings
 
+    extra = []
+    if override:
+        extra = [workdir / "override.yaml"]
+        extra[0].write_text(yaml.safe_dump(override))
     with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
         workflow_api = api.workflow(
             resource_settings=ResourceSettings(cores=1),
-            config_settings=ConfigSettings(configfiles=[REPO / "config" / "presets" / f"{preset}.yaml"]),
+            config_settings=ConfigSettings(configfiles=[REPO / "config" / "presets" / f"{preset}.yaml", *extra]),
             storage_settings=StorageSettings(),
             snakefile=REPO / "Snakefile",
             workdir=workdir,
@@ -69,10 +77,12 @@ def rules_of(preset: str, workdir: Path) -> dict[str, Any]:
 def rule_settings(tmp_path_factory) -> dict[str, dict]:
     """rule -> its params.settings, over the presets (a rule in both has the same keys in both)."""
     found: dict[str, dict] = {}
-    for preset in PRESETS:
-        for name, rule in rules_of(preset, tmp_path_factory.mktemp(preset)).items():
+    plans = [(preset, None, preset) for preset in PRESETS]
+    plans += [(preset, override, name) for name, (preset, override) in EXTRA_PLANS.items()]
+    for preset, override, name in plans:
+        for rule_name, rule in rules_of(preset, tmp_path_factory.mktemp(name), override).items():
             if "settings" in rule.params.keys():
-                found.setdefault(name, rule.params.settings)
+                found.setdefault(rule_name, rule.params.settings)
     return found
 
 
@@ -168,8 +178,9 @@ def reversed_order(value: Any) -> Any:
 def test_params_do_not_depend_on_the_order_of_the_config():
     """A param's repr is Snakemake's rerun trigger: the same values in another key order must give the same repr."""
     config = with_schema_defaults(run="r", target={"path": "/models/t"})
+    reads_build = (RULE_SETTINGS["build_tiny_target"], RULE_SETTINGS["build_kimi_k25_target"])  # absent here
     for model in RULE_SETTINGS.values():
-        if model is not RULE_SETTINGS["build_tiny_target"]:  # reads target.build, absent here
+        if model not in reads_build:
             assert repr(config_of(model, config)) == repr(config_of(model, reversed_order(config)))
     params = config_of(RULE_SETTINGS["evaluate_draft"], reversed_order(config))
     assert list(params) == sorted(params) and list(params["evaluate"]) == sorted(params["evaluate"])

@@ -89,7 +89,7 @@ def shipped(path):
 
 
 def target_build_kind():
-    """'tiny', 'smollm2' or None (a user-provided target.path)."""
+    """'tiny', 'smollm2', 'kimi_k25' or None (a user-provided target.path)."""
     if config["target"]["path"]:
         return None
     return (config["target"].get("build") or {}).get("kind")

@@ -1,4 +1,5 @@
-# The target model: built locally for the self-contained presets (no model hub is needed).
+# The target model: built locally for the self-contained presets (no model hub is needed): tiny, smollm2, or
+# the Kimi-K2.5 stand-in (kimi_k25).
 
 
 if target_build_kind() == "tiny":
@@ -38,3 +39,21 @@ if target_build_kind() == "smollm2":
             settings=stage_params("build_smollm2_target"),
         script:
             "../scripts/build_smollm2_target.py"
+
+
+if target_build_kind() == "kimi_k25":
+
+    rule build_kimi_k25_target:
+        input:
+            corpus=[shipped(s["path"]) for s in config["data"]["sources"]]
+            + [shipped("config/data/seed_prompts.txt")],
+        output:
+            target=directory(out("target")),
+        log:
+            log_of("build_kimi_k25_target"),
+        conda:
+            CONDA_ENV
+        params:
+            settings=stage_params("build_kimi_k25_target"),
+        script:
+            "../scripts/build_kimi_k25_target.py"

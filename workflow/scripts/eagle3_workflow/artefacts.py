@@ -247,10 +247,16 @@ class CanaryReport(Artefact):
     device: str
     canary_layers: int
     canary_layer_ids: list[int]
+    # which proof ran (canary.reference): hf_fp32 = every slot matched against the fp32 reference of every layer and
+    # within tolerance of its own; self_consistency = only two extractions bit-identical (weaker: asked for)
+    proof: Literal["hf_fp32", "self_consistency"]
     reference: str
     tolerance: float
     per_layer_max_rel_error: dict[str, float]
     per_layer_mean_rel_error: dict[str, float]
+    # MoE targets (layer_match): tokens routed near a tie upstream, and those of them excused from the max error
+    per_layer_ambiguous_tokens: dict[str, int] = Field(default_factory=dict)
+    per_layer_excused_tokens: dict[str, int] = Field(default_factory=dict)
     samples: int
     server_ready_s: float
     checks: list[CheckRow]
@@ -322,9 +328,12 @@ class DepthSlot(LayerMatch):
     """One captured id of the full-depth check: its nearest layer of the whole target (LayerMatch's fields), its
     largest error against its own layer (max |slot - own| / max |own|, per sample, the worst sample) and the verdict."""
 
-    max_rel_error: float
+    max_rel_error: float  # over the tokens not excused (layer_match: a near-tied MoE routing)
     ok: bool
     problem: str  # "" when ok; else why, in the words of the failure table
+    tokens: int = 0  # tokens compared (all samples)
+    ambiguous_tokens: int = 0  # routed within bf16 reach of a tie at an MoE layer before this id (0: dense)
+    excused_tokens: int = 0  # ambiguous AND above the tolerance: left out of max_rel_error
 
 
 class FullDepthReport(Artefact):
@@ -334,6 +343,7 @@ class FullDepthReport(Artefact):
     enabled: bool  # false: validation.full_depth_check was turned off (unsafe), nothing below was checked
     passed: bool | None  # None when not enabled
     reference: str
+    proof: str = "hf_fp32"  # which proof ran: hf_fp32 (every slot vs the fp32 reference), or none (turned off)
     num_layers: int
     layer_ids: list[int]
     rows: list[int]  # the samples compared: the longest and the shortest

@@ -6,7 +6,12 @@ Memory of one layer: the model is built from its config on the meta device (no w
 the checkpoint's dtype: a lookup is exact) and final norm are read first; each decoder layer is read from the
 safetensors files (safe_open, only that layer's tensors, the file closed again) just before its forward, converted
 by transformers' own checkpoint conversion (DeepSeek's per-expert tensors become its fused experts, as in
-from_pretrained) and freed right after. The samples go through as ONE right-padded batch, through HF's own model
+from_pretrained) and freed right after. A compressed-tensors checkpoint (Kimi-K2.5's int4 routed experts) is read
+the same way: each layer's stored tensors are dequantized to fp32 by compressed_weights (the library's own
+decompression) before the conversion. A multimodal wrapper whose language model is stored under ``language_model.``
+(Kimi-K2.5: ``language_model.model.layers.N...``, its config in ``text_config``) is run as that text model (the
+reference of text-only samples); the vision tower's tensors are never read. The samples go through as ONE
+right-padded batch, through HF's own model
 forward (its causal + padding mask, its rotary embeddings), so the weights are read once: an 8B target runs on a
 CPU node, a 1T MoE in the time of one read of its weights. Each reference state is handed to the caller's visit as it
 streams by; none is kept. No vLLM here, no subprocess.
@@ -15,6 +20,7 @@ streams by; none is kept. No vLLM here, no subprocess.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,9 +29,18 @@ from typing import Any
 
 import torch
 
+from eagle3_workflow import compressed_weights
+from eagle3_workflow.compressed_weights import QuantizedCheckpoint, UnsupportedScheme
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.layer_match import LAYER_KEY, POST_NORM
-from eagle3_workflow.target_config import NotSafetensors, read_tensors, weight_files
+from eagle3_workflow.target_config import (
+    TEXT_PREFIX,
+    NotSafetensors,
+    read_target_config,
+    read_tensors,
+    text_weight_prefix,
+    weight_files,
+)
 
 log = logging.getLogger("eagle3.full_depth")
 
@@ -45,10 +60,12 @@ class UnsupportedTarget(StageError):
         self.reason = reason
 
 
-def unsupported(target_dir: Path, reason: str) -> UnsupportedTarget:
+def unsupported(
+    target_dir: Path, reason: str, fix: str = "a transformers that runs this architecture"
+) -> UnsupportedTarget:
     return UnsupportedTarget(
         f"the full-depth check cannot run an fp32 reference of {target_dir}: {reason}. The hidden states are not "
-        f"proven past the canary's slice. Fix: a transformers that runs this architecture, or {TURN_OFF}",
+        f"proven past the canary's slice. Fix: {fix}, or {TURN_OFF}",
         reason,
     )
 
@@ -83,26 +100,109 @@ def split_by_layer(names: Sequence[str], num_layers: int) -> tuple[list[str], di
 # ------------------------------------------------------------------------------------------------ the model skeleton
 
 
-def build_skeleton(target_dir: Path, *, trust_remote_code: bool) -> tuple[Any, Any]:
-    """(model, its decoder) built from the config with every weight on the meta device (no memory). The buffers that
-    are computed rather than stored (rotary inverse frequencies) are computed, as from_pretrained does."""
+@dataclasses.dataclass
+class Target:
+    """The meta skeleton to run and how to read its weights: `files` maps the checkpoint's tensor names (as stored) to
+    their safetensors file; a stored name is the skeleton's name with `prefix` in front (TEXT_PREFIX for a wrapper
+    run as its text model, else ""); `quantized` is the compressed-tensors scheme found (None: plain weights)."""
+
+    model: Any
+    decoder: Any
+    files: dict[str, str]
+    prefix: str
+    quantized: QuantizedCheckpoint | None
+
+    def names(self) -> list[str]:
+        """The skeleton's names of the checkpoint's tensors (those outside `prefix` left out: the vision tower)."""
+        return [name.removeprefix(self.prefix) for name in self.files if name.startswith(self.prefix)]
+
+    def read(self, target_dir: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The tensors `names` (skeleton names), as plain fp32/stored weights: quantized modules dequantized."""
+        stored = read_tensors(target_dir, self.files, [self.prefix + name for name in names])
+        tensors = {name.removeprefix(self.prefix): tensor for name, tensor in stored.items()}
+        if self.quantized is None:
+            return tensors
+        try:
+            return compressed_weights.dequantize(tensors, self.quantized)
+        except UnsupportedScheme as exc:
+            raise unsupported(target_dir, exc.reason, exc.fix) from exc
+
+    def weights(self) -> str:
+        """How the weights are stored, for check_api's row."""
+        if self.quantized is None:
+            return "plain weights (not quantized)"
+        return compressed_weights.describe_scheme(self.quantized, self.names())
+
+
+def quantization(target_dir: Path) -> QuantizedCheckpoint | None:
+    """The compressed-tensors scheme config.json declares (top level or text_config), None for plain weights;
+    UnsupportedTarget for a quantization the reference does not read (compressed_weights.FORMATS_READ)."""
+    try:
+        raw = read_target_config(target_dir).raw
+    except StageError as exc:
+        raise unsupported(target_dir, f"its config.json cannot be read ({exc!r})") from exc
+    try:
+        return compressed_weights.read_scheme(raw)
+    except UnsupportedScheme as exc:
+        raise unsupported(target_dir, exc.reason, exc.fix) from exc
+
+
+def without_quantization(config: Any) -> Any:
+    """The config with quantization_config removed (top level and text config), so that from_config builds plain
+    modules: the reference loads dequantized fp32 weights into them."""
+    for section in (config, config.get_text_config()):
+        if getattr(section, "quantization_config", None) is not None:
+            delattr(section, "quantization_config")
+    return config
+
+
+def open_target(target_dir: Path, *, trust_remote_code: bool) -> Target:
+    """The skeleton (built_skeleton) and the way to read its weights. A config with a separate text config whose
+    checkpoint stores the decoder under TEXT_PREFIX ("language_model.model.layers.N...") is run as that text model."""
+    quantized = quantization(target_dir)
+    files = checkpoint_files(target_dir)
+    prefix = text_weight_prefix(files)
+    model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code, text_model=bool(prefix))
+    target = Target(model=model, decoder=decoder, files=files, prefix=prefix, quantized=quantized)
+    if quantized is not None:
+        try:
+            compressed_weights.quantized_parts(target.names(), quantized)
+        except UnsupportedScheme as exc:
+            raise unsupported(target_dir, exc.reason, exc.fix) from exc
+    return target
+
+
+def build_skeleton(target_dir: Path, *, trust_remote_code: bool, text_model: bool = False) -> tuple[Any, Any]:
+    """(model, its decoder) built from the config with every weight on the meta device (no memory); `text_model`:
+    from the config's text config (a wrapper's language model alone). Any quantization_config is
+    left out (the weights are dequantized before loading). The buffers that are computed rather than stored (rotary
+    inverse frequencies) are computed, as from_pretrained does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any refusal is reported with its cause
         raise unsupported(target_dir, f"transformers cannot read its config ({exc!r})") from exc
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
-        raise unsupported(target_dir, f"the checkpoint is quantized ({method}); the reference reads plain weights only")
+    config = without_quantization(config)
+    if text_model and config.get_text_config() is config:
+        raise unsupported(target_dir, f"its decoder is stored under {TEXT_PREFIX!r} but its config has no text_config")
+    if text_model:
+        text = config.get_text_config()
+        # Kimi-K2.5's text_config says model_type "kimi_k2", read as a DeepseekV3Config that keeps the name: under it
+        # transformers finds no checkpoint conversion (the per-expert tensors would not fuse into its experts)
+        text.model_type = type(text).model_type or text.model_type
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(
+                config.get_text_config() if text_model else config,
+                dtype=torch.float32,
+                trust_remote_code=trust_remote_code,
+            )
         decoder = model.get_decoder()
         layers, _ = decoder.layers, decoder.norm  # the decoder layers and the final norm the reference hooks
     except Exception as exc:  # noqa: BLE001
-        raise unsupported(target_dir, f"transformers cannot build its decoder from the config ({exc!r})") from exc
+        what = "its text config" if text_model else "the config"
+        raise unsupported(target_dir, f"transformers cannot build its decoder from {what} ({exc!r})") from exc
     model.eval()
     owners = {name.rpartition(".")[0] for name, _ in model.named_non_persistent_buffers()}
     for owner in sorted(owners):
@@ -124,15 +224,21 @@ def weight_bytes(module: Any, *, skip: str | None = None) -> int:
 
 
 def preflight(target_dir: Path, *, trust_remote_code: bool) -> str:
-    """What check_api runs before any extraction: transformers builds the decoder from the config (no weights) and
-    the checkpoint holds tensors of every decoder layer. Raises UnsupportedTarget; returns what it found."""
-    model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
-    files = checkpoint_files(target_dir)
-    _, per_layer = split_by_layer(list(files), len(decoder.layers))
+    """What check_api runs before any extraction: transformers builds the decoder from the config (no weights), the
+    checkpoint holds tensors of every decoder layer, and a quantized checkpoint's scheme is one the reference reads,
+    its stored tensors complete (from their names). Raises UnsupportedTarget; returns what it found, the
+    quantization scheme included."""
+    target = open_target(target_dir, trust_remote_code=trust_remote_code)
+    layers = target.decoder.layers
+    _, per_layer = split_by_layer(target.names(), len(layers))
     empty = [index for index, names in per_layer.items() if not names]
     if empty:
         raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layers {empty[:8]}")
-    return f"{type(model).__name__}: {len(decoder.layers)} layers, {len(set(files.values()))} safetensors file(s)"
+    text = f" (the text model, tensors under {target.prefix!r})" if target.prefix else ""
+    return (
+        f"{type(target.model).__name__}{text}: {len(layers)} layers, {len(set(target.files.values()))} safetensors "
+        f"file(s); {target.weights()}"
+    )
 
 
 def load_module(
@@ -224,11 +330,12 @@ def stream_reference(
     ``visit(label, states)`` with states [B, T, H] for every depth in vLLM's convention: str(k), k in 0..N-1, the
     input of layer k; str(N) the pre-norm output of the last layer; POST_NORM the final norm's output. Positions
     past a sample's length are padding. Returns (N, the most weight bytes held at once)."""
-    model, decoder = build_skeleton(target_dir, trust_remote_code=trust_remote_code)
+    target = open_target(target_dir, trust_remote_code=trust_remote_code)
+    model, decoder = target.model, target.decoder
     layers = decoder.layers
     num_layers = len(layers)
-    files = checkpoint_files(target_dir)  # each layer's tensors read (read_tensors) just before its forward
-    outside, per_layer = split_by_layer(list(files), num_layers)
+    # each layer's tensors read (and dequantized, if stored quantized) just before its forward
+    outside, per_layer = split_by_layer(target.names(), num_layers)
     held = {"now": 0, "peak": 0}
     started = time.monotonic()
 
@@ -240,7 +347,7 @@ def stream_reference(
         def hook(_module: Any, args: tuple, kwargs: dict) -> None:
             if not per_layer[index]:
                 raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layer {index}")
-            tensors = read_tensors(target_dir, files, per_layer[index])
+            tensors = target.read(target_dir, per_layer[index])
             hold(load_module(model, layers[index], tensors, f"decoder layer {index}"))
             visit(str(index), args[0] if args else kwargs["hidden_states"])
 
@@ -275,7 +382,7 @@ def stream_reference(
     input_ids, mask = right_padded(batch, pad_id=0)
     try:
         with _quiet_loading():
-            tensors = read_tensors(target_dir, files, outside)
+            tensors = target.read(target_dir, outside)
             keep_stored_dtype(embed, tensors)
             hold(load_module(model, decoder, tensors, "embedding and final norm", skip="layers"))
             del tensors

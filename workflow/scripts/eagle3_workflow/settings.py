@@ -59,10 +59,9 @@ class TargetLoad(TargetDtype, TargetTrust):
     """How a stage that serves the target loads it: dtype and trust_remote_code."""
 
 
-class TinyShape(View):
-    """target.build without its kind: the shape of a tiny target."""
+class BuildShape(View):
+    """The shape keys of target.build that every built random-weight target reads (tiny and kimi_k25)."""
 
-    arch: Literal["llama", "qwen3", "deepseek_v3"]
     num_layers: int
     hidden_size: int
     head_dim: Literal[32, 64]
@@ -70,14 +69,32 @@ class TinyShape(View):
     seed: int
 
 
-class TargetBuild(TinyShape):
-    kind: Literal["tiny", "smollm2"]
+class TinyShape(BuildShape):
+    """target.build as build_tiny_target reads it: the shape of a tiny target."""
+
+    arch: Literal["llama", "qwen3", "deepseek_v3"]
+
+
+class KimiShape(BuildShape):
+    """target.build as build_kimi_k25_target reads it: the stand-in's shape and whether its experts are INT4."""
+
+    quantization: Literal["none", "int4"]
+
+
+class TargetBuild(TinyShape, KimiShape):
+    kind: Literal["tiny", "smollm2", "kimi_k25"]
 
 
 class TinyTarget(View):
     """target as build_tiny_target reads it: only the shape."""
 
     build: TinyShape
+
+
+class KimiTarget(View):
+    """target as build_kimi_k25_target reads it: only the shape."""
+
+    build: KimiShape
 
 
 class TargetSettings(TargetLoad):
@@ -162,6 +179,7 @@ class CanarySettings(View):
     max_tokens_per_sample: int
     relative_tolerance: Number
     render_samples: int
+    reference: Literal["hf_fp32", "self_consistency"]
 
 
 # --- extraction, validation --------------------------------------------------------------------------------------
@@ -295,6 +313,10 @@ class BuildTinyTargetStage(View):
     target: TinyTarget
 
 
+class BuildKimiK25TargetStage(View):
+    target: KimiTarget
+
+
 class BuildSmollm2TargetStage(View):
     target: TargetDtype
 
@@ -321,8 +343,15 @@ class RegenerateResponsesStage(ServingStage):
     regenerate: RegenerateSettings
 
 
+class CanaryReference(View):
+    """canary.reference as check_api reads it: whether the canary's fp32 reference must be buildable."""
+
+    reference: Literal["hf_fp32", "self_consistency"]
+
+
 class CheckApiStage(View):
     check_api: CheckApiSettings
+    canary: CanaryReference
     hidden_states: HiddenStatesSettings
     validation: ValidationFullDepth
     target: TargetTrust
@@ -390,6 +419,7 @@ class PackageDraftStage(View):
 RULE_SETTINGS: dict[str, type[View]] = {
     "build_tiny_target": BuildTinyTargetStage,
     "build_smollm2_target": BuildSmollm2TargetStage,
+    "build_kimi_k25_target": BuildKimiK25TargetStage,
     "prepare_data": PrepareDataStage,
     "check_target": CheckTargetStage,
     "regenerate_responses": RegenerateResponsesStage,

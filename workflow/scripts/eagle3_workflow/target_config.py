@@ -1,5 +1,5 @@
 """The target checkpoint on disk, read in one place: its config.json as a small typed view (`read_target_config`), and
-which safetensors file holds each tensor (`weight_files`, `read_tensors`).
+which safetensors file holds each tensor (`weight_files`, `read_tensors`; `write_weight_index` for a builder).
 
 Multimodal wrappers (Gemma 3, Llama 4, ...) keep the language model's shape in ``text_config``; `text_section` is the
 one place that knows it. Pure: json and safetensors only (no transformers, no torch import at module level).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -137,6 +138,25 @@ def weight_files(target_dir: Path) -> dict[str, str]:
         )
     with safe_open(str(single), framework="pt") as handle:
         return dict.fromkeys(handle.keys(), "model.safetensors")
+
+
+TEXT_PREFIX = "language_model."  # where a multimodal wrapper's checkpoint keeps its language model (Kimi-K2.5)
+_TEXT_LAYER = re.compile(r"^language_model\.model\.layers\.\d+\.")
+
+
+def text_weight_prefix(files: Mapping[str, str]) -> str:
+    """What stands before the language model's own tensor names in this checkpoint: TEXT_PREFIX when it stores its
+    decoder layers as ``language_model.model.layers.N...`` (Kimi-K2.5), else "" (``model.layers.N...``)."""
+    return TEXT_PREFIX if any(_TEXT_LAYER.match(name) for name in files) else ""
+
+
+def write_weight_index(target_dir: Path, weight_map: Mapping[str, str], total_size: int) -> Path:
+    """model.safetensors.index.json of a sharded checkpoint (the format weight_files reads): tensor name -> its
+    file, names sorted; total_size the bytes of every tensor."""
+    index = target_dir / "model.safetensors.index.json"
+    payload = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    index.write_text(json.dumps(payload, indent=2) + "\n")
+    return index
 
 
 def read_tensors(target_dir: Path, files: Mapping[str, str], names: Sequence[str]) -> dict[str, torch.Tensor]:

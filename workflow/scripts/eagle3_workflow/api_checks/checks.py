@@ -291,8 +291,16 @@ ROW_FIXES: dict[str, tuple[str, str]] = {
     "full-depth reference": (
         "target",
         "validate_hidden_states compares every captured id with an fp32 reference of the whole target, which "
-        "transformers must build and load; use an unquantized checkpoint whose architecture transformers knows, or "
-        "set validation.full_depth_check: false (unsafe: ids past the canary's slice are then never proven)",
+        "transformers must build and load; use a checkpoint whose architecture transformers knows, stored plain or "
+        "in a compressed-tensors format the reference reads (the row names them), or set "
+        "validation.full_depth_check: false (unsafe: ids past the canary's slice are then never proven)",
+    ),
+    "canary reference": (
+        "target",
+        "the canary compares every captured slot with transformers' fp32 forward of its slice (the full-depth "
+        "check's streamed reference), which transformers must build and load; use a checkpoint whose architecture "
+        "and weight format it reads, or set canary.reference: self_consistency (weaker: two extractions must only "
+        "be bit-identical; recorded in canary.json's proof)",
     ),
     "chat template": (
         "target",
@@ -313,6 +321,19 @@ def check_full_depth_reference(target_dir: str, trust_remote_code: bool, enabled
 
     if not enabled:
         return "not checked: validation.full_depth_check is false (unsafe)", True
+    try:
+        return preflight(Path(target_dir), trust_remote_code=trust_remote_code), True
+    except UnsupportedTarget as exc:
+        return exc.reason, False
+
+
+def check_canary_reference(target_dir: str, trust_remote_code: bool, proof: str) -> tuple[str, bool]:
+    """The canary's fp32 reference (the same streamed reference) can run this target, unless the config asked for the
+    weaker self-consistency proof: never a silent fallback at the canary."""
+    from eagle3_workflow.full_depth_reference import UnsupportedTarget, preflight
+
+    if proof == "self_consistency":
+        return "not checked: canary.reference is self_consistency (weaker: two extractions bit-identical)", True
     try:
         return preflight(Path(target_dir), trust_remote_code=trust_remote_code), True
     except UnsupportedTarget as exc:
@@ -348,6 +369,7 @@ def run_api_checks(
     trainer_fields: list[str] | None = None,
     need_render_endpoint: bool = True,
     full_depth_check: bool,
+    canary_reference: str = "hf_fp32",
 ) -> ApiCompatReport:
     """All rows; pure apart from imports. The report's `passed` is the AND of the rows."""
     target = read_target_config(target_dir).info()
@@ -368,8 +390,15 @@ def run_api_checks(
     rows.append(
         _row(
             "full-depth reference",
-            "transformers builds the decoder; the checkpoint has every layer",
+            "transformers builds the decoder; the checkpoint has every layer, its quantization (if any) is read",
             lambda: check_full_depth_reference(target_dir, trust_remote_code, full_depth_check),
+        )
+    )
+    rows.append(
+        _row(
+            "canary reference",
+            f"canary.reference {canary_reference}: transformers builds the decoder; the checkpoint has every layer",
+            lambda: check_canary_reference(target_dir, trust_remote_code, canary_reference),
         )
     )
     if need_render_endpoint:

@@ -33,6 +33,7 @@ def main(snakemake: Any) -> None:
             trust_remote_code=settings.target.trust_remote_code,
             trainer_fields=trainer_fields_used(),
             full_depth_check=settings.validation.full_depth_check,
+            canary_reference=settings.canary.reference,
         )
         table = check_table(report.checks)
         if not report.passed:

@@ -2,6 +2,10 @@
 layers plus the first MoE layer, and at least 8 layers so the captured ids can have production's shape), written from
 only the tensors it keeps, read lazily from the safetensors shards; and the ids captured from it, shaped like
 production's [2, N//2, N-3, N]: [2, K//2, K-2, K].
+
+A multimodal wrapper (Kimi-K2.5) keeps its layout in the slice: tensor names as stored (``language_model.`` prefix),
+the depth cut in ``text_config``, its quantization_config where it was, every tensor outside the decoder layers
+(vision tower, projector: their ``blocks.N`` are not decoder layers), the processor files beside the tokenizer's.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ TOKENIZER_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
+# what vLLM's processor of a multimodal wrapper reads (Kimi-K2.5: preprocessor_config.json); vLLM refuses the folder
+# without it, although the canary serves text only
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 MIN_SHAPED_LAYERS = 8  # the fewest layers where [2, K//2, K-2, K] has a gap between every pair of ids
@@ -110,7 +117,7 @@ def build_truncated_target(target_dir: Path, out_dir: Path, layers: int) -> dict
     out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(truncated_config(config.raw, layers), indent=2))
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + PROCESSOR_FILES:
         if (target_dir / name).exists():
             shutil.copy2(target_dir / name, out_dir / name)
     for extra in target_dir.glob("*.py"):  # remote-code modules (used only when trust_remote_code is set)

@@ -47,6 +47,7 @@ def main(snakemake: Any) -> None:
             tolerance=canary.relative_tolerance,
             render_samples=canary.render_samples,
             trust_remote_code=settings.target.trust_remote_code,
+            reference=canary.reference,
         )
         report = run_canary(request)
         refuse_or_log(report, log)

@@ -50,7 +50,7 @@ from eagle3_workflow.evaluation.protocol import (
 )
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
 from eagle3_workflow.target_config import read_target_config
-from eagle3_workflow.vllm_server import generation_cuda_graphs
+from eagle3_workflow.vllm_server import cpu_engine_environment, generation_cuda_graphs
 
 log = logging.getLogger("eagle3.evaluation")
 
@@ -230,6 +230,8 @@ def measure_runs(
             continue
         env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
                                       in_process=settings.tensor_parallel_size == 1)  # fmt: skip
+        # TP > 1 on CPU: a worker per core list (refused, with the fix, when the CPUs cannot give one)
+        env |= cpu_engine_environment(device, settings.tensor_parallel_size, vllm_settings.cpu_threads)
         spec = MeasurementSpec(engine=engine, runs=todo, batch_invariant=process.batch_invariant, **spec_fields)
         result, wall_s = run_measurement_process(spec, work_dir, f"measure_{i}", env=env, log_path=log_path,
                                                  timeout_s=settings.timeout_s,

@@ -94,6 +94,9 @@ def gates_page(api_compat: ApiCompatReport, canary: CanaryReport, validation: Va
         (k, v if not isinstance(v, list | dict) else (len(v) if k != "files_dir" else ", ".join(map(str, v))))
         for k, v in validation.model_dump().items()
     ]
+    depth = validation.full_depth
+    if depth is not None:  # which proof ran past the canary's slice, said in words (the row above counts its keys)
+        validation_rows.append(("full-depth proof", f"{depth.proof} ({depth.reference}; passed {depth.passed})"))
     return html_page(
         "Gates",
         [
@@ -102,8 +105,8 @@ def gates_page(api_compat: ApiCompatReport, canary: CanaryReport, validation: Va
                 key_value_table(versions) + _checks(api_compat),
             ),
             (
-                f"canary: {'PASS' if canary.passed else 'FAIL'} ({canary.canary_layers} layers vs "
-                f"{canary.reference}, tolerance {canary.tolerance})",
+                f"canary: {'PASS' if canary.passed else 'FAIL'} (proof {canary.proof}; {canary.canary_layers} "
+                f"layers vs {canary.reference}, tolerance {canary.tolerance})",
                 html_table(["layer id", "max relative error", "mean relative error"], canary_errors) + _checks(canary),
             ),
             ("validate_hidden_states", key_value_table(validation_rows)),

@@ -62,31 +62,81 @@ def strip_log_prefixes(line: str) -> str:
         line = stripped
 
 
-def traceback_span(lines: Sequence[str]) -> tuple[int, int] | None:
-    """[start, end) of the first Python traceback, from its header through its exception line."""
+_PROCESS_TAG = re.compile(r"^\(([A-Za-z_][\w.-]*(?: pid=\d+)?)\)\s")
+
+
+def process_tag(line: str) -> str | None:
+    """The process a vLLM line came from: "Worker_TP1 pid=7" for "(Worker_TP1 pid=7) ERROR ...", else None."""
+    found = _PROCESS_TAG.match(line)
+    return found.group(1) if found else None
+
+
+def traceback_indices(lines: Sequence[str]) -> list[int]:
+    """The indices of the first Python traceback's lines, from its header through its exception line ([] if none).
+
+    A traceback's lines are those of the process that printed its header: vLLM's processes (API server, engine
+    core, each TP worker) share one output, so another process's lines can fall between them and are skipped.
+    """
+    return _first_traceback(lines)[0]
+
+
+def _first_traceback(lines: Sequence[str]) -> tuple[list[int], bool]:
+    """traceback_indices, and whether the traceback reached its exception line (not cut off by the end of lines)."""
     texts = [strip_log_prefixes(line) for line in lines]
     for start, text in enumerate(texts):
         if not text.lstrip().startswith("Traceback (most recent call last)"):
             continue
+        tag = process_tag(lines[start])
         indent = len(text) - len(text.lstrip())
+        kept = [start]
         for end in range(start + 1, len(texts)):
+            if process_tag(lines[end]) != tag:
+                continue
+            kept.append(end)
             body = texts[end]
             if (
                 body.strip()
                 and len(body) - len(body.lstrip()) <= indent
                 and not body.lstrip().startswith(_TRACEBACK_PARTS)
             ):
-                return start, end + 1
-        return start, len(texts)
-    return None
+                return kept, True
+        return kept, False
+    return [], False
+
+
+def traceback_span(lines: Sequence[str]) -> tuple[int, int] | None:
+    """[start, end) of the first Python traceback, from its header through its exception line."""
+    kept = traceback_indices(lines)
+    return (kept[0], kept[-1] + 1) if kept else None
 
 
 def first_traceback(lines: Sequence[str]) -> str:
     """The first traceback in lines, prefixes stripped, ending with its exception line ("" if none)."""
-    span = traceback_span(lines)
-    if span is None:
+    return "\n".join(strip_log_prefixes(lines[i]) for i in traceback_indices(lines))
+
+
+def exception_summary(lines: Sequence[str]) -> str:
+    """One line that names the first traceback's exception, the frame that raised it and the process:
+    'AttributeError (its message is empty), raised at File "m.py", line 3, in embed (process Worker_TP1 pid=7)'.
+
+    The exception line alone can say nothing: an exception whose message is empty prints only its type (and
+    vLLM's engine then reports "Worker failed with error ''"), so the raising frame is what points at the bug.
+    "" without a traceback."""
+    kept = traceback_indices(lines)
+    if not kept:
         return ""
-    return "\n".join(strip_log_prefixes(line) for line in lines[span[0] : span[1]])
+    texts = [strip_log_prefixes(lines[i]).strip() for i in kept]
+    last = texts[-1]
+    frames = [text for text in texts if text.startswith('File "')]
+    if len(texts) == 1 or last.startswith(_TRACEBACK_PARTS):
+        said = "a traceback cut short before its exception line"
+    elif last.endswith(":") or ":" not in last:
+        said = f"{last.rstrip(':')} (its message is empty)"
+    else:
+        said = last
+    where = f", raised at {frames[-1]}" if frames else ""
+    tag = process_tag(lines[kept[0]])
+    return f"{said}{where}" + (f" (process {tag})" if tag else "")
 
 
 def stall_limit_s(floor_s: float, factor: float, slowest_s: float) -> float:
@@ -284,16 +334,31 @@ class ChildProcess:
         return lines
 
     def failure_text(self, headline: str, *, where: str | None = None) -> str:
-        """The headline, the first traceback (to its exception line), and the child's last lines."""
+        """The headline, the first exception in one line (type, raising frame, process), the first traceback (to
+        its exception line), and the child's last lines."""
         self.drain()
-        quoted = first_traceback(self.error_lines) or first_traceback(self.output())
+        self._settle_traceback()
+        source = self.error_lines if traceback_span(self.error_lines) else self.output()
+        quoted = first_traceback(source)
         tail = self.last_lines()
         parts = [headline]
         if quoted:
+            parts.append(f"first exception: {exception_summary(source)}")
             parts.append(f"first traceback in the output of {self.name}:\n{quoted}")
         parts.append(f"last {len(tail)} {self.output_label} ({where or self.log_path or 'above'}):")
         parts.append("\n".join(tail))
         return "\n".join(parts)
+
+    def _settle_traceback(self, timeout_s: float = 2.0) -> None:
+        """Give the reader up to `timeout_s` for the rest of a traceback whose header it has taken: a failure seen
+        at the header (a fatal line, a watch twice a second) would otherwise quote a traceback without its
+        exception line. A child that stays silent costs the wait once; one that exited is drained already."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._reader is not None and self._reader.is_alive():
+            kept, complete = _first_traceback(self.error_lines)
+            if not kept or complete:
+                return
+            time.sleep(0.05)
 
     def check(self) -> None:
         """Raise ChildFailure if the child ran past its time limit or stopped making progress, or what `watch`

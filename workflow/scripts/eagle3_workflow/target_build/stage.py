@@ -1,5 +1,6 @@
-"""Stages `build_smollm2_target` and `build_tiny_target`: their rules' adapters, ``smollm2_main(snakemake)`` and
-``tiny_main(snakemake)``: the target built (smollm2.py, tiny.py) into the rule's target/ folder."""
+"""Stages `build_smollm2_target`, `build_tiny_target` and `build_kimi_k25_target`: their rules' adapters,
+``smollm2_main(snakemake)``, ``tiny_main(snakemake)`` and ``kimi_main(snakemake)``: the target built (smollm2.py,
+tiny.py, kimi.py) into the rule's target/ folder."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.target_build.kimi import build_kimi_k25_target
 from eagle3_workflow.target_build.smollm2 import build_smollm2_target
 from eagle3_workflow.target_build.tiny import build_tiny_target
 
@@ -52,3 +54,19 @@ def tiny_main(snakemake: Any) -> None:
         )
 
     run_stage("build_tiny_target", snakemake.log[0], body)
+
+
+def kimi_main(snakemake: Any) -> None:
+    from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.settings import BuildKimiK25TargetStage, stage_settings
+
+    def body(log: logging.Logger) -> None:
+        out_dir = Path(snakemake.output.target)
+        settings = stage_settings(BuildKimiK25TargetStage, snakemake.params.settings)
+        try:
+            build_kimi_k25_target(out_dir, [Path(p) for p in snakemake.input.corpus], settings.target.build)
+        except BaseException:
+            shutil.rmtree(out_dir, ignore_errors=True)  # a half-written checkpoint must not look like a target
+            raise
+
+    run_stage("build_kimi_k25_target", snakemake.log[0], body)

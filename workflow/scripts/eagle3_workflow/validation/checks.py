@@ -27,12 +27,13 @@ from eagle3_workflow.artefacts import (
 )
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.hidden_states import HiddenStateFiles, read_hidden_states
-from eagle3_workflow.target_config import read_target_config, read_tensors, weight_files
+from eagle3_workflow.target_config import read_target_config, read_tensors, text_weight_prefix, weight_files
 
 MAX_LISTED = 50
 # Final norms this check knows: plain RMSNorm x * rsqrt(mean(x^2) + eps) * w. Gemma's (1 + w) and logit
 # soft-capping, or any other head, are refused by name rather than checked with the wrong formula.
-RMSNORM_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
+# kimi_k2: Kimi-K2/K2.5's language model, DeepSeek-V3's architecture (transformers reads it as DeepseekV3Config).
+RMSNORM_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2"}
 # bf16 has an 8-bit significand: the server's bf16 logits cannot order two tokens closer than a couple of ulps
 # (2^-7 relative each). A token within 2^-6 x the largest |logit| of our fp32 argmax counts as a tie.
 TIE_RELATIVE = 2.0**-6
@@ -47,9 +48,10 @@ def load_final_head(target_dir: Path) -> tuple[Any, Any, float]:
             f"the greedy-token cross-check does not know the final norm of model_type {model_type!r} (it knows "
             f"{sorted(RMSNORM_MODEL_TYPES)}); set extraction.greedy_probe_samples: 0 to skip it for this target"
         )
-    norm = "model.norm.weight"
-    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     files = weight_files(target_dir)
+    prefix = text_weight_prefix(files)  # "language_model." in a multimodal wrapper's checkpoint (Kimi-K2.5)
+    norm = prefix + "model.norm.weight"
+    head = prefix + ("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
     for name in (norm, head):
         if name not in files:
             raise StageError(
