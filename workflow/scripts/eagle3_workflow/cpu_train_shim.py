@@ -11,7 +11,12 @@ checkpointing/resume are speculators' own code:
 - ``Trainer.__init__`` sets the autocast device type to ``"cuda"`` when there is no accelerator -> ``"cpu"``;
 - the step timer calls ``torch.accelerator.synchronize()`` unconditionally -> a no-op without an accelerator;
 - resuming loads the checkpoint onto ``get_current_device()``, which is ``"cuda:0"`` without an
-  accelerator -> ``"cpu"`` (without this, a resumed CPU run dies in ``safe_open``).
+  accelerator -> ``"cpu"`` (without this, a resumed CPU run dies in ``safe_open``);
+- the draft's mask token id is resolved from ``load_processor(target)`` (``AutoProcessor``), which for a multimodal
+  target (Kimi-K2.5) also builds its image processor, and that needs torchvision, which the CPU environment does
+  not have (envs/setup_cpu.sh removes it: PyPI's build breaks ``import vllm`` beside CPU torch). The trainer uses
+  that processor for its tokenizer only (``get_tokenizer``) -> the target's tokenizer itself (``AutoTokenizer``,
+  the pad token resolved as speculators does); a text-only target's processor is that tokenizer anyway.
 
 Flex attention has no CPU backward and the fused loss needs Triton: ``--draft-attn-impl sdpa`` and
 ``--loss-implementation eager`` are added when the command line does not choose them.
@@ -38,6 +43,7 @@ SHIM_PATCH_POINTS: list[tuple[str, str]] = [
     ("speculators.train.cli", "main"),
     ("speculators.train.cli", "setup_metric_logger"),  # trainer_entry.install_metric_handler
     ("speculators.train.config", "TrainConfig.resolve"),
+    ("speculators.train.utils", "load_processor"),
 ]
 
 # speculators train options a CPU run needs, added when the command line does not set them
@@ -95,6 +101,7 @@ def apply_cpu_patches() -> None:
         )
     import speculators.train.checkpointer as checkpointer
     import speculators.train.trainer as trainer
+    import speculators.train.utils as train_utils
 
     if getattr(trainer.Trainer, _PATCHED_MARKER, False):
         return
@@ -110,4 +117,16 @@ def apply_cpu_patches() -> None:
         self.device_type = "cpu"
 
     trainer.Trainer.__init__ = init_on_cpu
+    train_utils.load_processor = target_tokenizer
     setattr(trainer.Trainer, _PATCHED_MARKER, True)
+
+
+def target_tokenizer(target_model_path: str, *, trust_remote_code: bool = False) -> Any:
+    """What speculators' trainer reads of the target's processor, its tokenizer, without an image processor
+    (speculators.data_generation.preprocessing.load_processor's pad-token rule kept)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_model_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -64,7 +64,7 @@ class BuildShape(View):
 
     num_layers: int
     hidden_size: int
-    head_dim: Literal[32, 64]
+    head_dim: Literal[32, 64, 128]
     vocab_size: int
     seed: int
 
