@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    TESTS,
     copied_run,
     fill_up,
     kill_tree,
@@ -37,6 +38,7 @@ from safetensors.torch import load_file
 from eagle3_workflow.extraction_client import Sample
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
+from eagle3_workflow.target_config import read_target_config
 
 
 def extraction_config(run: str, **extraction) -> dict:
@@ -247,29 +249,6 @@ run_stage("extract_hidden_states", None, lambda log: extract_replica(request, cl
 # ---------------------------------------------------------------- stalls, a dead server's log, the greedy cross-check
 
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
-STAGE_DRIVER = """
-import json, sys
-from pathlib import Path
-from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.artefacts import write
-from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
-from eagle3_workflow.hidden_states import HiddenStateFiles
-from eagle3_workflow.settings import ExtractHiddenStatesStage
-from eagle3_workflow.vllm_server import hidden_states_server_spec
-args = json.loads(sys.argv[1])
-settings = ExtractHiddenStatesStage.model_validate(args["settings"])
-spec = lambda d: hidden_states_server_spec(settings, model=args["target"], layer_ids=args["layer_ids"],
-    storage_dir=d, device="cpu", enable_render_endpoint=True)
-def body(log):
-    request = ReplicaRequest(prepared_dir=Path(args["prepared"]), replica=0, replicas=1,
-        files=HiddenStateFiles(Path(args["work"]) / "files", len(args["layer_ids"]), 64),
-        scratch_dir=Path(args["work"]) / "scratch", progress_path=Path(args["work"]) / "progress.json",
-        server_spec_factory=spec, server_log=Path(args["log"]), disk_margin=1.1,
-        **({"probe_samples": args["probe_samples"]} if args["probe_samples"] else {}))
-    manifest = extract_replica(request, client_settings(settings.extraction))
-    write(Path(args["work"]) / "manifest.json", manifest)
-run_stage("extract_hidden_states", args["log"], body)
-"""
 
 
 def random_prepared(path: Path, samples: int, tokens: int, seed: int = 0) -> Path:
@@ -288,6 +267,8 @@ def start_stage(target: Path, work: Path, prepared: Path, **settings) -> subproc
         "prepared": str(prepared),
         "work": str(work),
         "log": str(work / "stage.log"),
+        "hidden": read_target_config(target).hidden_size,
+        "render_endpoint": True,
         "probe_samples": settings.pop("probe_samples", 0),
         "settings": as_config(
             tiny_settings(
@@ -300,7 +281,7 @@ def start_stage(target: Path, work: Path, prepared: Path, **settings) -> subproc
         "PYTHONPATH": os.pathsep.join([str(REPO / "workflow" / "scripts"), os.environ.get("PYTHONPATH", "")]),
     }
     return subprocess.Popen(
-        [sys.executable, "-c", STAGE_DRIVER, json.dumps(args)],
+        [sys.executable, str(TESTS / "extraction_stage.py"), json.dumps(args)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_settings
+from conftest import REPO, TESTS, tiny_settings
 
 from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
 
@@ -47,26 +47,6 @@ def settings_at(tp: int) -> ExtractHiddenStatesStage:
     return tiny_settings(ExtractHiddenStatesStage, extraction={"tensor_parallel_size": tp, "concurrency": 2})
 
 
-STAGE_DRIVER = """
-import json, sys
-from pathlib import Path
-from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
-from eagle3_workflow.hidden_states import HiddenStateFiles
-from eagle3_workflow.settings import ExtractHiddenStatesStage
-from eagle3_workflow.vllm_server import hidden_states_server_spec
-args = json.loads(sys.argv[1])
-settings = ExtractHiddenStatesStage.model_validate(args["settings"])
-spec = lambda d: hidden_states_server_spec(settings, model=args["target"], layer_ids=args["layer_ids"],
-    storage_dir=d, device="cpu", enable_render_endpoint=False)
-def body(log):
-    request = ReplicaRequest(prepared_dir=Path(args["prepared"]), replica=0, replicas=1,
-        files=HiddenStateFiles(Path(args["work"]) / "files", len(args["layer_ids"]), args["hidden"]),
-        scratch_dir=Path(args["work"]) / "scratch", progress_path=Path(args["work"]) / "progress.json",
-        server_spec_factory=spec, server_log=Path(args["log"]), disk_margin=1.1)
-    extract_replica(request, client_settings(settings.extraction))
-run_stage("extract_hidden_states", args["log"], body)
-"""
 FAULT_LINE = re.compile(r"EAGLE3_FAULT tp_worker_dies_at_first_forward: TP rank 1 raises at t=([0-9.]+)")
 FAILED_RECORD = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*stage extract_hidden_states FAILED", re.M)
 
@@ -88,6 +68,8 @@ def test_a_tp_worker_dying_at_its_first_forward_fails_the_stage_at_once(tp_targe
         "target": str(tp_target),
         "layer_ids": LAYER_IDS,
         "hidden": read_target_config(tp_target).hidden_size,
+        "render_endpoint": False,
+        "probe_samples": 0,
         "prepared": str(prepared),
         "work": str(tmp_path),
         "log": str(tmp_path / "stage.log"),
@@ -99,7 +81,7 @@ def test_a_tp_worker_dying_at_its_first_forward_fails_the_stage_at_once(tp_targe
         "EAGLE3_FAULT": "tp_worker_dies_at_first_forward",
         "PYTHONPATH": os.pathsep.join([str(REPO / "workflow" / "scripts"), plugins, os.environ.get("PYTHONPATH", "")]),
     }
-    proc = subprocess.Popen([sys.executable, "-c", STAGE_DRIVER, json.dumps(args)], env=env,
+    proc = subprocess.Popen([sys.executable, str(TESTS / "extraction_stage.py"), json.dumps(args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         output, _ = proc.communicate(timeout=600)  # a hang guard only: the server start takes most of it

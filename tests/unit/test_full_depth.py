@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_settings
+from hf_forward import hf_forward_states
 from safetensors.torch import save_file
 
 from eagle3_workflow.errors import StageError
@@ -45,18 +46,7 @@ def hf_states(target: Path, ids: list[int]) -> tuple[int, dict[str, torch.Tensor
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    captured = {}
-    hook = model.model.layers[-1].register_forward_hook(
-        lambda _m, _a, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out)
-    )
-    with torch.inference_mode():
-        hidden = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-    hook.remove()
-    n = len(model.model.layers)
-    states = {str(k): hidden[k][0] for k in range(n)}
-    states[str(n)] = captured["last"][0]
-    states[POST_NORM] = hidden[n][0]
-    return n, states
+    return len(model.model.layers), hf_forward_states(model, ids)
 
 
 SAMPLES = [list(range(5, 46)), list(range(100, 111)), list(range(200, 203))]  # 41, 11 and 3 tokens

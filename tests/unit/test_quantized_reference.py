@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_forward import hf_forward_states
 from safetensors.torch import load_file, save_file
 
 from eagle3_workflow import compressed_weights as cw
@@ -113,24 +114,11 @@ def hf_decompressed(target: Path):
     ).eval()
 
 
-def hf_states(model, ids: list[int]) -> dict[str, torch.Tensor]:
-    """output_hidden_states in vLLM's convention (str(k): input of layer k; str(N): last layer's pre-norm output)."""
-    captured = {}
-    hook = model.model.layers[-1].register_forward_hook(
-        lambda _m, _a, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out)
-    )
-    with torch.inference_mode():
-        hidden = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-    hook.remove()
-    n = len(model.model.layers)
-    return {**{str(k): hidden[k][0] for k in range(n)}, str(n): captured["last"][0], POST_NORM: hidden[n][0]}
-
-
 def worst_errors(ours: dict[str, torch.Tensor], model) -> tuple[float, float]:
     """(max abs, max relative-to-the-state's-max) difference over every sample, token and depth."""
     worst_abs = worst_rel = 0.0
     for b, ids in enumerate(SAMPLES):
-        for label, expected in hf_states(model, ids).items():
+        for label, expected in hf_forward_states(model, ids).items():
             diff = (ours[label][b, : len(ids)] - expected).abs().max()
             worst_abs = max(worst_abs, float(diff))
             worst_rel = max(worst_rel, float(diff / expected.abs().max()))
