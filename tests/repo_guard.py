@@ -141,8 +141,14 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(autouse=True)
 def repository_unchanged(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test: no tracked file of the checkout moved while it ran (RepoGuard.fixture)."""
-    yield from request.config.stash[_GUARD].fixture()
+    guard = request.config.stash.get(_GUARD, None)  # None: the plugin's hooks are off (-p no:repo_guard)
+    if guard is None:
+        yield
+        return
+    yield from guard.fixture()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    session.config.stash[_GUARD].session_finished(session)
+    guard = session.config.stash.get(_GUARD, None)
+    if guard is not None:
+        guard.session_finished(session)

@@ -48,6 +48,7 @@ READS: dict[str, set[str]] = {
     "record_provenance": {EVERY_KEY},
     "report": {EVERY_KEY},
     "build_tiny_target": {"target/build"},
+    "build_kimi_k25_target": {"target/build"},
     "build_smollm2_target": {"target/dtype"},
     "prepare_data": {"data", "target/trust_remote_code"},
     "check_target": {"target_check", *SERVES_TARGET},
@@ -58,6 +59,8 @@ READS: dict[str, set[str]] = {
         "hidden_states/layer_ids",
         "target/trust_remote_code",
         "validation/full_depth_check",
+        # the canary reference row: the proof the canary will run (self_consistency builds no reference)
+        "canary/reference",
         "vllm/device",
     },
     # the extraction client's stall limits: the canary goes through the production client
@@ -76,7 +79,9 @@ READS: dict[str, set[str]] = {
 # rule -> keys inside what READS names that its stage does not read: they size the job (its resources) or decide
 # whether the job exists and what its inputs are
 NOT_READ: dict[str, set[str]] = {
-    "build_tiny_target": {"target/build/kind"},  # picks the build rule
+    # kind picks the build rule; quantization is the Kimi stand-in's, arch the tiny target's
+    "build_tiny_target": {"target/build/kind", "target/build/quantization"},
+    "build_kimi_k25_target": {"target/build/kind", "target/build/arch"},
     "prepare_data": {"data/sources"},  # the rule's inputs (and params.formats)
     "check_target": {"target_check/enabled"},  # whether the rule runs
     "extract_hidden_states": {"extraction/gpus_per_replica", "extraction/runtime_minutes"},  # resources
