@@ -35,14 +35,35 @@ def lossless_spec(work: Path) -> MeasurementSpec:
     raise SystemExit(f"no lossless measurement spec with the trained draft under {work}")
 
 
+def absolute_paths(spec: MeasurementSpec, *, workdir: Path) -> MeasurementSpec:
+    """The spec with its model paths absolute. evaluate_draft writes them so (MeasurementSpec); a spec of an older
+    run may name them relative to the workflow's working directory (results/<run>/.. /..), which vLLM read as a
+    hub repo id from anywhere else (HFValidationError)."""
+
+    def absolute(path: str) -> str:
+        return path if Path(path).is_absolute() else str(workdir / path)
+
+    engine = spec.engine | {"model": absolute(spec.engine["model"])}
+    runs = [
+        run.model_copy(
+            update={"speculative_config": run.speculative_config | {"model": absolute(run.speculative_config["model"])}}
+        )
+        if run.speculative_config and "model" in run.speculative_config
+        else run
+        for run in spec.runs
+    ]
+    return spec.model_copy(update={"engine": engine, "runs": runs})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="results/<run> of a finished evaluate_draft")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    work = args.run_dir / "eval" / "work"
-    spec = lossless_spec(work)
+    run_dir = args.run_dir.resolve()
+    work = run_dir / "eval" / "work"
+    spec = absolute_paths(lossless_spec(work), workdir=run_dir.parents[1])
     fault_dir = work / "fault"
     trained = next(r for r in spec.runs if r.label == "trained" and r.lossless_pass)
     run = trained.model_copy(update={"result_path": str(fault_dir / "trained.accept_any_draft.json"), "key": ""})

@@ -113,6 +113,50 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert log.count("reusing ") == 3
 
 
+def shift_d2t(weights: Path) -> None:
+    """The fault: each draft id names its neighbour's target token (d2t holds target id - draft id)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(weights), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(weights))
+    ids = torch.arange(len(tensors["d2t"]), dtype=tensors["d2t"].dtype)
+    tensors["d2t"] = torch.roll(ids + tensors["d2t"], -1) - ids
+    save_file(tensors, str(weights), metadata=metadata)
+
+
+@pytest.mark.slow
+def test_a_served_draft_with_a_shifted_d2t_fails_the_consistency_gate(scratch_draft, prepared, tmp_path):
+    """Train/serve consistency for real: the synthetic run's training.json says the draft validated at full_acc_0
+    0.40 (TRAINING_METRICS), the served draft's d2t is shifted by one id, vLLM serves it at ~0 position-0
+    acceptance, and evaluate_draft fails naming the d2t/t2d mapping among the causes; acceptance.json is not
+    written. (A scratch draft serves ~0 either way: the healthy side of the rule is shown on the committed real
+    runs, tests/unit/test_consistency.py.)"""
+    draft = Path(shutil.copytree(scratch_draft, tmp_path / "shifted_draft"))
+    shift_d2t(draft / "model.safetensors")
+    target = Path(shutil.copytree(prepared["target"], tmp_path / "target"))
+    write_synthetic_run(tmp_path, "t", target=target, prepared=prepared["prepared"], draft=draft)
+    config = synthetic_run_config(tmp_path, target, train={"train_data_ratio": 0.75},
+                                  evaluate={"num_prompts": 4, "max_tokens": 16, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
+    proc = run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
+                        extra=["--rerun-triggers=mtime"], check=False, timeout=900)  # fmt: skip
+    assert proc.returncode != 0
+    assert not (tmp_path / "results/t/eval/acceptance.json").exists()
+    log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
+    assert "train/serve consistency FAILED" in log, log[-4000:]
+    assert "a regenerated or misaligned d2t/t2d vocabulary mapping" in log
+    failed = load(AcceptanceReport, tmp_path / "results/t/eval/work/acceptance_failed.json")
+    assert failed.lossless  # the shifted draft is still verified: only the consistency gate can see it
+    consistency = failed.consistency
+    assert consistency is not None and consistency.verdict == "failed"
+    assert consistency.predicted == [0.4, 0.18]
+    assert consistency.served[0] < 0.25 * 0.4
+    assert consistency.num_drafts >= 20
+    print(consistency.model_dump_json(indent=1), file=sys.stderr)
+
+
 def _ngram_measurement(prepared, tiny_tokenizer, work_dir):
     """No speculation and vLLM's n-gram proposer (prompt lookup: real acceptances on the tiny target's repetitive
     greedy text, where an untrained EAGLE-3 draft accepts nothing) in one measurement process, as the stage runs

@@ -1,7 +1,7 @@
 """The published Kimi-K2.5 preset (config/presets/kimi-k2.5-int4.yaml) through check_api on CPU, on the INT4 stand-in
 at the real depth (61 layers, so the preset's ids [2, 30, 58, 61] = [2, N//2, N-3, N] hold on it): every row passes,
 the full-depth and canary reference rows name the compressed-tensors scheme they read. Only target.path and the data
-change, as a user's paths file changes them. The layout itself: tests/unit/test_kimi_stand_in.py; the stand-in through
+change, as a user's paths file changes them. The layout itself: tests/unit/test_kimi_layout.py; the stand-in through
 every gate at TP 2: tests/e2e/test_kimi.py.
 """
 

@@ -2,7 +2,7 @@
 DeepSeek-V3-style MoE in Kimi's wrapper): a TP worker (rank 1) that dies at its first real forward with an exception
 whose message is empty fails the stage within seconds, the log naming the exception's type, the frame that raised it
 and the worker. The pure parts (the core binding and its refusals, the one-line exception summary):
-tests/unit/test_tensor_parallel.py. That a TP 2 capture is right: tests/e2e/test_kimi.py runs the canary, extraction
+tests/unit/test_tp_binding.py. That a TP 2 capture is right: tests/e2e/test_kimi.py runs the canary, extraction
 and the full-depth proof at TP 2 against the fp32 reference (two bf16 captures compared with each other would flip
 near-tied expert routings on both sides, with no reference to tell which tokens are ambiguous).
 

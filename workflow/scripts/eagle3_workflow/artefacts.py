@@ -535,8 +535,24 @@ class MeasurementProcess(Artefact):
     load_1m: float  # host load average when it ended (CPU timings on a shared host are noisy)
 
 
+class TrainServeConsistency(Artefact):
+    """acceptance.json's `consistency`: the trained draft's served per-position acceptance against what its own
+    final validation accuracy (speculators' full_acc_k, draft/training.json) predicts; the rule is
+    eagle3_workflow.evaluation.consistency's."""
+
+    predicted: list[float]  # final_val_full_acc per TTT step (empty: no training.json)
+    served: list[float]  # per_position_acceptance of the trained draft
+    ratio: list[float | None]  # served / predicted per position (None where predicted is 0)
+    min_ratio: float  # evaluate.consistency_min_ratio
+    min_predicted: float  # evaluate.consistency_min_predicted
+    num_drafts: int
+    verdict: Literal["passed", "failed", "not judged"]
+    reason: str
+
+
 class AcceptanceReport(Artefact):
-    """eval/acceptance.json. Written only when every speculative run was lossless."""
+    """eval/acceptance.json. Written only when every speculative run was lossless and its served acceptance is
+    consistent with its validation accuracy (`consistency`)."""
 
     written_by: ClassVar[str] = "evaluate_draft"
 
@@ -566,6 +582,7 @@ class AcceptanceReport(Artefact):
     stop_strings: list[str] = Field(default_factory=list)
     no_speculation_throughput: list[Throughput] = Field(default_factory=list)
     logit_dtype: str = "bfloat16"
+    consistency: TrainServeConsistency | None = None  # None: written before the check existed
 
 
 # ---------------------------------------------------------------------------------------------------- provenance

@@ -121,7 +121,7 @@ def apply_cpu_patches() -> None:
     setattr(trainer.Trainer, _PATCHED_MARKER, True)
 
 
-def target_tokenizer(target_model_path: str, *, trust_remote_code: bool = False) -> Any:
+def target_tokenizer(target_model_path: str, *, trust_remote_code: bool) -> Any:
     """What speculators' trainer reads of the target's processor, its tokenizer, without an image processor
     (speculators.data_generation.preprocessing.load_processor's pad-token rule kept)."""
     from transformers import AutoTokenizer

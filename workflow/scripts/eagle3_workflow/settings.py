@@ -297,6 +297,8 @@ class EvaluationSettings(View):
     timing_prompts: int
     lossless_numerics: Literal["auto", "batch_invariant", "production"]
     lossless_tie_steps: int
+    consistency_min_ratio: Number
+    consistency_min_predicted: Number
     timeout_s: Number
 
 

@@ -6,6 +6,8 @@ Which module owns what (pure modules import no vllm, torch or subprocess at modu
 - ``prompts``   the prompt sets (heldout, humaneval, file), rendered with the chat template to token ids (pure).
 - ``metrics``   acceptance from the spec-decode counters, one run's AcceptanceResult, the summary table (pure).
 - ``lossless``  the greedy comparison, its first divergences and the failure message with their table (pure).
+- ``consistency``  train/serve consistency: served per-position acceptance against what the draft's own validation
+  accuracy (speculators' full_acc_k) predicts, its verdict and failure message (pure).
 - ``baseline``  the untrained draft (torch, speculators).
 - ``protocol``  spec.json / result.json exchanged with the measurement process (artefacts.py models, pure).
 - ``launch``    the stage's side of a measurement process: engine kwargs, environment, its runtime.worker Job.
@@ -24,6 +26,10 @@ Lossless check. The first token where a speculative run differs from the referen
 the stage unless the reference's logprob of the token it chose exceeds that of the speculative run's token by at
 most ``evaluate.lossless_logprob_tolerance`` (default 0: only exact ties pass). Batched bf16 on GPU can flip
 near-ties; the artefact records the gap of every mismatch so a person can judge.
+
+Train/serve consistency. The trained draft's served position-0 acceptance must be at least
+``evaluate.consistency_min_ratio`` x its final validation full_acc_0 (draft/training.json); the derivation and
+the numbers of real runs are in ``consistency``. A collapse fails the stage with the likely causes.
 
 This file imports nothing: ``python -m eagle3_workflow.evaluation.measure`` imports the package first, and the
 measurement process should load only what it runs.

@@ -29,8 +29,11 @@ def measurement_engine_kwargs(
     tensor_parallel_size: int,
     in_process: bool,
 ) -> dict[str, Any]:
-    """The offline engine of every measurement (speculation is added per run)."""
-    kwargs = offline_engine_kwargs(vllm_settings, model=target, dtype=dtype, trust_remote_code=trust_remote_code,
+    """The offline engine of every measurement (speculation is added per run). A local target is named by its
+    absolute path: the spec must mean the same from any working directory (vLLM reads a relative path that does
+    not exist there as a hub repo id)."""
+    model = str(Path(target).resolve()) if Path(target).exists() else target
+    kwargs = offline_engine_kwargs(vllm_settings, model=model, dtype=dtype, trust_remote_code=trust_remote_code,
                                    seed=seed, tensor_parallel_size=tensor_parallel_size, device=device)  # fmt: skip
     kwargs["disable_log_stats"] = False  # vllm.LLM turns stats off by default, and with them get_metrics()
     kwargs["enable_prefix_caching"] = False  # every engine does the same work on the same prompts

@@ -36,12 +36,15 @@ class MeasurementRun(Artefact):
 
 
 def eagle3_run(label: str, draft: Path, num_speculative_tokens: int) -> MeasurementRun:
+    """The run of an EAGLE-3 draft, named by its absolute path."""
     config = {"method": "eagle3", "model": str(Path(draft).resolve()), "num_speculative_tokens": num_speculative_tokens}
     return MeasurementRun(label=label, speculative_config=config)
 
 
 class MeasurementSpec(Artefact):
-    """<work_dir>/measure_<i>.spec.json: what one measurement process runs."""
+    """<work_dir>/measure_<i>.spec.json: what one measurement process runs. Every path in it is absolute (the
+    builders resolve them: measurement_engine_kwargs, eagle3_run, stage.keyed_run), so the spec means the same
+    from any working directory."""
 
     written_by: ClassVar[str] = "evaluate_draft"
 

@@ -27,12 +27,15 @@ from eagle3_workflow.artefacts import (
     LosslessMismatch,
     MeasurementProcess,
     Throughput,
+    TrainingSummary,
+    TrainServeConsistency,
     load,
     write,
 )
 from eagle3_workflow.chat import StopSet, assistant_stop_set, load_chat_tokenizer
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
+from eagle3_workflow.evaluation.consistency import consistency_failure, consistency_table, judge_consistency
 from eagle3_workflow.evaluation.launch import (
     measurement_engine_kwargs,
     measurement_environment,
@@ -94,6 +97,10 @@ def evaluate_draft(
 
     settings, vllm_settings = stage.evaluate, stage.vllm
     dtype, trust_remote_code = stage.target.dtype, stage.target.trust_remote_code
+    # every path that goes into a measurement spec absolute: the process (or a person rerunning its spec, as
+    # bench/gpu/lossless_fault.py does) may run from another directory, where vLLM reads a relative model path
+    # as a hub repo id
+    target, draft, prepared, work_dir = (Path(p).resolve() for p in (target, draft, prepared, work_dir))
     check_eagle3_draft(draft)
     device = resolve_device(vllm_settings.device)
     numerics = lossless_numerics(settings.lossless_numerics, device)
@@ -125,12 +132,32 @@ def evaluate_draft(
     results = draft_results(measured, verdict, {"trained": draft, "untrained": untrained.path}, k)
     notes = prompt_set.notes + report_notes(results, verdict, measured, evaluation)
     report = build_report(results, verdict, measured, evaluation, untrained_baseline=untrained.description, notes=notes)
+    consistency = train_serve_consistency(draft, results["trained"], settings)
+    report = report.model_copy(update={"consistency": consistency})
     log.info("\n%s", summary_table(report))
+    log.info(
+        "train/serve consistency %s: %s\n%s", consistency.verdict, consistency.reason, consistency_table(consistency)
+    )
     if not report.lossless:
         write(work_dir / "acceptance_failed.json", report)
         raise StageError(lossless_failure(verdict.mismatches, verdict.non_argmax, num_prompts=len(prompt_set.prompts),
                                           tie_steps=settings.lossless_tie_steps, numerics=numerics))  # fmt: skip
+    if consistency.verdict == "failed":
+        write(work_dir / "acceptance_failed.json", report)
+        raise StageError(consistency_failure(consistency, draft=str(draft)))
     return report
+
+
+def train_serve_consistency(
+    draft: Path, trained: AcceptanceResult, settings: EvaluationSettings
+) -> TrainServeConsistency:
+    """The trained draft's served acceptance against its own validation accuracy (draft/training.json, which
+    train_draft writes beside the weights; a draft without one is recorded as not judged)."""
+    summary_path = draft / "training.json"
+    predicted = load(TrainingSummary, summary_path).final_val_full_acc if summary_path.is_file() else None
+    return judge_consistency(predicted, trained.per_position_acceptance, num_drafts=trained.num_drafts,
+                             min_ratio=settings.consistency_min_ratio,
+                             min_predicted=settings.consistency_min_predicted)  # fmt: skip
 
 
 def lossless_numerics(setting: str, device: str) -> str:
@@ -270,7 +297,7 @@ def keyed_run(
     }
     text = json.dumps(content, sort_keys=True, default=str, indent=1)
     key = hashlib.sha256(text.encode()).hexdigest()
-    result_path = work_dir / "runs" / f"{run.label}.{role}.json"
+    result_path = work_dir.resolve() / "runs" / f"{run.label}.{role}.json"
     explain_changed_key(result_path.with_suffix(".key.json"), json.loads(text))
     return run.model_copy(update={"key": key, "result_path": str(result_path)})
 

@@ -55,8 +55,9 @@ def run_subprocess(
     """Run the regeneration in the worker ``python -m eagle3_workflow.regenerate.generate``, every output line into
     `logger`; the conversations go to `output`, the stats (the worker's result) to `stats_path`. Its spec stays
     beside the conversations (``.regenerated.spec.json``): with the command in the log, a failure can be rerun."""
-    spec = RegenerationSpec(target=str(target), prompt_files=[str(p) for p in prompt_files], output=str(output),
-                            settings=settings)  # fmt: skip
+    # absolute paths: the spec means the same from any working directory (a person rerunning it by hand)
+    spec = RegenerationSpec(target=str(Path(target).resolve()), prompt_files=[str(Path(p).resolve()) for p in prompt_files],
+                            output=str(Path(output).resolve()), settings=settings)  # fmt: skip
     job = Job(
         name="the regeneration subprocess",
         env=subprocess_env(settings),
