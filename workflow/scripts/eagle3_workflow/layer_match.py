@@ -104,18 +104,6 @@ def token_errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, fl
     return per_token, float(diff.mean() / ref.abs().mean().clamp_min(1e-12))
 
 
-def compare_layers(
-    extracted: torch.Tensor, reference: torch.Tensor, layer_ids: list[int]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Per id against its own reference: max error / max |ref|, mean error / mean |ref|."""
-    max_rel, mean_rel = {}, {}
-    for j, layer_id in enumerate(layer_ids):
-        per_token, mean = token_errors(extracted[:, j], reference[:, j])
-        max_rel[str(layer_id)] = float(per_token.max())
-        mean_rel[str(layer_id)] = mean
-    return max_rel, mean_rel
-
-
 # ------------------------------------------------------------------------------------------------ MoE routing
 
 
