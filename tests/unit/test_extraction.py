@@ -217,6 +217,7 @@ def test_server_command_binds_loopback_and_keeps_the_key_off_argv():
     assert "--trust-remote-code" not in cmd
     assert not any("api-key" in part or "api_key" in part for part in cmd)
     assert "--distributed-executor-backend" not in cmd, "a GPU server keeps vLLM's worker per device"
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_environment(spec, "key")
 
 
@@ -226,6 +227,7 @@ def test_a_cpu_server_runs_its_model_in_the_engine_core_process():
     spec = target_server_spec(tiny_settings(ServingStage), model="/models/t", device="cpu")
     cmd = build_server_command(spec, port=12345, python="python")
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    assert cmd[1:3] == ["-m", "eagle3_workflow.cpu_vllm_server"], "its EngineCore is forked, not spawned"
     env = server_environment(spec, "key")
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_API_KEY"] == "key"
 

@@ -529,10 +529,14 @@ class MeasurementProcess(Artefact):
     """One process that started vLLM engines for the evaluation (CPU: one for all; GPU: one per engine)."""
 
     runs: list[str]
-    wall_s: float  # the whole process: vLLM import, engine starts, generation, teardown
+    wall_s: float  # the whole process: vLLM import, engine starts, generation, teardown, waits for the lock
     vllm_import_s: float
     engine_start_s: dict[str, float]
     load_1m: float  # host load average when it ended (CPU timings on a shared host are noisy)
+    # processes that ran at once (evaluate.concurrent_processes): seconds this one waited for the evaluation's lock,
+    # "shared" (for another's timing pass to end) and "exclusive" (its timing pass, for the others' imports, engine
+    # starts, lossless and timing passes to end); empty when the processes ran one after another
+    lock_wait_s: dict[str, float] = Field(default_factory=dict)
 
 
 class TrainServeConsistency(Artefact):

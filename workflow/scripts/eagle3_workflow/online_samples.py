@@ -22,7 +22,6 @@ not):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -35,71 +34,15 @@ import speculators.train.data as data
 from speculators.train.recovery import SampleUnavailable
 
 from eagle3_workflow.hidden_states import check_sample
+from eagle3_workflow.online_spec import (  # noqa: F401 - re-exported: the trainer's side reads them here
+    API_KEY_ENV,
+    OnlineSampleFailure,
+    OnlineSpec,
+    failed_rows,
+    record_failure,
+    samples_checked,
+)
 from eagle3_workflow.trainer_entry import ONLINE_SPEC_ENV as SPEC_ENV
-
-API_KEY_ENV = "EAGLE3_VLLM_API_KEY"
-
-
-class OnlineSampleFailure(RuntimeError):
-    """More samples failed than train.online.max_failed_samples allows."""
-
-
-@dataclasses.dataclass(frozen=True)
-class OnlineSpec:
-    """What the trainer's dataset checks and where it records (JSON in EAGLE3_ONLINE_SPEC)."""
-
-    layer_count: int
-    hidden_size: int
-    dtype: str
-    failures_path: str
-    counts_dir: str
-    max_failed_samples: int
-
-    def to_env(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_env(cls, text: str) -> OnlineSpec:
-        return cls(**json.loads(text))
-
-
-def failed_rows(failures_path: Path) -> dict[int, str]:
-    """row -> its last recorded reason, from the failures file (absent: none)."""
-    rows: dict[int, str] = {}
-    if failures_path.exists():
-        for line in failures_path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                record = json.loads(line)
-                rows[int(record["row"])] = str(record["reason"])
-    return rows
-
-
-def record_failure(spec: OnlineSpec, row: int, reason: str) -> None:
-    """Append the failed sample; raise OnlineSampleFailure when the distinct failed rows exceed the limit."""
-    path = Path(spec.failures_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"row": row, "reason": reason, "pid": os.getpid()}) + "\n")
-    rows = failed_rows(path)
-    if len(rows) > spec.max_failed_samples:
-        listed = "; ".join(f"row {r}: {why[:300]}" for r, why in sorted(rows.items())[:5])
-        raise OnlineSampleFailure(
-            f"online hidden-state generation failed for {len(rows)} sample(s) after all retries, more than "
-            f"train.online.max_failed_samples={spec.max_failed_samples}: {listed}. Every failure is in {path}. "
-            "The vLLM server's log (train_draft's log, lines [vllm]) says why a request failed; a check that "
-            "failed (shape, dtype, token ids, values) means the server captured something else than the "
-            "canary proved. Raise train.online.max_failed_samples to train without these samples."
-        )
-
-
-def samples_checked(counts_dir: Path) -> tuple[int, int]:
-    """(samples, tokens) checked by every trainer process so far."""
-    samples = tokens = 0
-    for path in sorted(counts_dir.glob("checked-*.json")) if counts_dir.is_dir() else []:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            counts = json.loads(path.read_text(encoding="utf-8"))
-            samples, tokens = samples + int(counts["samples"]), tokens + int(counts["tokens"])
-    return samples, tokens
 
 
 class _Counter:

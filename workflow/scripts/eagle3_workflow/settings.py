@@ -292,6 +292,8 @@ class EvaluationSettings(View):
     tensor_parallel_size: int
     seed: int
     isolate_runs: bool | None
+    concurrent_processes: bool | None
+    kv_cache_memory_bytes: int | None
     timing_repeats: int
     timing_concurrency: tuple[int, ...]
     timing_prompts: int

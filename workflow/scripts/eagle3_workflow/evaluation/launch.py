@@ -1,21 +1,27 @@
 """The stage's side of a measurement process: the offline engine's keyword arguments, the child's environment,
 and one ``python -m eagle3_workflow.evaluation.measure --spec spec.json --result result.json`` run as a
-runtime.worker. vLLM never runs in the stage process: ``vllm.LLM`` spawns processes that re-import
-``__main__``, and under Snakemake's script directive ``__main__`` is the stage script."""
+runtime.worker (several at once: run_measurement_processes). vLLM never runs in the stage process: ``vllm.LLM``
+spawns processes that re-import ``__main__``, and under Snakemake's script directive ``__main__`` is the stage
+script."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.evaluation.protocol import LOG_PREFIX, MeasurementResult, MeasurementSpec
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.evaluation.protocol import MeasurementResult, MeasurementSpec
 from eagle3_workflow.settings import VllmSettings
 from eagle3_workflow.vllm_server import offline_engine_kwargs
 
 log = logging.getLogger("eagle3.evaluation")
 
 TAIL_LINES = 60
+STOP_WAIT_S = 60.0  # how long the stage waits for the threads of stopped processes (SIGTERM, grace, kill: ~10 s)
 
 
 def measurement_engine_kwargs(
@@ -62,12 +68,14 @@ def run_measurement_process(
     log_path: str | Path | None,
     timeout_s: float,
     stall_timeout_s: float | None = None,
+    check: Callable[[], None] | None = None,
 ) -> tuple[MeasurementResult, float]:
     """Run one measurement process (<work_dir>/<name>.spec.json in, <name>.result.json back); its output goes into
-    the log. Returns the result and the wall time.
+    the log after the spec's log prefix. Returns the result and the wall time.
 
     The process is stopped if it runs past `timeout_s`, or if requests are in flight and none finishes for
-    `stall_timeout_s` (or longer, when the observed pace is slower: runtime.worker.Watch)."""
+    `stall_timeout_s` (or longer, when the observed pace is slower: runtime.worker.Watch), or when `check` raises
+    (what it raised is raised)."""
     from eagle3_workflow.runtime.worker import Job, Watch, WorkerFiles, run_worker
 
     labels = ", ".join(r.label for r in spec.runs)
@@ -76,10 +84,92 @@ def run_measurement_process(
         env=env,
         watch=Watch(timeout_s=timeout_s, timeout_setting="evaluate.timeout_s", stall_timeout_s=stall_timeout_s),
         log_path=log_path,
-        prefix=LOG_PREFIX,
+        prefix=spec.log_prefix,
         tail_lines=TAIL_LINES,
+        check=check,
     )
     files = WorkerFiles.in_folder(work_dir, name)
     finished = run_worker("eagle3_workflow.evaluation.measure", spec, MeasurementResult, files=files, job=job)
     log.info("measurement process %s done in %.1f s", name, finished.wall_s)
     return finished.result, finished.wall_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One of the measurement processes that run at once: its spec, name (<name>.spec.json) and environment."""
+
+    spec: MeasurementSpec
+    name: str
+    env: dict[str, str]
+
+
+class StoppedForAnother(StageError):
+    """A measurement process stopped because another one failed (or the stage is being stopped)."""
+
+
+def run_measurement_processes(
+    launches: list[Launch],
+    work_dir: Path,
+    *,
+    log_path: str | Path | None,
+    timeout_s: float,
+    stall_timeout_s: float | None = None,
+) -> list[tuple[MeasurementResult, float]]:
+    """Run the processes all at once, each started and watched by a thread of its own (run_measurement_process:
+    its time limit and stall watch as when it runs alone). Returns each one's result and wall time, in order.
+
+    The first process to fail stops the others (SIGTERM, a short grace, then their trees killed), and its failure is
+    raised, naming the processes it stopped; what a stopped one had measured is already in its runs' result files.
+    A stop of the stage itself (SIGTERM: StageStopped in this thread) stops them all, then is raised."""
+    stop = threading.Event()
+    finished: dict[int, tuple[MeasurementResult, float]] = {}
+    failures: list[tuple[int, BaseException]] = []  # in the order they happened
+    guard = threading.Lock()
+
+    def stop_if_another_failed() -> None:
+        if stop.is_set():
+            raise StoppedForAnother("stopped: another measurement process failed, or the stage is being stopped")
+
+    def run(index: int, launch: Launch) -> None:
+        try:
+            finished[index] = run_measurement_process(launch.spec, work_dir, launch.name, env=launch.env,
+                                                      log_path=log_path, timeout_s=timeout_s,
+                                                      stall_timeout_s=stall_timeout_s,
+                                                      check=stop_if_another_failed)  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - raised by the stage's thread below
+            with guard:
+                failures.append((index, exc))
+            stop.set()
+
+    threads = [threading.Thread(target=run, args=(i, launch), name=f"measure-{launch.name}", daemon=True)
+               for i, launch in enumerate(launches)]  # fmt: skip
+    log.info("%d measurement processes at once: %s", len(launches), ", ".join(launch.name for launch in launches))
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(timeout=0.5)
+    except BaseException:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=STOP_WAIT_S)
+        raise
+    if failures:
+        raise first_failure(failures, [launch.name for launch in launches])
+    return [finished[i] for i in range(len(launches))]
+
+
+def first_failure(failures: list[tuple[int, BaseException]], names: list[str]) -> BaseException:
+    """The failure to raise: the first that did not come from being stopped, with the names of those it stopped
+    (their own failures are only that they were stopped)."""
+    cause_index, cause = next(((i, e) for i, e in failures if not isinstance(e, StoppedForAnother)), failures[0])
+    stopped = [
+        names[i] for i, e in sorted(failures, key=lambda failure: failure[0]) if isinstance(e, StoppedForAnother)
+    ]
+    if not stopped or not isinstance(cause, StageError):
+        return cause
+    error = StageError(f"{cause}\n(the measurement processes ran at once: {', '.join(stopped)} stopped because "
+                       f"{names[cause_index]} failed)")  # fmt: skip
+    error.__cause__ = cause
+    return error

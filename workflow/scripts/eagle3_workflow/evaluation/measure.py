@@ -7,15 +7,21 @@ so the stage process never does.
 
 Greedy decoding (temperature 0). The lossless pass asks for the top-5 raw logits of every generated token
 (``logprobs_mode="raw_logits"`` among the engine's kwargs): the check compares tokens, and judges any divergence
-by the logits of both runs. The timing passes ask for no logprobs, as a user serving the draft would not."""
+by the logits of both runs. The timing passes ask for no logprobs, as a user serving the draft would not.
+
+Processes that run at once (``evaluate.concurrent_processes``) share one lock file (``MeasurementSpec.lock_path``,
+a Gate): each holds it shared while it imports vLLM, starts an engine, warms it up and runs a lossless pass, and
+exclusive for a timing pass, so tokens/s are measured while no other process compiles, captures graphs or
+generates. Without a lock path every Gate call is a no-op: the process runs as it did alone."""
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import gc
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 from eagle3_workflow.artefacts import write
 from eagle3_workflow.evaluation.protocol import (
@@ -28,6 +34,51 @@ from eagle3_workflow.evaluation.protocol import (
 )
 
 WARMUP_TOKENS = 4
+
+LockMode = Literal["shared", "exclusive"]
+# what each phase of a measurement process holds the lock as: a timing pass (its warm-up and measured passes)
+# alone, everything else beside the others' imports, starts and lossless passes
+LOCK_MODES: dict[str, LockMode] = {
+    "import": "shared",
+    "engine_start": "shared",
+    "lossless": "shared",
+    "timing": "exclusive",
+}
+
+
+class Gate:
+    """The lock file that processes measuring at once share (fcntl.flock; the kernel drops it when the process ends,
+    however it ends). `hold(phase)` takes it in that phase's mode (LOCK_MODES), releasing the other mode first, so a
+    process that waits for the lock holds none of it: two processes that each kept their shared lock while asking
+    for the exclusive one would wait for each other. The lock is never given back between phases of the same mode,
+    nor at the end: the process's teardown (engine shutdown, CUDA context) keeps whatever it holds. `waited_s` sums
+    the seconds spent waiting for each mode. No path: no lock, every call a no-op."""
+
+    def __init__(self, path: str | None, prefix: str = LOG_PREFIX):
+        self.path, self.prefix = path, prefix
+        self.mode: LockMode | None = None
+        self.waited_s: dict[str, float] = {}
+        self._fd: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.path is not None
+
+    def hold(self, phase: str) -> None:
+        mode = LOCK_MODES[phase]
+        if self.path is None or self.mode == mode:
+            return
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if self.mode is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self.mode = None
+        started = time.perf_counter()
+        fcntl.flock(self._fd, fcntl.LOCK_SH if mode == "shared" else fcntl.LOCK_EX)
+        waited = time.perf_counter() - started
+        self.mode = mode
+        self.waited_s[mode] = round(self.waited_s.get(mode, 0.0) + waited, 3)
+        print(f"{self.prefix}lock {mode} for {phase} after {waited:.1f} s", flush=True)
 
 
 def _spec_metrics(llm: Any) -> list[dict[str, Any]]:
@@ -64,6 +115,8 @@ def measured_sampling(spec: MeasurementSpec) -> dict[str, Any]:
 
 def measure(spec: MeasurementSpec) -> MeasurementResult:
     """Start each engine in turn, warm it up, run its lossless and timing passes, read its counters."""
+    gate = Gate(spec.lock_path, spec.log_prefix)
+    gate.hold("import")
     use_kernels(batch_invariant=spec.batch_invariant)
     started = time.perf_counter()
     import vllm
@@ -72,9 +125,10 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
 
     import_s = time.perf_counter() - started
     progress_bar = engine_progress_bar()  # one marker per finished request: the parent's stall watch
-    print(f"{LOG_PREFIX}vllm {vllm.__version__} imported in {import_s:.1f} s ({numerics()} kernels)", flush=True)
-    results = [measure_run(spec, run, progress_bar) for run in spec.runs]
-    return MeasurementResult(vllm_version=vllm.__version__, import_s=import_s, runs=results)
+    print(f"{spec.log_prefix}vllm {vllm.__version__} imported in {import_s:.1f} s ({numerics()} kernels)", flush=True)
+    results = [measure_run(spec, run, progress_bar, gate) for run in spec.runs]
+    return MeasurementResult(vllm_version=vllm.__version__, import_s=import_s, runs=results,
+                             lock_wait_s=dict(gate.waited_s))  # fmt: skip
 
 
 def use_kernels(*, batch_invariant: bool) -> None:
@@ -91,18 +145,22 @@ def numerics() -> str:
     return "batch_invariant" if os.environ.get("VLLM_BATCH_INVARIANT") == "1" else "production"
 
 
-def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any) -> RunResult:
+def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, gate: Gate | None = None) -> RunResult:
     """One engine: start it, warm it up (excluded), run its passes; shut it down even on failure. The result is
-    written to run.result_path at once, so a cut later in this process loses nothing measured."""
+    written to run.result_path at once, so a cut later in this process loses nothing measured. With an active
+    gate the timing passes wait for the lock alone and warm the engine up again once they hold it."""
     from vllm import LLM, SamplingParams
 
     from eagle3_workflow.runtime.worker import report_busy, report_idle
 
+    gate = gate or Gate(None)
+    prefix = spec.log_prefix
     kwargs = dict(spec.engine) | dict(run.engine_overrides)
     if run.speculative_config:
         kwargs["speculative_config"] = dict(run.speculative_config)
-    report_idle()  # loading an engine is bounded by evaluate.timeout_s, not the stall watch
-    print(f"{LOG_PREFIX}{run.label}: starting the engine ({kwargs})", flush=True)
+    report_idle()  # loading an engine (or waiting for the lock) is bounded by evaluate.timeout_s, not the stall watch
+    gate.hold("engine_start")
+    print(f"{prefix}{run.label}: starting the engine ({kwargs})", flush=True)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - t0
@@ -110,20 +168,29 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any) -
     lossless = LosslessPass(outputs=[], generate_s=0.0, before=[], after=[])
     timings: list[ConcurrencyTiming] = []
     try:
+        warm_up = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS)
         report_busy()
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS), use_tqdm=progress_bar)
+        llm.generate(prompts[:1], warm_up, use_tqdm=progress_bar)
         if run.lossless_pass:
+            gate.hold("lossless")
             lossless = lossless_pass(llm, prompts, SamplingParams(**measured_sampling(spec)), progress_bar)
         if run.timing_pass:
+            if gate.active:
+                report_idle()  # waiting for the others' starts, lossless and timing passes is not a stall
+                gate.hold("timing")
+                report_busy()
+                # warmed up again once alone: the first measured pass finds the engine as the others will
+                llm.generate(prompts[:1], warm_up, use_tqdm=progress_bar)
             timed = prompts[: spec.timing_prompts or len(prompts)]
             sampling = SamplingParams(**(measured_sampling(spec) | {"logprobs": None}))
             timings = [timed_at_concurrency(llm, timed, sampling, concurrency=c, repeats=spec.timing_repeats,
-                                            progress_bar=progress_bar) for c in spec.timing_concurrency]  # fmt: skip
+                                            progress_bar=progress_bar, prefix=prefix)
+                       for c in spec.timing_concurrency]  # fmt: skip
     finally:
         _shutdown(llm)
         del llm
         _release_engine()
-    result = run_result(run, lossless, engine_start_s=engine_start_s, timings=timings)
+    result = run_result(run, lossless, engine_start_s=engine_start_s, timings=timings, prefix=prefix)
     if run.result_path:
         write(run.result_path, result)
     return result
@@ -158,7 +225,14 @@ def lossless_pass(llm: Any, prompts: list[dict[str, Any]], sampling: Any, progre
 
 
 def timed_at_concurrency(
-    llm: Any, prompts: list[dict[str, Any]], sampling: Any, *, concurrency: int, repeats: int, progress_bar: Any
+    llm: Any,
+    prompts: list[dict[str, Any]],
+    sampling: Any,
+    *,
+    concurrency: int,
+    repeats: int,
+    progress_bar: Any,
+    prefix: str = LOG_PREFIX,
 ) -> ConcurrencyTiming:
     """`repeats` passes over `prompts`, `concurrency` requests at a time; the drafts proposed in the first."""
     from eagle3_workflow.evaluation.metrics import counters_from_metrics
@@ -179,20 +253,25 @@ def timed_at_concurrency(
                 verify_steps = after.num_drafts - (before.num_drafts if before else 0)
     timing = ConcurrencyTiming(concurrency=concurrency, prompts=len(prompts), generated_tokens=generated,
                                seconds=min(passes), seconds_passes=passes, verify_steps=verify_steps)  # fmt: skip
-    print(f"{LOG_PREFIX}  concurrency {concurrency}: {generated} tokens in {timing.seconds:.2f} s "
+    print(f"{prefix}  concurrency {concurrency}: {generated} tokens in {timing.seconds:.2f} s "
           f"({timing.tokens_per_s:.1f} tokens/s)", flush=True)  # fmt: skip
     return timing
 
 
 def run_result(
-    run: MeasurementRun, lossless: LosslessPass, *, engine_start_s: float, timings: list[ConcurrencyTiming]
+    run: MeasurementRun,
+    lossless: LosslessPass,
+    *,
+    engine_start_s: float,
+    timings: list[ConcurrencyTiming],
+    prefix: str = LOG_PREFIX,
 ) -> RunResult:
     """The RunResult of one engine from vLLM's RequestOutputs; its summary line goes to the log."""
     completions = [request.outputs[0] for request in lossless.outputs]
     token_ids = [list(c.token_ids) for c in completions]
     generated_tokens = sum(len(ids) for ids in token_ids)
     print(
-        f"{LOG_PREFIX}{run.label}: engine start {engine_start_s:.1f} s, lossless pass {generated_tokens} tokens in "
+        f"{prefix}{run.label}: engine start {engine_start_s:.1f} s, lossless pass {generated_tokens} tokens in "
         f"{lossless.generate_s:.2f} s ({numerics()} kernels)",
         flush=True,
     )

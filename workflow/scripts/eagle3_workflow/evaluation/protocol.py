@@ -13,8 +13,16 @@ from pydantic import Field
 from eagle3_workflow.artefacts import Artefact
 
 TOP_LOGPROBS = 5
-LOG_PREFIX = "[eval-vllm] "
 NO_SPECULATION = "no_speculation"
+
+
+def log_prefix(process: str | None = None) -> str:
+    """What goes before a measurement process's lines in the stage's log: "[eval-vllm] ", or with the process's
+    name when several run at once ("[eval-vllm trained.timing] ")."""
+    return f"[eval-vllm {process}] " if process else "[eval-vllm] "
+
+
+LOG_PREFIX = log_prefix()
 
 
 class MeasurementRun(Artefact):
@@ -61,6 +69,12 @@ class MeasurementSpec(Artefact):
     # vLLM's batch-invariant kernels for the whole process: the process sets VLLM_BATCH_INVARIANT before it imports
     # vLLM (vLLM reads it when it starts an engine and cannot switch back)
     batch_invariant: bool = False
+    # processes measuring at once share this lock file (measure.Gate: shared to import, start and run lossless
+    # passes, exclusive to time); None: the process runs alone and takes no lock
+    lock_path: str | None = None
+    # before each line the process prints (and the parent before each of its other lines): processes running at
+    # once get one each, so their interleaved lines in the stage's log can be told apart
+    log_prefix: str = LOG_PREFIX
 
 
 class ConcurrencyTiming(Artefact):
@@ -107,3 +121,5 @@ class MeasurementResult(Artefact):
     vllm_version: str
     import_s: float
     runs: list[RunResult]
+    # seconds spent waiting for the shared lock file, per mode (shared, exclusive); empty without one
+    lock_wait_s: dict[str, float] = Field(default_factory=dict)

@@ -6,6 +6,11 @@ in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``): an engine t
 ~15-25 s with the engine-core and worker processes (measured on the tiny target, 2 cores), and the vLLM import
 (~6 s) is paid once. On GPU each engine gets its own process, so its memory is free before the next one starts;
 ``tensor_parallel_size > 1`` always uses vLLM's multiprocess engine.
+
+On CUDA with a fixed KV cache (``evaluate.concurrent_processes: null``, concurrent_processes()) those processes
+start all at once: their imports and engine starts (torch.compile, CUDA graphs: most of a 135M target's
+evaluation) overlap, and a lock file keeps each timing pass alone (measure.Gate). Each engine passes vLLM's
+start-up free-memory check beside the others with its share of the GPU (engine_memory()).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,19 +43,23 @@ from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.consistency import consistency_failure, consistency_table, judge_consistency
 from eagle3_workflow.evaluation.launch import (
+    Launch,
     measurement_engine_kwargs,
     measurement_environment,
     run_measurement_process,
+    run_measurement_processes,
 )
 from eagle3_workflow.evaluation.lossless import compare_greedy, lossless_failure, non_argmax_steps
 from eagle3_workflow.evaluation.metrics import acceptance_result, summary_table, throughput
 from eagle3_workflow.evaluation.prompts import PromptSet, load_prompts
 from eagle3_workflow.evaluation.protocol import (
+    LOG_PREFIX,
     NO_SPECULATION,
     MeasurementRun,
     MeasurementSpec,
     RunResult,
     eagle3_run,
+    log_prefix,
 )
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
 from eagle3_workflow.target_config import read_target_config
@@ -69,6 +79,7 @@ class Measured:
     timing: dict[str, RunResult]
     processes: list[MeasurementProcess]
     vllm_version: str = ""
+    concurrent: bool = False  # the processes ran at once, each timing pass under the exclusive lock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +92,7 @@ class Evaluation:
     prompt_set: PromptSet
     stop: StopSet
     work_dir: Path
+    concurrent: bool = False  # the measurement processes start at once (concurrent_processes)
 
 
 def evaluate_draft(
@@ -124,7 +136,13 @@ def evaluate_draft(
                            seed=settings.seed, device=device, tensor_parallel_size=settings.tensor_parallel_size,
                            in_process=settings.tensor_parallel_size == 1)  # fmt: skip
     plan = plan_measurements(labelled, settings=settings, vllm_settings=vllm_settings, device=device, numerics=numerics)
-    evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir)
+    concurrent = concurrent_processes(settings, vllm_settings, device) and len(plan) > 1
+    # the share of each engine comes from the plan, not from what a cut attempt left to measure: the engine's
+    # kwargs are part of each result's key
+    engine = engine_memory(engine, settings, vllm_settings, device=device, processes=len(plan) if concurrent else 1)
+    log.info("%d measurement process(es), %s", len(plan),
+             "all at once, each timing pass alone (lock file)" if concurrent else "one after another")  # fmt: skip
+    evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir, concurrent=concurrent)
     measured = measure_runs(plan, engine, evaluation, log_path=log_path)
     logit_dtype = resolved_dtype(dtype, target)
     verdict = lossless_verdict(measured.lossless, prompt_set, logit_dtype=logit_dtype, numerics=numerics,
@@ -222,6 +240,47 @@ def plan_measurements(
     ]
 
 
+def concurrent_processes(settings: EvaluationSettings, vllm_settings: VllmSettings, device: str) -> bool:
+    """Whether the measurement processes start all at once: evaluate.concurrent_processes, or (null) on CUDA with
+    one GPU per engine and a fixed KV cache. Without a fixed KV cache vLLM sizes it by profiling, and its profiling
+    fails ("Error in memory profiling") when another process frees GPU memory meanwhile, as a sibling that ends
+    does; tensor-parallel engines at once on the same GPUs were never tried. CPU: one process (plan_measurements)."""
+    if settings.concurrent_processes is not None:
+        return settings.concurrent_processes
+    fixed_kv = bool(settings.kv_cache_memory_bytes or vllm_settings.kv_cache_memory_bytes)
+    return device == "cuda" and settings.tensor_parallel_size == 1 and fixed_kv
+
+
+def engine_memory(
+    engine: dict[str, Any],
+    settings: EvaluationSettings,
+    vllm_settings: VllmSettings,
+    *,
+    device: str,
+    processes: int,
+) -> dict[str, Any]:
+    """The engine's kwargs with evaluation's own KV cache (evaluate.kv_cache_memory_bytes, else the vllm section's)
+    and, for `processes` > 1 engines at once on a GPU, each one's share of its memory.
+
+    vLLM refuses to start an engine unless the GPU's free memory is at least gpu_memory_utilization x its total,
+    even with a fixed KV cache (then the fraction is only that check: vLLM 0.26 took 0.92 when none was given, and
+    the third engine of one process failed it on the H200 with 122 of 140 GiB free). So N engines at once each get
+    vllm.gpu_memory_utilization / N: with the fraction u <= 1, an engine that starts after N-1 others, each holding
+    M bytes, passes when total - (N-1) x M >= u/N x total. Without a fixed KV cache M is u/N x total (vLLM fills its
+    share), so that always holds. SmolLM2-135M on one H200 (config/presets/smollm2-135m-gpu.yaml): u = 0.85, N = 6,
+    so each engine needs 0.1416 x 139.8 = 19.8 GiB free at its start, and holds M ~ 7 GiB (4 GiB KV cache, weights
+    0.3 GiB, activations, CUDA graphs, CUDA context): the last one to start finds >= 139.8 - 5 x 7 = 105 GiB free.
+    The 4 GiB cache holds the lossless pass's 164 prompts x ~700 tokens x 23 KB (30 layers x 3 KV heads x 64 x 2 x
+    bf16) = 2.6 GB at once; the timing passes hold at most 8 sequences."""
+    kwargs = dict(engine)
+    if settings.kv_cache_memory_bytes:
+        kwargs.pop("gpu_memory_utilization", None)
+        kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if device != "cpu" and processes > 1:
+        kwargs["gpu_memory_utilization"] = math.floor(vllm_settings.gpu_memory_utilization / processes * 1e4) / 1e4
+    return kwargs
+
+
 def check_eagle3_draft(draft: Path) -> None:
     model_type = load(DraftConfig, draft / "config.json").speculators_model_type
     if model_type != "eagle3":
@@ -234,7 +293,8 @@ def check_eagle3_draft(draft: Path) -> None:
 def measure_runs(
     plan: list[PlannedProcess], engine: dict[str, Any], evaluation: Evaluation, *, log_path: str | Path | None
 ) -> Measured:
-    """Run the planned processes. An engine whose result a cut run left in work_dir/runs with the same key
+    """Run the planned processes: one after another, or all at once (evaluation.concurrent) with a lock file that
+    keeps each timing pass alone. An engine whose result a cut run left in work_dir/runs with the same key
     (everything that decides its result) is reused, not measured again."""
     settings, vllm_settings, stop = evaluation.settings, evaluation.vllm_settings, evaluation.stop
     device, work_dir = evaluation.device, evaluation.work_dir
@@ -242,9 +302,11 @@ def measure_runs(
     spec_fields = dict(prompts=[p.token_ids for p in evaluation.prompt_set.prompts], max_tokens=settings.max_tokens,
                        timing_repeats=settings.timing_repeats, stop_token_ids=stop.token_ids, stop=stop.strings,
                        timing_concurrency=list(settings.timing_concurrency), timing_prompts=settings.timing_prompts)  # fmt: skip
+    fingerprints: dict[Path, dict[str, str]] = {}  # each model folder hashed once (a 135M target: ~0.5 s a time)
+    pending: list[tuple[int, PlannedProcess, list[MeasurementRun]]] = []
     for i, process in enumerate(plan):
-        keyed = [keyed_run(run, engine, spec_fields, batch_invariant=process.batch_invariant, work_dir=work_dir)
-                 for run in process.runs]  # fmt: skip
+        keyed = [keyed_run(run, engine, spec_fields, batch_invariant=process.batch_invariant, work_dir=work_dir,
+                           fingerprints=fingerprints) for run in process.runs]  # fmt: skip
         todo = []
         for run in keyed:
             earlier = reusable_result(run)
@@ -253,18 +315,32 @@ def measure_runs(
             else:
                 log.info("reusing %s (measured by an earlier attempt, same key %s)", run.result_path, run.key[:12])
                 record(measured, run, earlier)
-        if not todo:
-            continue
-        env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
-                                      in_process=settings.tensor_parallel_size == 1)  # fmt: skip
-        # TP > 1 on CPU: a worker per core list (refused, with the fix, when the CPUs cannot give one)
-        env |= cpu_engine_environment(device, settings.tensor_parallel_size, vllm_settings.cpu_threads)
-        spec = MeasurementSpec(engine=engine, runs=todo, batch_invariant=process.batch_invariant, **spec_fields)
-        result, wall_s = run_measurement_process(spec, work_dir, f"measure_{i}", env=env, log_path=log_path,
-                                                 timeout_s=settings.timeout_s,
-                                                 stall_timeout_s=vllm_settings.stall_timeout_s)  # fmt: skip
+        if todo:
+            pending.append((i, process, todo))
+    if not pending:
+        return measured
+    env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
+                                  in_process=settings.tensor_parallel_size == 1)  # fmt: skip
+    # TP > 1 on CPU: a worker per core list (refused, with the fix, when the CPUs cannot give one)
+    env |= cpu_engine_environment(device, settings.tensor_parallel_size, vllm_settings.cpu_threads)
+    together = evaluation.concurrent and len(pending) > 1
+    measured.concurrent = together
+    launches = []
+    for i, process, todo in pending:
+        spec = MeasurementSpec(engine=engine, runs=todo, batch_invariant=process.batch_invariant,
+                               lock_path=str(work_dir / "measure.lock") if together else None,
+                               log_prefix=process_log_prefix(todo, i) if together else LOG_PREFIX,
+                               **spec_fields)  # fmt: skip
+        launches.append(Launch(spec=spec, name=f"measure_{i}", env=env))
+    watch = dict(log_path=log_path, timeout_s=settings.timeout_s, stall_timeout_s=vllm_settings.stall_timeout_s)
+    if together:
+        finished = run_measurement_processes(launches, work_dir, **watch)
+    else:
+        finished = [run_measurement_process(launch.spec, work_dir, launch.name, env=launch.env, **watch)
+                    for launch in launches]  # fmt: skip
+    for launch, (result, wall_s) in zip(launches, finished, strict=True):
         measured.vllm_version = result.vllm_version
-        for run, run_result in zip(todo, result.runs, strict=True):
+        for run, run_result in zip(launch.spec.runs, result.runs, strict=True):
             record(measured, run, run_result)
         measured.processes.append(
             MeasurementProcess(
@@ -273,17 +349,36 @@ def measure_runs(
                 vllm_import_s=round(result.import_s, 2),
                 engine_start_s={r.label: round(r.engine_start_s, 2) for r in result.runs},
                 load_1m=round(os.getloadavg()[0], 2),
+                lock_wait_s={mode: round(s, 2) for mode, s in result.lock_wait_s.items()},
             )
         )
     return measured
 
 
+def run_role(run: MeasurementRun) -> str:
+    """What a run's engine does: lossless, timing or both (its result file is <label>.<role>.json)."""
+    return "lossless" if not run.timing_pass else "timing" if not run.lossless_pass else "both"
+
+
+def process_log_prefix(runs: list[MeasurementRun], index: int) -> str:
+    """The log prefix of a process that runs beside others: its engine (trained.timing), or its number."""
+    return log_prefix(f"{runs[0].label}.{run_role(runs[0])}" if len(runs) == 1 else f"measure_{index}")
+
+
 def keyed_run(
-    run: MeasurementRun, engine: dict[str, Any], spec_fields: dict[str, Any], *, batch_invariant: bool, work_dir: Path
+    run: MeasurementRun,
+    engine: dict[str, Any],
+    spec_fields: dict[str, Any],
+    *,
+    batch_invariant: bool,
+    work_dir: Path,
+    fingerprints: dict[Path, dict[str, str]] | None = None,
 ) -> MeasurementRun:
     """The run with its key (a hash of the engine, the passes, the prompts and the bytes of the models it loads)
-    and the file its result goes to."""
-    role = "lossless" if not run.timing_pass else "timing" if not run.lossless_pass else "both"
+    and the file its result goes to. `fingerprints` keeps each model folder's fingerprint for the next call (the
+    folders must not change meanwhile)."""
+    role = run_role(run)
+    fingerprints = {} if fingerprints is None else fingerprints
     models = [engine["model"]] + ([run.speculative_config["model"]] if run.speculative_config else [])
     content = {
         "engine": engine,
@@ -291,7 +386,7 @@ def keyed_run(
         # the prompts by digest: the key's parts are kept beside the result, and 164 prompts are ~250 KB
         "spec": spec_fields | {"prompts": hashlib.sha256(json.dumps(spec_fields.get("prompts")).encode()).hexdigest()},
         "batch_invariant": batch_invariant,
-        "models": {m: model_fingerprint(Path(m)) for m in models if Path(m).is_dir()},
+        "models": {m: known_fingerprint(Path(m), fingerprints) for m in models if Path(m).is_dir()},
         # vLLM's switches and the test fault plugins change results without changing a setting
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "EAGLE3_FAULT"))},
     }
@@ -332,6 +427,12 @@ def model_fingerprint(folder: Path) -> dict[str, str]:
         else:
             out[path.name] = f"{stat.st_size}:{stat.st_mtime_ns}"
     return out
+
+
+def known_fingerprint(folder: Path, known: dict[Path, dict[str, str]]) -> dict[str, str]:
+    if folder not in known:
+        known[folder] = model_fingerprint(folder)
+    return known[folder]
 
 
 def reusable_result(run: MeasurementRun) -> RunResult | None:
@@ -483,6 +584,12 @@ def report_notes(
             f"{results['trained'].mean_acceptance_length:.3f} vs {results['untrained'].mean_acceptance_length:.3f})"
         )
     notes += step_time_notes(results["trained"], throughput(measured.timing[NO_SPECULATION], None))
+    if measured.concurrent:
+        notes.append(
+            "the measurement processes ran at once; each timing pass (its warm-up and measured passes) held the "
+            "evaluation's lock alone, so no other process imported vLLM, started an engine or generated meanwhile "
+            "(each process's waits for the lock: processes[].lock_wait_s)"
+        )
     if device == "cpu":
         notes.append(
             "tokens/s measured on CPU (host load average "

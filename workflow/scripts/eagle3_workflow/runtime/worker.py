@@ -84,7 +84,9 @@ class Job:
     """One child as the stage sees it: its name in messages, environment, watch, and where its lines go.
 
     Each line goes into `log_path` after `prefix` (a line the child printed with the prefix itself gets it once)
-    and/or to `on_line`. `failure_hint` follows the failure message: what usually causes such a failure."""
+    and/or to `on_line`. `failure_hint` follows the failure message: what usually causes such a failure. `check` is
+    called twice a second while the child runs: what it raises stops the child (SIGTERM, a short grace, then its
+    tree killed) and is raised (a stage running several children at once stops the others when one fails)."""
 
     name: str
     env: dict[str, str] | None = None
@@ -94,6 +96,7 @@ class Job:
     on_line: Callable[[str], None] | None = None
     tail_lines: int = 60
     failure_hint: str = ""
+    check: Callable[[], None] | None = None
 
     def child(self, command: Sequence[str]) -> ChildProcess:
         prefix = self.prefix
@@ -109,6 +112,7 @@ class Job:
             timeout_hint=self.watch.timeout_hint(),
             progress=self.watch.progress(),
             tail_lines=self.tail_lines,
+            watch=self.check,
         )
 
     def failure(self, child: ChildProcess, headline: str) -> StageError:

@@ -23,7 +23,7 @@ from typing import Any
 
 from eagle3_workflow.artefacts import OnlineTrainingStats
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.online_samples import API_KEY_ENV, OnlineSpec, failed_rows, samples_checked
+from eagle3_workflow.online_spec import API_KEY_ENV, OnlineSpec, failed_rows, samples_checked
 from eagle3_workflow.runtime.child import PROGRESS_MARKER, ProgressWatch
 from eagle3_workflow.settings import OnlineTraining
 from eagle3_workflow.trainer_entry import ONLINE_SPEC_ENV
