@@ -46,6 +46,18 @@ else
 fi
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 "$venv/bin/python" -c 'import importlib.metadata, vllm, speculators, snakemake, torch; print("setup: torch", torch.__version__, "vllm", vllm.__version__, "speculators", importlib.metadata.version("speculators"))'
+# vLLM inspects each model class once per installed version, in a subprocess that imports vLLM again (~12 s
+# each on 2 cores), and caches the answer in ~/.cache/vllm/modelinfos: the tiny run's first server and its first
+# EAGLE-3 engine paid 24 s and 10 s of `make demo` for it (2026-12-02). Done here once, two at a time; a failure
+# only costs the first run that time again
+"$venv/bin/python" - <<'PYEOF' || echo "setup: vLLM's model-info cache not prepared (the first run pays it)"
+from concurrent.futures import ThreadPoolExecutor
+from vllm.model_executor.models.registry import ModelRegistry
+archs = ["LlamaForCausalLM", "ExtractHiddenStatesModel", "Eagle3LlamaForCausalLM"]
+with ThreadPoolExecutor(2) as pool:
+    found = list(pool.map(ModelRegistry._try_inspect_model_cls, archs))
+print("setup: vLLM model info cached for", ", ".join(a for a, info in zip(archs, found) if info is not None))
+PYEOF
 if [ ! -s "$lock" ]; then
   # first build on a new pin set: record the lock so every later build is identical
   { echo "# requirements-cpu.txt sha256: $req_hash"

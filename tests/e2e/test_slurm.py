@@ -116,9 +116,12 @@ def test_tiny_run_through_slurm_profile(slurm_cluster, tmp_path):
             "--slurm-no-account",
             "--slurm-status-command",
             "squeue",
-            # short jobs: poll soon (the cluster's MinJobAge >= 3 x 5 s keeps squeue reliable)
+            # short jobs: poll soon (the cluster's MinJobAge >= 3 x 1 s keeps squeue reliable). The plugin adds 10 s
+            # to its interval after each round in which no job finished (snakemake-executor-plugin-slurm's
+            # check_active_jobs): from 5 s a 60 s job was seen at 80 s, from 1 s at 64 s, and a slow day's 130 s
+            # job at 180 s against 156 s
             "--slurm-init-seconds-before-status-checks",
-            "5",
+            "1",
         ],
         env={**NO_SITE_SETTINGS, **slurm_cluster.env},
         timeout=2400,
