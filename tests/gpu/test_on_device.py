@@ -3,7 +3,7 @@ bench/gpu/install.sh puts in /tmp/site. Run there after `source /tmp/site/ENV.sh
 
     python3 -m pytest tests/gpu/test_on_device.py -m gpu
 
-Written after the 2026-11-29 lease ran out; it has not run on a GPU yet (docs/gpu.md, "What did not run").
+Written after the 2026-11-29 lease ran out; it has not run on a GPU yet (bench/gpu/results/2026-11-29-h200/README.md, "What did not run").
 """
 
 from __future__ import annotations
