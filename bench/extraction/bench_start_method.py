@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import eagle3_workflow.vllm_server as vllm_server  # noqa: E402
 from bench_extraction import validated_config  # noqa: E402
+
+import eagle3_workflow.vllm_server as vllm_server  # noqa: E402
 from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles  # noqa: E402

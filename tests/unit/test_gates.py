@@ -67,6 +67,16 @@ def test_check_api_catches_a_missing_connector_method(tiny_targets, arch, monkey
     assert "CPU connector internals" in failed
 
 
+def test_check_api_catches_a_moved_cpu_server_patch_point(tiny_targets, monkeypatch):
+    """The CPU server's launcher (its EngineCore forked) patches CpuPlatform.check_and_update_config: a vLLM where it
+    is no longer a classmethod of (cls, vllm_config) fails the gate, naming the row and the fix."""
+    from vllm.platforms import cpu
+
+    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", staticmethod(lambda config: None))
+    found = failed_rows(api_report(tiny_targets("llama")))["CPU server launcher patch points"]
+    assert "no classmethod" in found
+
+
 def test_check_api_catches_a_changed_signature(tiny_targets, monkeypatch):
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as module
 

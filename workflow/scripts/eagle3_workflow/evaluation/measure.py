@@ -270,11 +270,9 @@ def run_result(
     completions = [request.outputs[0] for request in lossless.outputs]
     token_ids = [list(c.token_ids) for c in completions]
     generated_tokens = sum(len(ids) for ids in token_ids)
-    print(
-        f"{prefix}{run.label}: engine start {engine_start_s:.1f} s, lossless pass {generated_tokens} tokens in "
-        f"{lossless.generate_s:.2f} s ({numerics()} kernels)",
-        flush=True,
-    )
+    passes = (f"lossless pass {generated_tokens} tokens in {lossless.generate_s:.2f} s" if run.lossless_pass
+              else f"timing passes at concurrency {', '.join(str(t.concurrency) for t in timings)}")  # fmt: skip
+    print(f"{prefix}{run.label}: engine start {engine_start_s:.1f} s, {passes} ({numerics()} kernels)", flush=True)
     return RunResult(
         label=run.label,
         key=run.key,
