@@ -140,11 +140,23 @@ def run_stage(
     except StageStopped as stop:
         log.warning("stage %s stopped by %s; %s", name, stop.signal_name, rerun_sentence(resumes))
         sys.exit(128 + stop.signum)
-    except StageError as exc:
+    except BaseException as exc:  # noqa: BLE001 - after a stop signal any failure is the teardown's consequence
+        if not _received:
+            _report_failure(log, name, exc)
+        # a stop signal arrived, then the body failed (a server stopped for the stop left a half-written file that
+        # the client read first): the job was stopped, the rerun resumes; the failure is said, not raised as one
+        stop = StageStopped(_received[0])
+        log.warning("stage %s stopped by %s; %s (the body then ended with %r, a consequence of the stop)",
+                    name, stop.signal_name, rerun_sentence(resumes), exc)  # fmt: skip
+        sys.exit(128 + stop.signum)
+    log.info("stage %s: done", name)
+
+
+def _report_failure(log: logging.Logger, name: str, exc: BaseException) -> None:
+    """The failure's one report and exit 1: a StageError by its message, anything else with its traceback."""
+    if isinstance(exc, StageError):
         log.error("stage %s FAILED:\n%s", name, exc)
         log.debug("%s", describe_exception(exc))
         sys.exit(1)
-    except BaseException as exc:  # noqa: BLE001 - the point is to report anything, loudly
-        log.error("stage %s FAILED with an unexpected error:\n%s", name, describe_exception(exc))
-        sys.exit(1)
-    log.info("stage %s: done", name)
+    log.error("stage %s FAILED with an unexpected error:\n%s", name, describe_exception(exc))
+    sys.exit(1)
