@@ -37,6 +37,14 @@ from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: 
 from eagle3_workflow.vllm_server import ServerSpec, VLLMServer, hidden_states_server_spec  # noqa: E402
 
 
+def finished_run(preset: Path) -> tuple[dict, ApiCompatReport, str, Path]:
+    """The preset's validated config, its run's check_api report, target and prepared data (the run must exist)."""
+    config = validated_config(preset)
+    run_dir = REPO / "results" / config["run"]
+    api = load(ApiCompatReport, run_dir / "checks" / "api_compat.json")
+    return config, api, config["target"]["path"] or str(run_dir / "target"), run_dir / "data" / "prepared"
+
+
 def validated_config(path: Path) -> dict:
     from snakemake.utils import validate
 
@@ -72,11 +80,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--samples", type=int, default=None, help="use the first N prepared samples")
     args = parser.parse_args()
-    config = validated_config(args.preset)
-    run_dir = REPO / "results" / config["run"]
-    api = load(ApiCompatReport, run_dir / "checks" / "api_compat.json")
-    target = config["target"]["path"] or str(run_dir / "target")
-    prepared = run_dir / "data" / "prepared"
+    config, api, target, prepared = finished_run(args.preset)
     all_ids = read_input_ids(prepared)
     count = min(args.samples or len(all_ids), len(all_ids))
     prompts = all_ids[:count]

@@ -25,10 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_extraction import validated_config  # noqa: E402
+from bench_extraction import finished_run  # noqa: E402
 
 import eagle3_workflow.vllm_server as vllm_server  # noqa: E402
-from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles  # noqa: E402
 from eagle3_workflow.prepared import open_prepared  # noqa: E402
@@ -55,11 +54,7 @@ def main() -> None:
     parser.add_argument("preset", type=Path)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    config = validated_config(args.preset)
-    run_dir = REPO / "results" / config["run"]
-    api = load(ApiCompatReport, run_dir / "checks" / "api_compat.json")
-    target = config["target"]["path"] or str(run_dir / "target")
-    prepared = run_dir / "data" / "prepared"
+    config, api, target, prepared = finished_run(args.preset)
     stage = view_of(ExtractHiddenStatesStage, config)
     work = Path(tempfile.mkdtemp(prefix="bench-start-method-"))
     count = len(open_prepared(prepared))
