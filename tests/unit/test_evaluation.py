@@ -387,6 +387,48 @@ def test_cuda_times_with_cuda_graphs_and_checks_losslessness_in_batch_invariant_
     assert [(len(p.runs), p.batch_invariant) for p in shared] == [(3, False), (3, True)]
 
 
+def test_without_time_untrained_the_baseline_loses_only_its_timing_pass():
+    from eagle3_workflow.evaluation.metrics import acceptance_result, summary_table
+    from eagle3_workflow.evaluation.protocol import ConcurrencyTiming, RunResult
+    from eagle3_workflow.evaluation.stage import plan_measurements
+
+    settings = evaluation(time_untrained=False, timing_concurrency=[1, 8])
+    cpu = plan_measurements(_labelled(), settings=settings, vllm_settings=VLLM_SETTINGS, device="cpu",
+                            numerics="production")  # fmt: skip
+    assert [(r.label, r.lossless_pass, r.timing_pass) for r in cpu[0].runs] == [
+        ("no_speculation", True, True), ("trained", True, True), ("untrained", True, False)]  # fmt: skip
+    cuda = plan_measurements(_labelled(), settings=settings, vllm_settings=VLLM_SETTINGS, device="cuda",
+                             numerics="batch_invariant")  # fmt: skip
+    assert [(p.runs[0].label, p.batch_invariant) for p in cuda] == [
+        ("no_speculation", False), ("trained", False),  # no timing engine for the untrained draft
+        ("no_speculation", True), ("trained", True), ("untrained", True)]  # every lossless engine kept  # fmt: skip
+    default = plan_measurements(_labelled(), settings=evaluation(), vllm_settings=VLLM_SETTINGS, device="cuda",
+                                numerics="batch_invariant")  # fmt: skip
+    assert len(default) == 6
+
+    def run(label, timings, metrics):
+        return RunResult(label=label, engine_start_s=3.0, generate_s=1.0, generated_tokens=40, outputs=[],
+                         finish_reasons=[], top_logits=[], metrics_before=[], metrics_after=metrics, load_1m=0.0,
+                         timings=timings)  # fmt: skip
+
+    counters = [counter("num_drafts", 10), counter("num_draft_tokens", 30), counter("num_accepted_tokens", 3),
+                per_position([2, 1, 0])]  # fmt: skip
+    reference = run("no_speculation", [ConcurrencyTiming(concurrency=1, prompts=4, generated_tokens=400, seconds=2.0,
+                                                         seconds_passes=[2.0])], [])  # fmt: skip
+    untrained = acceptance_result(run("untrained", [], counters), None, draft_path=Path("u"),
+                                  num_speculative_tokens=3, reference_timing=reference, mismatches=[],
+                                  non_argmax=[])  # fmt: skip
+    assert untrained.mean_acceptance_length == pytest.approx(1.3)  # acceptance measured as before
+    assert untrained.per_position_acceptance == pytest.approx([0.2, 0.1, 0.0])
+    assert (untrained.throughput, untrained.tokens_per_s, untrained.speedup) == ([], 0.0, 0.0)
+    assert untrained.engine_start_s == 3.0 and untrained.lossless
+    from synthetic_run import acceptance_report
+
+    table = summary_table(acceptance_report().model_copy(update={"untrained": untrained}))
+    row = next(line for line in table.splitlines() if line.startswith("untrained"))
+    assert "not timed" in row and "0.00" not in row.split("|")[4:6]
+
+
 def test_a_measured_engine_is_reused_only_while_its_key_holds(tmp_path):
     from eagle3_workflow.artefacts import write
     from eagle3_workflow.evaluation.protocol import RunResult

@@ -140,6 +140,21 @@ def test_render_says_n_a_for_what_a_run_did_not_measure(run_dir):
     assert "self-distilled" not in card  # a target given by path, data as read
 
 
+def test_an_untimed_untrained_draft_keeps_the_acceptance_table_whole(run_dir):
+    acceptance = load(AcceptanceReport, run_dir / "eval" / "acceptance.json")
+    untimed = acceptance.untrained.model_copy(update={"throughput": [], "tokens_per_s": 0.0, "speedup": 0.0})
+    card = render_model_card(
+        CardInputs(settings=view_of(PackageDraftStage, with_schema_defaults(run="r")), target=load(ApiCompatReport, run_dir / "checks" / "api_compat.json").target,
+                   manifest=load(DataManifest, run_dir / "data" / "manifest.json"),
+                   training=load(TrainingSummary, run_dir / "draft" / "training.json"),
+                   acceptance=acceptance.model_copy(update={"untrained": untimed}),
+                   provenance=load(Provenance, run_dir / "provenance.json"), draft_files={})
+    )  # fmt: skip
+    rows = [line for line in card.splitlines() if line.startswith("| trained |") or line.startswith("| untrained |")]
+    assert len(rows) == 2 and rows[1].count("|") == rows[0].count("|"), rows
+    assert "not timed" in rows[1] and "x0.00" not in rows[1]
+
+
 def test_an_artefact_missing_a_key_is_refused_with_the_rule_that_writes_it(run_dir):
     training = json.loads((run_dir / "draft" / "training.json").read_text())
     del training["command"]

@@ -54,6 +54,20 @@ def test_summarize_writes_every_figure_and_table(run_dir):
     assert "FAIL" not in outputs.gates.read_text()
 
 
+def test_an_untimed_untrained_draft_is_shown_as_not_timed_not_as_zero(tmp_path):
+    report = acceptance_report()
+    untimed = report.untrained.model_copy(update={"throughput": [], "tokens_per_s": 0.0, "speedup": 0.0})
+    (tmp_path / "target").mkdir()
+    run = write_synthetic_run(tmp_path, "t", target=tmp_path / "target",
+                              acceptance=report.model_copy(update={"untrained": untimed}))  # fmt: skip
+    inputs, outputs = report_paths(run)
+    summarize_run(inputs, outputs)
+    table = outputs.acceptance_table.read_text()
+    assert "not timed" in table
+    figure = outputs.acceptance.read_text()
+    assert "x0.00" not in figure and "x1.80" in figure  # the trained draft's bar, none for the untimed one
+
+
 def test_acceptance_report_round_trips_through_json(tmp_path):
     report = acceptance_report(mismatches=2)
     write(tmp_path / "acceptance.json", report)

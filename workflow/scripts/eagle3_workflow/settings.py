@@ -294,6 +294,7 @@ class EvaluationSettings(View):
     isolate_runs: bool | None
     concurrent_processes: bool | None
     kv_cache_memory_bytes: int | None
+    time_untrained: bool
     timing_repeats: int
     timing_concurrency: tuple[int, ...]
     timing_prompts: int

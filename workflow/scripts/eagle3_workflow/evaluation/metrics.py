@@ -109,7 +109,7 @@ def throughput(run: RunResult, reference: RunResult | None) -> list[Throughput]:
 
 def acceptance_result(
     lossless_run: RunResult,
-    timing_run: RunResult,
+    timing_run: RunResult | None,
     *,
     draft_path: Path,
     num_speculative_tokens: int,
@@ -117,7 +117,8 @@ def acceptance_result(
     mismatches: list[LosslessMismatch],
     non_argmax: list[str],
 ) -> AcceptanceResult:
-    """One draft: acceptance from the lossless pass's counters, tokens/s from the timing passes."""
+    """One draft: acceptance from the lossless pass's counters, tokens/s from the timing passes (none when the
+    draft was not timed: no throughput rows, tokens_per_s and speedup 0)."""
     after = counters_from_metrics(lossless_run.metrics_after)
     if after is None:
         found = sorted({m["name"] for m in lossless_run.metrics_after}) or "none"
@@ -127,7 +128,7 @@ def acceptance_result(
         )
     counters = counters_delta(counters_from_metrics(lossless_run.metrics_before), after)
     stats = acceptance_from_counters(counters, num_speculative_tokens)
-    rows = throughput(timing_run, reference_timing)
+    rows = throughput(timing_run, reference_timing) if timing_run is not None else []
     first = rows[0] if rows else None
     return AcceptanceResult(
         label=lossless_run.label,
@@ -143,7 +144,7 @@ def acceptance_result(
         generated_tokens=lossless_run.generated_tokens,
         generate_s=lossless_run.generate_s,
         speedup=(first.speedup or 0.0) if first else 0.0,
-        engine_start_s=timing_run.engine_start_s,
+        engine_start_s=(timing_run or lossless_run).engine_start_s,
         lossless=all(m.tie for m in mismatches) and not non_argmax,
         mismatches=mismatches,
         non_argmax_steps=non_argmax,
@@ -165,7 +166,8 @@ def summary_table(report: AcceptanceReport) -> str:
                 f"{result.mean_acceptance_length:.3f}",
                 " ".join(f"{r:.2f}" for r in result.per_position_acceptance),
                 *(f"{t.tokens_per_s:.1f}" for t in result.throughput),
-                f"{result.speedup:.2f}",
+                *(["not timed"] * len(levels) if not result.throughput else []),
+                f"{result.speedup:.2f}" if result.throughput else "-",
                 "yes" if result.lossless else f"NO ({sum(not m.tie for m in result.mismatches)})",
             )
         )

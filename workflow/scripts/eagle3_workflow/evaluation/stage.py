@@ -216,17 +216,28 @@ def plan_measurements(
 ) -> list[PlannedProcess]:
     """Which engines run in which process. Production numerics: one engine per label runs the lossless pass and
     the timing passes. Batch-invariant: each label gets a timing engine (production settings) and a lossless
-    engine in batch-invariant processes. Engines share a process unless evaluate.isolate_runs."""
+    engine in batch-invariant processes. Engines share a process unless evaluate.isolate_runs. Without
+    evaluate.time_untrained the untrained baseline has no timing pass (its acceptance and lossless verdict come
+    from its lossless pass either way)."""
     lossless_kwargs = {"logprobs_mode": "raw_logits"}
     timing_kwargs: dict[str, Any] = {"max_num_seqs": max(settings.timing_concurrency)} if device == "cuda" else {}
     if generation_cuda_graphs(vllm_settings, device):
         timing_kwargs["enforce_eager"] = False
+
+    def timed(run: MeasurementRun) -> bool:
+        return settings.time_untrained or run.label != "untrained"
+
     if numerics == "production":
-        both = [run.model_copy(update={"engine_overrides": lossless_kwargs | timing_kwargs}) for run in labelled]
+        both = [
+            run.model_copy(update={"engine_overrides": lossless_kwargs | timing_kwargs, "timing_pass": timed(run)})
+            for run in labelled
+        ]
         groups = [(both, False)]
     else:
         timing = [
-            run.model_copy(update={"lossless_pass": False, "engine_overrides": timing_kwargs}) for run in labelled
+            run.model_copy(update={"lossless_pass": False, "engine_overrides": timing_kwargs})
+            for run in labelled
+            if timed(run)
         ]
         exact = [run.model_copy(update={"timing_pass": False, "engine_overrides": lossless_kwargs}) for run in labelled]
         groups = [(timing, False), (exact, True)]
@@ -514,7 +525,7 @@ def draft_results(
     return {
         label: acceptance_result(
             measured.lossless[label],
-            measured.timing[label],
+            measured.timing.get(label),  # None: not timed (evaluate.time_untrained false)
             draft_path=Path(path),
             num_speculative_tokens=num_speculative_tokens,
             reference_timing=measured.timing[NO_SPECULATION],
@@ -584,6 +595,12 @@ def report_notes(
             f"{results['trained'].mean_acceptance_length:.3f} vs {results['untrained'].mean_acceptance_length:.3f})"
         )
     notes += step_time_notes(results["trained"], throughput(measured.timing[NO_SPECULATION], None))
+    untimed = [label for label, result in results.items() if not result.throughput]
+    if untimed:
+        notes.append(
+            f"not timed (evaluate.time_untrained false): {', '.join(untimed)}; acceptance and the lossless verdict "
+            "are measured all the same, tokens/s and speedup are not (0 in this file)"
+        )
     if measured.concurrent:
         notes.append(
             "the measurement processes ran at once; each timing pass (its warm-up and measured passes) held the "

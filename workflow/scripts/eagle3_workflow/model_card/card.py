@@ -139,6 +139,7 @@ def _acceptance_section(inputs: CardInputs) -> list[str]:
     for result in (acc.trained, acc.untrained):
         per_position = " / ".join(f"{p:.3f}" for p in result.per_position_acceptance)
         speeds = " | ".join(f"{_fmt(t.tokens_per_s, 1)} (x{_fmt(t.speedup, 2)})" for t in result.throughput)
+        speeds = speeds or " | ".join(["not timed"] * len(levels))  # evaluate.time_untrained false
         rows.append(
             f"| {result.label} | **{_fmt(result.mean_acceptance_length)}** | {per_position or 'n/a'} | "
             f"{_fmt(result.num_drafts)} | {speeds} |"

@@ -200,10 +200,13 @@ def plot_acceptance(report: AcceptanceReport, path: Path) -> None:
     position_ax.set_title(f"per-position acceptance ({report.num_prompts} {report.prompt_source} prompts)")
     position_ax.legend(fontsize=8)
 
-    names = ["no speculation", report.trained.label, report.untrained.label]
-    speeds = [report.no_speculation_tokens_per_s, report.trained.tokens_per_s, report.untrained.tokens_per_s]
-    bars = speed_ax.bar(names, speeds, color=[BASELINE_COLOUR, TRAINED_COLOUR, UNTRAINED_COLOUR])
-    for bar, ratio in zip(bars, [1.0, report.trained.speedup, report.untrained.speedup], strict=True):
+    # a draft without a timing pass (evaluate.time_untrained false) gets no bar, not a bar of 0 tokens/s
+    timed = [(report.trained, TRAINED_COLOUR), (report.untrained, UNTRAINED_COLOUR)]
+    timed = [(r, colour) for r, colour in timed if r.throughput]
+    names = ["no speculation", *(r.label for r, _ in timed)]
+    speeds = [report.no_speculation_tokens_per_s, *(r.tokens_per_s for r, _ in timed)]
+    bars = speed_ax.bar(names, speeds, color=[BASELINE_COLOUR, *(colour for _, colour in timed)])
+    for bar, ratio in zip(bars, [1.0, *(r.speedup for r, _ in timed)], strict=True):
         speed_ax.annotate(
             f"x{ratio:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9
         )

@@ -203,8 +203,8 @@ def _acceptance_results(report: AcceptanceReport) -> str:
                 r.accepted_tokens,
                 r.generated_tokens,
                 r.generate_s,
-                r.tokens_per_s,
-                r.speedup,
+                r.tokens_per_s if r.throughput else "not timed",
+                r.speedup if r.throughput else "-",
                 r.engine_start_s,
                 r.lossless,
             ]
