@@ -14,6 +14,9 @@
 #   bash bench/gpu/device_run.sh faultcheck the lossless check on this GPU against EAGLE3_FAULT=accept_any_draft
 #   bash bench/gpu/device_run.sh online     train_draft online against offline on the finished run's data
 #                                           (bench/gpu/online_vs_offline_gpu.py; ROWS=2000 EPOCHS=1 by default)
+#   bash bench/gpu/device_run.sh restore    RESTORE=<bundle folder>: build the target in $WORK, then put an earlier
+#                                           lease's check_target and regenerate_responses outputs into the run
+#                                           (bench/gpu/restore_run.py checks target, settings and sha256 first)
 #   bash bench/gpu/device_run.sh collect    logs and small artefacts into $OUT
 # Several steps in one call: bash bench/gpu/device_run.sh copy install pipeline collect
 set -uo pipefail
@@ -129,6 +132,35 @@ step_pipeline() {
   done
   cd - >/dev/null || true
   return "$rc"
+}
+
+# an earlier lease's regenerated data into this lease's run (docs/gpu.md, "Across leases"): the target is built
+# by its own rule first, restore_run.py refuses a bundle whose target, settings or bytes differ, and Snakemake's
+# plan must then start at prepare_data
+step_restore() {
+  use_site
+  [ -n "${RESTORE:-}" ] || { stamp "restore: set RESTORE=<bundle folder> (e.g. bench/gpu/results/<date>-<run>/restore)"; return 2; }
+  local bundle repo=$PWD
+  bundle=$(cd "$RESTORE" && pwd) || { stamp "restore: no folder $RESTORE"; return 2; }
+  sync_work
+  cd "$WORK" || return 1
+  export PYTHONPATH="$WORK/workflow/scripts${PYTHONPATH:+:$PYTHONPATH}"
+  [ -n "$(ls .snakemake/locks 2>/dev/null)" ] && snakemake --unlock --configfile $CONFIG >/dev/null 2>&1
+  stamp "restore: building results/$RUN/target, then $bundle into results/$RUN"
+  # the target before --configfile, which takes every word after it as a config file
+  timeout "${RESTORE_TIMEOUT:-300}" snakemake "results/$RUN/target" --cores 16 --configfile $CONFIG >"$OUT/restore-build.log" 2>&1 \
+    || { tail -30 "$OUT/restore-build.log"; stamp "restore: the target build failed"; cd "$repo"; return 1; }
+  python3 "$repo/bench/gpu/restore_run.py" unpack "$bundle" "results/$RUN" --config $CONFIG --repo "$WORK" \
+    || { cd "$repo"; return 3; }
+  local plan
+  plan=$(snakemake -n --quiet rules --configfile $CONFIG 2>&1)
+  # the job-stats table's rows only (the reasons may name other rules' files)
+  plan=$(echo "$plan" | grep -E "^[a-z_0-9]+ +[0-9]+$")
+  echo "$plan"
+  if echo "$plan" | awk '{print $1}' | grep -qxE "check_target|regenerate_responses"; then
+    stamp "restore did not take: Snakemake still plans the regeneration (above)"; cd "$repo"; return 3
+  fi
+  cd "$repo" || true
 }
 
 step_bench() {

@@ -1,0 +1,148 @@
+"""bench/gpu/restore_run.py: an earlier lease's regenerated data into a later lease (docs/gpu.md, "Across leases").
+
+On CPU, with the tiny preset and regeneration switched on: the bundle round-trips byte for byte; a rebuilt target
+with another tokenizer, a config that asks for other data, or a corrupted bundle are refused before anything is
+written; and after a real target build, the real workflow's dry run starts at prepare_data once the bundle is
+unpacked (and plans the regeneration without it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import lzma
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_workflow
+
+SCRIPT = REPO / "bench" / "gpu" / "restore_run.py"
+TINY = REPO / "config" / "presets" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def restore():
+    spec = importlib.util.spec_from_file_location("restore_run", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def overlay(folder: Path, **regenerate) -> Path:
+    path = folder / f"regenerate-{len(list(folder.glob('regenerate-*')))}.yaml"
+    values = {"enabled": True, "prompt_files": ["config/data/smollm2_prompts.txt"], "magpie_prompts": 8} | regenerate
+    # check_target on, as in the GPU preset (the tiny preset leaves it off): its output is restored too
+    path.write_text(yaml.safe_dump({"regenerate": values, "target_check": {"enabled": True}}))
+    return path
+
+
+def fake_target(target: Path) -> None:
+    target.mkdir(parents=True)
+    (target / "config.json").write_text('{"model_type": "llama"}')
+    (target / "tokenizer.json").write_text('{"model": "bpe"}')
+    (target / "model.safetensors").write_bytes(b"weights")
+    (target / "eagle3_build.json").write_text(json.dumps({"source": {"path": "/here/x.gguf", "sha256": "ab"},
+                                                          "greedy": {"answer": "Paris"}, "convert_s": 1.0}))  # fmt: skip
+
+
+def finished_regeneration(restore, run_dir: Path, config: dict) -> None:
+    """What check_target and regenerate_responses leave in a run folder, the spec's settings as the config's."""
+    (run_dir / "checks").mkdir(parents=True, exist_ok=True)
+    (run_dir / "data").mkdir(parents=True, exist_ok=True)
+    (run_dir / "checks" / "target_sanity.json").write_text('{"passed": true}')
+    (run_dir / "data" / "regenerated.jsonl").write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n' * 50)
+    (run_dir / "data" / "regenerated.stats.json").write_text('{"conversations_written": 50}')
+    settings = {"regenerate": config["regenerate"], "target": {"dtype": config["target"]["dtype"]},
+                "vllm": {"max_model_len": config["vllm"]["max_model_len"], "ready_timeout_s": 1}}  # fmt: skip
+    (run_dir / restore.REGENERATION_SPEC).write_text(json.dumps({"settings": settings}))
+
+
+def restored_files(run_dir: Path) -> dict[str, bytes]:
+    return {relative: (run_dir / relative).read_bytes() for relative, _ in
+            (("checks/target_sanity.json", 0), ("data/regenerated.jsonl", 0), ("data/regenerated.stats.json", 0))}  # fmt: skip
+
+
+def test_a_bundle_round_trips_and_lands_newer_than_the_target_in_dependency_order(restore, tmp_path):
+    files = [TINY, overlay(tmp_path)]
+    config = restore.merged_config(files, REPO)
+    run_dir = tmp_path / "lease1" / "tiny"
+    fake_target(run_dir / "target")
+    finished_regeneration(restore, run_dir, config)
+    made = restored_files(run_dir)
+    record = restore.pack(run_dir, tmp_path / "bundle", files, REPO)
+    assert (tmp_path / "bundle" / "regenerated.jsonl.xz").stat().st_size < len(made["data/regenerated.jsonl"])
+    assert record["target"]["build"]["source"] == {"sha256": "ab"}  # where the GGUF was installed is not identity
+
+    later = tmp_path / "lease2" / "tiny"
+    fake_target(later / "target")
+    (later / "target" / "model.safetensors").write_bytes(b"rebuilt weights")  # the weights never come back
+    written = restore.unpack(tmp_path / "bundle", later, config)
+    assert restored_files(later) == made
+    newest_target = max(p.stat().st_mtime for p in (later / "target").iterdir())
+    mtimes = [p.stat().st_mtime for p in written]
+    assert min(mtimes) > newest_target and mtimes == sorted(mtimes)
+    assert [p.relative_to(later).as_posix() for p in written][0] == "checks/target_sanity.json"
+
+
+def test_another_target_other_settings_or_a_corrupted_bundle_are_refused_before_anything_is_written(restore, tmp_path):
+    files = [TINY, overlay(tmp_path)]
+    config = restore.merged_config(files, REPO)
+    run_dir = tmp_path / "lease1" / "tiny"
+    fake_target(run_dir / "target")
+    finished_regeneration(restore, run_dir, config)
+    restore.pack(run_dir, tmp_path / "bundle", files, REPO)
+
+    other_tokenizer = tmp_path / "other" / "tiny"
+    fake_target(other_tokenizer / "target")
+    (other_tokenizer / "target" / "tokenizer.json").write_text('{"model": "unigram"}')
+    with pytest.raises(restore.RestoreRefused, match=r"not the one that made this data \(differs: tokenizer.json\)"):
+        restore.unpack(tmp_path / "bundle", other_tokenizer, config)
+    assert not (other_tokenizer / "data").exists()
+
+    more_prompts = restore.merged_config([TINY, overlay(tmp_path, magpie_prompts=16)], REPO)
+    with pytest.raises(restore.RestoreRefused, match=r"regenerate.magpie_prompts: the data was made with 8, the "
+                                                     r"config now says 16"):  # fmt: skip
+        restore.unpack(tmp_path / "bundle", run_dir, more_prompts)
+    longer_wait = restore.merged_config([TINY, overlay(tmp_path, runtime_minutes=99)], REPO)
+    assert restore.check_bundle(tmp_path / "bundle", run_dir, longer_wait)  # a time bound is not the data
+
+    (tmp_path / "bundle" / "regenerated.jsonl.xz").write_bytes(lzma.compress(b"other data\n"))
+    fresh = tmp_path / "fresh" / "tiny"
+    fake_target(fresh / "target")
+    with pytest.raises(restore.RestoreRefused, match="decompresses to sha256"):
+        restore.unpack(tmp_path / "bundle", fresh, config)
+    assert not (fresh / "checks").exists()  # checked before the first file is written
+
+
+def planned_rules(dry_run: str) -> set[str]:
+    """The rules of the dry run's job-stats table (its reasons may name files of other rules)."""
+    lines = dry_run.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split() == ["job", "count"])
+    rules = set()
+    for line in lines[start + 2 :]:
+        if line.startswith("total"):
+            return rules
+        rules.add(line.split()[0])
+    return rules
+
+
+def test_after_a_real_build_the_workflow_plans_from_prepare_data_once_the_bundle_is_unpacked(restore, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    files = [TINY, overlay(tmp_path)]
+    run_workflow(work, files, targets=["results/tiny/target"], timeout=600)
+    config = restore.merged_config(files, REPO)
+    run_dir = work / "results" / "tiny"
+    before = planned_rules(run_workflow(work, files, extra=["-n", "--quiet", "rules"]).stdout)
+    assert {"regenerate_responses", "check_target"} <= before and "build_tiny_target" not in before
+
+    lease1 = tmp_path / "lease1" / "tiny"
+    shutil.copytree(run_dir / "target", lease1 / "target")
+    finished_regeneration(restore, lease1, config)
+    restore.pack(lease1, tmp_path / "bundle", files, REPO)
+    restore.unpack(tmp_path / "bundle", run_dir, config)
+    after = planned_rules(run_workflow(work, files, extra=["-n", "--quiet", "rules"]).stdout)
+    assert "prepare_data" in after
+    assert not after & {"regenerate_responses", "check_target", "build_tiny_target"}, after
