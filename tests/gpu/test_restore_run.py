@@ -64,14 +64,20 @@ def restored_files(run_dir: Path) -> dict[str, bytes]:
             (("checks/target_sanity.json", 0), ("data/regenerated.jsonl", 0), ("data/regenerated.stats.json", 0))}  # fmt: skip
 
 
-def test_a_bundle_round_trips_and_lands_newer_than_the_target_in_dependency_order(restore, tmp_path):
+def packed_lease(restore, tmp_path: Path) -> tuple[dict, Path, dict]:
+    """A first lease's finished regeneration (tiny preset, regeneration on), packed into tmp_path/bundle: the merged
+    config, the lease's run folder and the bundle's record."""
     files = [TINY, overlay(tmp_path)]
     config = restore.merged_config(files, REPO)
     run_dir = tmp_path / "lease1" / "tiny"
     fake_target(run_dir / "target")
     finished_regeneration(restore, run_dir, config)
+    return config, run_dir, restore.pack(run_dir, tmp_path / "bundle", files, REPO)
+
+
+def test_a_bundle_round_trips_and_lands_newer_than_the_target_in_dependency_order(restore, tmp_path):
+    config, run_dir, record = packed_lease(restore, tmp_path)
     made = restored_files(run_dir)
-    record = restore.pack(run_dir, tmp_path / "bundle", files, REPO)
     assert (tmp_path / "bundle" / "regenerated.jsonl.xz").stat().st_size < len(made["data/regenerated.jsonl"])
     assert record["target"]["build"]["source"] == {"sha256": "ab"}  # where the GGUF was installed is not identity
 
@@ -87,12 +93,7 @@ def test_a_bundle_round_trips_and_lands_newer_than_the_target_in_dependency_orde
 
 
 def test_another_target_other_settings_or_a_corrupted_bundle_are_refused_before_anything_is_written(restore, tmp_path):
-    files = [TINY, overlay(tmp_path)]
-    config = restore.merged_config(files, REPO)
-    run_dir = tmp_path / "lease1" / "tiny"
-    fake_target(run_dir / "target")
-    finished_regeneration(restore, run_dir, config)
-    restore.pack(run_dir, tmp_path / "bundle", files, REPO)
+    config, run_dir, _ = packed_lease(restore, tmp_path)
 
     other_tokenizer = tmp_path / "other" / "tiny"
     fake_target(other_tokenizer / "target")
