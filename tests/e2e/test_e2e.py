@@ -57,6 +57,12 @@ def test_trained_draft_beats_the_untrained_one_and_stays_lossless(tiny_run):
     # measured on this preset (seed 0): trained 1.30, untrained 1.00; the margin leaves room for CPU kernels
     assert trained > untrained + 0.1, (trained, untrained)
     assert acceptance["trained"]["per_position_acceptance"][0] > 0.1
+    # the tiny preset times the trained draft only (evaluate.time_untrained false): the untrained one is measured
+    # for acceptance and losslessness, not for tokens/s
+    assert [t["concurrency"] for t in acceptance["trained"]["throughput"]] == [1, 8]
+    assert acceptance["trained"]["tokens_per_s"] > 0
+    assert acceptance["untrained"]["throughput"] == [] and acceptance["untrained"]["num_drafts"] > 0
+    assert any(note.startswith("not timed (evaluate.time_untrained false): untrained") for note in acceptance["notes"])
 
 
 @pytest.mark.slow

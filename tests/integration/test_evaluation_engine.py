@@ -67,7 +67,8 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     write_synthetic_run(tmp_path, "t", target=target, prepared=prepared["prepared"], draft=scratch_draft,
                         training_metrics=None)  # fmt: skip
     config = synthetic_run_config(tmp_path, target, train={"train_data_ratio": 0.75},
-                                  evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1})  # fmt: skip
+                                  evaluate={"num_prompts": 8, "max_tokens": 24, "num_speculative_tokens": 3, "timing_repeats": 1,
+                                            "time_untrained": True})  # both drafts timed (the tiny preset times the trained one only)  # fmt: skip
     proc = run_workflow(tmp_path, config, targets=["results/t/eval/acceptance.json"],
                         extra=["--rerun-triggers=mtime"], timeout=900)  # fmt: skip
     assert rules_run(proc) == ["evaluate_draft"]
