@@ -255,3 +255,32 @@ def test_greedy_cross_check_refuses_an_unknown_norm(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_hidden_layers": 2}))
     with pytest.raises(StageError, match="does not know the final norm of model_type 'gemma2'"):
         load_final_head(tmp_path)
+
+
+def test_a_file_wait_left_behind_by_a_stopped_loop_ends_with_release_waits(tmp_path):
+    """A stop signal raised in a task's synchronous part stops the event loop before the waits' own `finally`:
+    their threads kept polling to request_timeout_s, and the interpreter joins them at exit (the stage hung on
+    SIGTERM in a clean-clone run). extract() releases them whatever ends the loop."""
+    import asyncio
+    import fcntl
+    import threading
+
+    from eagle3_workflow.extraction_client import _wait_for_file, release_waits
+
+    produced = tmp_path / "hs_0.safetensors"
+    writer = open(f"{produced}.lock", "w")  # noqa: SIM115 - the connector's writer holds its lock meanwhile
+    fcntl.flock(writer, fcntl.LOCK_EX)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(_wait_for_file(str(produced), 600))
+    loop.run_until_complete(asyncio.sleep(0.3))  # the wait's thread now polls; the loop stops here, task pending
+    executor = loop._default_executor
+    joined = threading.Thread(target=executor.shutdown, kwargs={"wait": True}, daemon=True)
+    joined.start()
+    joined.join(0.5)
+    assert joined.is_alive()  # what the interpreter's exit would wait for, up to the 600 s deadline
+    release_waits()
+    joined.join(5)
+    assert not joined.is_alive()
+    task.cancel()
+    writer.close()
+    loop.close()

@@ -135,13 +135,28 @@ class ProgressTracker:
             log.warning("could not record the state %r in %s (%r)", state, self.path, exc)
 
 
+# the stop events of the waits in flight: release_waits() ends their threads when the event loop ended before the
+# waits' own `finally` ran (a stop signal raised in a task's synchronous part stops the loop at once; each thread
+# then polled to its request_timeout_s deadline, and the interpreter joins them at exit: the stage hung on SIGTERM)
+_WAITS_IN_FLIGHT: set[threading.Event] = set()
+
+
 async def _wait_for_file(path: str, timeout_s: float) -> None:
     """Block until the connector's writer releases its lock on `path` (shared flock, like vLLM's reader)."""
     stop = threading.Event()
+    _WAITS_IN_FLIGHT.add(stop)
     try:
         await asyncio.to_thread(_wait_unlocked, path, timeout_s, stop)
     finally:
         stop.set()  # a cancelled wait must not leave a thread polling: asyncio.run joins them before it returns
+        _WAITS_IN_FLIGHT.discard(stop)
+
+
+def release_waits() -> None:
+    """End every file wait's thread (each polls its stop event every 10 ms)."""
+    for stop in list(_WAITS_IN_FLIGHT):
+        stop.set()
+    _WAITS_IN_FLIGHT.clear()
 
 
 def _wait_unlocked(path: str, timeout_s: float, stop: threading.Event) -> None:
@@ -348,3 +363,5 @@ def extract_samples(
     except StageError:
         server.check()  # prefer the server's cause when it died under the client
         raise
+    finally:
+        release_waits()  # however the loop ended (a stop signal mid-task included), no wait thread outlives it
