@@ -208,6 +208,8 @@ def unpack(bundle: Path, run_dir: Path, config: dict[str, Any]) -> list[Path]:
                 f"{bundle / entry['stored']} decompresses to sha256 {digest}, recorded {entry['sha256']}"
             )
         contents.append((run_dir / entry["path"], data))
+    if all(path.is_file() and sha256_of(path) == hashlib.sha256(data).hexdigest() for path, data in contents):
+        return []  # restored before in this lease: touching them again would replan prepare_data and what follows
     newest_input = max(p.stat().st_mtime for p in (run_dir / "target").iterdir())
     stamp = max(time.time(), newest_input + 1)
     written = []
@@ -235,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({f["path"]: f["sha256"] for f in record["files"]}, indent=1))
         else:
             config = merged_config(args.config, args.repo)
-            for path in unpack(args.source, args.dest, config):
+            written = unpack(args.source, args.dest, config)
+            for path in written:
                 print(f"restored {path} ({path.stat().st_size} bytes, sha256 verified)")
+            if not written:
+                print(f"{args.dest} already holds the bundle's files (sha256 verified): nothing written")
     except RestoreRefused as refused:
         print(f"restore refused: {refused}", file=sys.stderr)
         return 2

@@ -90,6 +90,8 @@ def test_a_bundle_round_trips_and_lands_newer_than_the_target_in_dependency_orde
     mtimes = [p.stat().st_mtime for p in written]
     assert min(mtimes) > newest_target and mtimes == sorted(mtimes)
     assert [p.relative_to(later).as_posix() for p in written][0] == "checks/target_sanity.json"
+    assert restore.unpack(tmp_path / "bundle", later, config) == []  # a second restore leaves the mtimes alone
+    assert [p.stat().st_mtime for p in written] == mtimes
 
 
 def test_another_target_other_settings_or_a_corrupted_bundle_are_refused_before_anything_is_written(restore, tmp_path):
