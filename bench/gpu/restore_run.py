@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 BUNDLE_FORMAT = 1
+REPO = Path(__file__).resolve().parents[2]
 RECORD = "restore.json"
 # (path in the run folder, the bundle's stored name): the order is the order of their mtimes
 RESTORED = (
@@ -115,19 +116,40 @@ def merged_config(config_files: list[Path], repo: Path) -> dict[str, Any]:
     return config
 
 
-def settings_differences(recorded: dict[str, Any], config: dict[str, Any]) -> list[str]:
-    """Every recorded regeneration setting the config now sets otherwise (OPERATIONAL ones left out)."""
+# the section the regeneration reads whole: a key of it that a bundle does not record did not exist when the data
+# was made, so the data was made as its schema default says
+WHOLE_SECTION = "regenerate"
+
+
+def schema_defaults(section: str, repo: Path) -> dict[str, Any]:
+    """The schema's default of every key of one config section."""
+    import yaml
+
+    schema = yaml.safe_load((repo / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    return {key: node.get("default") for key, node in schema["properties"][section]["properties"].items()}
+
+
+def settings_differences(
+    recorded: dict[str, Any], config: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> list[str]:
+    """Every recorded regeneration setting the config now sets otherwise (OPERATIONAL ones left out); and, given
+    `defaults` (schema_defaults of WHOLE_SECTION), every key of that section the bundle predates that the config
+    sets to anything but its default (e.g. regenerate.magpie_steered against data made before it existed)."""
     differences = []
     for section, values in sorted(recorded.items()):
         current = config.get(section) or {}
-        for key, value in sorted(values.items()):
+        expected = dict(values)
+        if section == WHOLE_SECTION and defaults is not None:
+            expected = {key: defaults[key] for key in current if key not in values and key in defaults} | expected
+        for key, value in sorted(expected.items()):
             if (section, key) in OPERATIONAL:
                 continue
             now = current.get(key, "<unset>")
             if isinstance(now, tuple):
                 now = list(now)
             if now != value:
-                differences.append(f"{section}.{key}: the data was made with {value!r}, the config now says {now!r}")
+                made = f"{value!r}" if key in values else f"{value!r} (the key's default: the data predates it)"
+                differences.append(f"{section}.{key}: the data was made with {made}, the config now says {now!r}")
     return differences
 
 
@@ -135,7 +157,9 @@ def pack(run_dir: Path, bundle: Path, config_files: list[Path], repo: Path) -> d
     """The bundle of a finished regeneration: its outputs (the data as xz), their sha256, the target's fingerprint
     and the settings the regeneration ran with."""
     spec = json.loads((run_dir / REGENERATION_SPEC).read_text())
-    differences = settings_differences(spec["settings"], merged_config(config_files, repo))
+    differences = settings_differences(
+        spec["settings"], merged_config(config_files, repo), schema_defaults(WHOLE_SECTION, repo)
+    )
     if differences:
         raise RestoreRefused(
             "the run's regeneration does not match these config files:\n  " + "\n  ".join(differences)
@@ -163,7 +187,7 @@ def pack(run_dir: Path, bundle: Path, config_files: list[Path], repo: Path) -> d
     return record
 
 
-def check_bundle(bundle: Path, run_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
+def check_bundle(bundle: Path, run_dir: Path, config: dict[str, Any], repo: Path = REPO) -> dict[str, Any]:
     """The refusals of `unpack`, before anything is written; the bundle's record when it fits."""
     record = json.loads((bundle / RECORD).read_text())
     if record.get("format") != BUNDLE_FORMAT:
@@ -185,7 +209,7 @@ def check_bundle(bundle: Path, run_dir: Path, config: dict[str, Any]) -> dict[st
             f"the target in {target} is not the one that made this data (differs: {', '.join(changed)}): its answers "
             "would not be this data. Run without RESTORE: check_target and regenerate_responses then run again"
         )
-    differences = settings_differences(record["regeneration_settings"], config)
+    differences = settings_differences(record["regeneration_settings"], config, schema_defaults(WHOLE_SECTION, repo))
     if differences:
         raise RestoreRefused(
             "the config asks for other data than the bundle holds:\n  " + "\n  ".join(differences)
@@ -195,9 +219,9 @@ def check_bundle(bundle: Path, run_dir: Path, config: dict[str, Any]) -> dict[st
     return record
 
 
-def unpack(bundle: Path, run_dir: Path, config: dict[str, Any]) -> list[Path]:
+def unpack(bundle: Path, run_dir: Path, config: dict[str, Any], repo: Path = REPO) -> list[Path]:
     """Check, then write the restored outputs into run_dir, newer than the target and in dependency order."""
-    record = check_bundle(bundle, run_dir, config)
+    record = check_bundle(bundle, run_dir, config, repo)
     contents = []
     for entry in record["files"]:
         payload = (bundle / entry["stored"]).read_bytes()
@@ -229,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", type=Path, help="pack: the run folder; unpack: the bundle folder")
     parser.add_argument("dest", type=Path, help="pack: the bundle folder; unpack: the run folder")
     parser.add_argument("--config", nargs="+", type=Path, required=True, help="the config files, in CONFIG's order")
-    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2])
+    parser.add_argument("--repo", type=Path, default=REPO)
     args = parser.parse_args(argv)
     try:
         if args.action == "pack":
@@ -237,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({f["path"]: f["sha256"] for f in record["files"]}, indent=1))
         else:
             config = merged_config(args.config, args.repo)
-            written = unpack(args.source, args.dest, config)
+            written = unpack(args.source, args.dest, config, args.repo)
             for path in written:
                 print(f"restored {path} ({path.stat().st_size} bytes, sha256 verified)")
             if not written:

@@ -119,6 +119,20 @@ def test_another_target_other_settings_or_a_corrupted_bundle_are_refused_before_
     assert not (fresh / "checks").exists()  # checked before the first file is written
 
 
+def test_a_bundle_that_predates_a_regenerate_key_holds_data_made_as_its_default(restore, tmp_path):
+    # a bundle packed before regenerate.magpie_steered existed records no such key: its data was made without
+    # steered sets, which a config asking for one must not get
+    config, run_dir, record = packed_lease(restore, tmp_path)
+    del record["regeneration_settings"]["regenerate"]["magpie_steered"]
+    (tmp_path / "bundle" / restore.RECORD).write_text(json.dumps(record))
+    assert restore.check_bundle(tmp_path / "bundle", run_dir, config)  # the default ([]): the data fits
+    steer = {"name": "python", "prompts": 4, "system_prompt": "Python."}
+    steered = restore.merged_config([TINY, overlay(tmp_path, magpie_steered=[steer])], REPO)
+    with pytest.raises(restore.RestoreRefused, match=r"regenerate.magpie_steered: the data was made with \[\] \(the "
+                                                     r"key's default: the data predates it\)"):  # fmt: skip
+        restore.unpack(tmp_path / "bundle", run_dir, steered)
+
+
 def planned_rules(dry_run: str) -> set[str]:
     """The rules of the dry run's job-stats table (its reasons may name files of other rules)."""
     lines = dry_run.splitlines()

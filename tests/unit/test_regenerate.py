@@ -245,6 +245,61 @@ def test_magpie_samples_distinct_seeds_from_the_prefix_and_filters(tokenizer_wit
     assert request_seeds(3, "magpie", 5) == [s.seed for s in sampling]  # reproducible
 
 
+PYTHON_STEER = {"name": "python", "prompts": 2, "system_prompt": "You help with Python functions."}
+
+
+def test_a_steered_set_asks_after_its_system_message_and_is_answered_under_the_default(tokenizer_with_template):
+    # regenerate.magpie_steered: the system message steers what the target asks; the answer is generated as the
+    # prompt is served (the template's default system prompt), so the draft learns the target as users see it
+    tokenizer = tokenizer_with_template(CHATML_WITH_DEFAULT_SYSTEM)
+    asks = iter(["Why is the sea salty?", "Write def add(a, b) that adds two numbers.", "Reverse a list in Python?"])
+
+    def answer(prompt, sampling):
+        if prompt.endswith("<|im_start|>user\n"):
+            return next(asks), "stop"
+        return "An answer.", "stop"
+
+    target = FakeTarget(tokenizer, answer)
+    settings = regenerate_settings(magpie_prompts=1, magpie_steered=[PYTHON_STEER])
+    records, stats = regenerate(tokenizer, target, [], settings, max_model_len=MAX_MODEL_LEN)
+    assert [r["origin"] for r in records] == ["magpie:0", "magpie[python]:0", "magpie[python]:1"]
+    default_prefix = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    steered_prefix = "<|im_start|>system\nYou help with Python functions.<|im_end|>\n<|im_start|>user\n"
+    (default_asks, default_sampling), (steered_asks, steered_sampling), (answers, _) = target.calls
+    assert default_asks == [default_prefix] and steered_asks == [steered_prefix] * 2
+    assert [s.seed for s in steered_sampling] == request_seeds(0, "magpie[python]", 2)
+    assert [s.seed for s in default_sampling] == request_seeds(0, "magpie", 1)
+    assert all(a.startswith(default_prefix) and "Python functions" not in a for a in answers)
+    assert (
+        answers[1] == default_prefix + "Write def add(a, b) that adds two numbers.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (stats.magpie_requested, stats.magpie_generated, stats.magpie_prefix) == (3, 3, default_prefix)
+    assert stats.magpie_sets["magpie[python]"] == {
+        "requested": 2, "kept": 2, "dropped": {}, "prefix": steered_prefix, "system_prompt": PYTHON_STEER["system_prompt"]
+    }  # fmt: skip
+    assert stats.magpie_sets["magpie"]["requested"] == 1
+
+
+def test_a_steered_set_needs_a_template_that_places_a_system_message(tokenizer_with_template):
+    drops_system = (
+        "{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tokenizer = tokenizer_with_template(drops_system)
+    settings = regenerate_settings(magpie_steered=[PYTHON_STEER])
+    with pytest.raises(StageError, match="does not place a system message .* remove regenerate.magpie_steered"):
+        regenerate(tokenizer, FakeTarget(tokenizer), [], settings, max_model_len=MAX_MODEL_LEN)
+
+
+def test_two_steered_sets_of_one_name_are_refused_before_anything_is_generated(tokenizer_with_template):
+    tokenizer = tokenizer_with_template(CHATML_WITH_DEFAULT_SYSTEM)
+    target = FakeTarget(tokenizer)
+    settings = regenerate_settings(magpie_steered=[PYTHON_STEER, PYTHON_STEER | {"system_prompt": "Other."}])
+    with pytest.raises(StageError, match=r"names \['python'\] more than once"):
+        regenerate(tokenizer, target, [], settings, max_model_len=MAX_MODEL_LEN)
+    assert target.calls == []
+
+
 # ----------------------------------------------------------------------------------------- answer loop
 
 

@@ -94,8 +94,9 @@ def leaves(value: Any, prefix: str = "") -> set[str]:
 
 
 def nested_view(annotation: Any) -> type[View] | None:
-    """The view a field holds (X, or X | None), else None."""
-    candidates = (annotation, *typing.get_args(annotation))
+    """The view a field holds (X, or X | None), else None; not the items of a tuple (a list in the config: one
+    leaf, its items checked against the schema's `items`)."""
+    candidates = (annotation, *(() if typing.get_origin(annotation) is tuple else typing.get_args(annotation)))
     return next((t for t in candidates if isinstance(t, type) and issubclass(t, View)), None)
 
 

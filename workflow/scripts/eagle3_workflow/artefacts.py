@@ -186,7 +186,7 @@ class RegenerationStats(Artefact):
     magpie_requested: int
     magpie_generated: int  # kept after the filters
     magpie_dropped: dict[str, int]  # empty | unfinished | too_short
-    magpie_prefix: str | None
+    magpie_prefix: str | None  # the unsteered set's (None without one)
     duplicates_dropped: int
     capped_by_max_prompts: int
     too_long_dropped: int
@@ -202,6 +202,9 @@ class RegenerationStats(Artefact):
     settings: dict[str, Any]
     stop_token_ids: list[int] = Field(default_factory=list)  # where answers end (eos + end-of-turn)
     stop_strings: list[str] = Field(default_factory=list)
+    # per Magpie set (`magpie`, `magpie[<name>]` of regenerate.magpie_steered): requested, kept, dropped, prefix,
+    # system_prompt; the totals above sum them
+    magpie_sets: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class DataManifest(Artefact):

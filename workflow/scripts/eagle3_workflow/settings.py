@@ -119,12 +119,21 @@ class DataPreparation(View):
     seed: int
 
 
+class MagpieSteer(View):
+    """One item of regenerate.magpie_steered: a set of Magpie user turns written after a steering system message."""
+
+    name: str
+    prompts: int
+    system_prompt: str
+
+
 class RegenerateSettings(View):
     """The whole regenerate section."""
 
     enabled: bool
     prompt_files: tuple[str, ...]
     magpie_prompts: int
+    magpie_steered: tuple[MagpieSteer, ...]
     magpie_max_tokens: int
     magpie_min_chars: int
     magpie_temperature: Number

@@ -103,6 +103,11 @@ def _data_section(inputs: CardInputs) -> list[str]:
             f"{settings.temperature}, up to {settings.max_tokens} tokens), prompt files "
             f"{list(settings.prompt_files)} plus {settings.magpie_prompts} Magpie user turns asked of "
             "the target"
+            + "".join(
+                f", {s.prompts} more steered by the system prompt {s.system_prompt!r} (`magpie[{s.name}]`; "
+                "the answers under the default template)"
+                for s in settings.magpie_steered
+            )
         )
         if regen is not None:
             shown = {k: v for k, v in regen.model_dump().items() if not isinstance(v, (list, dict))}

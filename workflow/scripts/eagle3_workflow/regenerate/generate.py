@@ -25,7 +25,7 @@ from typing import Any
 from eagle3_workflow.artefacts import RegenerationStats
 from eagle3_workflow.chat import StopSet, assistant_stop_set
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.regenerate.magpie import MagpieResult, generate_magpie_prompts, user_turn_template
+from eagle3_workflow.regenerate.magpie import MagpieResult, generate_magpie_prompts
 from eagle3_workflow.regenerate.prompts import (
     AnswerResult,
     Completion,
@@ -58,7 +58,7 @@ def regenerate(
     """
     prompts_read, prompts = _read_prompt_files(prompt_files)
     started = time.perf_counter()
-    magpie, magpie_prefix = _magpie_prompts(tokenizer, generate, settings)
+    magpie, per_set = _magpie_prompts(tokenizer, generate, settings)
     prompts.extend(magpie.prompts)
     unique, duplicates = deduplicate(prompts)
     capped = 0
@@ -68,8 +68,8 @@ def regenerate(
     if not unique:
         raise StageError(
             f"no prompt to answer: {sum(prompts_read.values())} read from regenerate.prompt_files, "
-            f"{len(magpie.prompts)} of {settings.magpie_prompts} Magpie prompts kept (dropped {magpie.dropped}). "
-            "Give prompt files, or raise regenerate.magpie_prompts / magpie_max_tokens"
+            f"{len(magpie.prompts)} of {sum(s['requested'] for s in per_set.values())} Magpie prompts kept "
+            f"(dropped {magpie.dropped}). Give prompt files, or raise regenerate.magpie_prompts / magpie_max_tokens"
         )
     log.info(
         "answering %d unique prompts (%d duplicates dropped, %d over max_prompts)", len(unique), duplicates, capped
@@ -90,7 +90,7 @@ def regenerate(
         recorded=recorded,
         prompts_read=prompts_read,
         magpie=magpie,
-        magpie_prefix=magpie_prefix,
+        magpie_sets=per_set,
         generate_s=generate_s,
     )
     stats.duplicates_dropped, stats.capped_by_max_prompts = duplicates, capped
@@ -109,31 +109,53 @@ def _read_prompt_files(prompt_files: Sequence[Path]) -> tuple[dict[str, int], li
     return prompts_read, prompts
 
 
+def magpie_sets(settings: RegenerateSettings) -> list[tuple[str, int, str | None]]:
+    """(stream, count, system prompt) of every Magpie set the settings ask for: the unsteered `magpie` set
+    (magpie_prompts), then each of regenerate.magpie_steered as `magpie[<name>]`. Pure."""
+    names = [steer.name for steer in settings.magpie_steered]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise StageError(
+            f"regenerate.magpie_steered names {repeated} more than once: each set's name is its prompts' origin "
+            "and its seed stream; give every set a name of its own"
+        )
+    sets: list[tuple[str, int, str | None]] = []
+    if settings.magpie_prompts > 0:
+        sets.append(("magpie", settings.magpie_prompts, None))
+    sets += [(f"magpie[{s.name}]", s.prompts, s.system_prompt) for s in settings.magpie_steered]
+    return sets
+
+
 def _magpie_prompts(
     tokenizer: Any, generate: GenerateFn, settings: RegenerateSettings
-) -> tuple[MagpieResult, str | None]:
-    """The Magpie prompts the settings ask for (none when magpie_prompts is 0), and the prefix they came from."""
-    if settings.magpie_prompts <= 0:
-        return MagpieResult([], {}, 0), None
-    magpie_prefix = user_turn_template(tokenizer).prefix
-    magpie = generate_magpie_prompts(
-        tokenizer,
-        generate,
-        count=settings.magpie_prompts,
-        max_tokens=settings.magpie_max_tokens,
-        min_chars=settings.magpie_min_chars,
-        temperature=settings.magpie_temperature,
-        seed=settings.seed,
-    )
-    log.info(
-        "magpie: %d of %d generated user turns kept (dropped %s)",
-        len(magpie.prompts),
-        settings.magpie_prompts,
-        magpie.dropped,
-    )
-    for prompt in magpie.prompts[:5]:
-        log.info("magpie example (%s): %r", prompt.origin, prompt.messages[0]["content"][:200])
-    return magpie, magpie_prefix
+) -> tuple[MagpieResult, dict[str, dict[str, Any]]]:
+    """Every Magpie set's prompts (none when no set is asked for), together, and each set's own record."""
+    together = MagpieResult([], {}, 0)
+    per_set: dict[str, dict[str, Any]] = {}
+    for stream, count, system_prompt in magpie_sets(settings):
+        magpie = generate_magpie_prompts(
+            tokenizer,
+            generate,
+            count=count,
+            max_tokens=settings.magpie_max_tokens,
+            min_chars=settings.magpie_min_chars,
+            temperature=settings.magpie_temperature,
+            seed=settings.seed,
+            system_prompt=system_prompt,
+            stream=stream,
+        )
+        log.info(
+            "%s: %d of %d generated user turns kept (dropped %s)", stream, len(magpie.prompts), count, magpie.dropped
+        )
+        for prompt in magpie.prompts[:5]:
+            log.info("%s example (%s): %r", stream, prompt.origin, prompt.messages[0]["content"][:200])
+        per_set[stream] = {"requested": count, "kept": len(magpie.prompts), "dropped": magpie.dropped}
+        per_set[stream] |= {"prefix": magpie.prefix, "system_prompt": system_prompt}
+        together.prompts.extend(magpie.prompts)
+        together.generated_tokens += magpie.generated_tokens
+        for reason, dropped in magpie.dropped.items():
+            together.dropped[reason] = together.dropped.get(reason, 0) + dropped
+    return together, per_set
 
 
 def _answer(
@@ -171,7 +193,7 @@ def _stats(
     recorded: dict[str, Any],
     prompts_read: dict[str, int],
     magpie: MagpieResult,
-    magpie_prefix: str | None,
+    magpie_sets: dict[str, dict[str, Any]],
     generate_s: float,
 ) -> RegenerationStats:
     """The stats of a regeneration; the caller fills in what happened between reading and answering."""
@@ -179,10 +201,11 @@ def _stats(
     return RegenerationStats(
         target="",
         prompts_read=prompts_read,
-        magpie_requested=recorded["magpie_prompts"],
+        magpie_requested=sum(s["requested"] for s in magpie_sets.values()),
         magpie_generated=len(magpie.prompts),
         magpie_dropped=magpie.dropped,
-        magpie_prefix=magpie_prefix,
+        magpie_prefix=magpie_sets["magpie"]["prefix"] if "magpie" in magpie_sets else None,
+        magpie_sets=magpie_sets,
         duplicates_dropped=0,
         capped_by_max_prompts=0,
         too_long_dropped=answered.too_long_dropped,

@@ -26,9 +26,14 @@ class UserTurnTemplate:
     suffix: str  # everything after: the end-of-turn marker
 
 
-def user_turn_template(tokenizer: Any) -> UserTurnTemplate:
-    """Cut the rendering of one user message at its content: the Magpie prefix comes from the template itself."""
-    rendered = render(tokenizer, [{"role": "user", "content": CONTENT_SENTINEL}], add_generation_prompt=False)
+def user_turn_template(tokenizer: Any, system_prompt: str | None = None) -> UserTurnTemplate:
+    """Cut the rendering of one user message at its content: the Magpie prefix comes from the template itself.
+
+    With `system_prompt`, the message follows that system message (a steered set, regenerate.magpie_steered)."""
+    messages = [{"role": "user", "content": CONTENT_SENTINEL}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    rendered = render(tokenizer, messages, add_generation_prompt=False)
     if rendered.count(CONTENT_SENTINEL) != 1:
         raise StageError(
             f"the chat template rendered a user message's content {rendered.count(CONTENT_SENTINEL)} times "
@@ -40,6 +45,12 @@ def user_turn_template(tokenizer: Any) -> UserTurnTemplate:
         raise StageError(
             "the chat template puts nothing before a user message's content (no role header), so the target "
             "cannot be asked to write a user turn; set regenerate.magpie_prompts: 0"
+        )
+    if system_prompt is not None and system_prompt.strip() not in prefix:
+        raise StageError(
+            f"the chat template does not place a system message before the user turn (rendered prefix "
+            f"{prefix[:300]!r}), so regenerate.magpie_steered cannot steer what the target asks; remove "
+            "regenerate.magpie_steered, or give prompt files of the domain in regenerate.prompt_files"
         )
     return UserTurnTemplate(prefix=prefix, suffix=suffix)
 
@@ -69,20 +80,34 @@ class MagpieResult:
     prompts: list[PromptConversation]
     dropped: dict[str, int]
     generated_tokens: int
+    prefix: str | None = None  # the text the turns were sampled after
 
 
 def generate_magpie_prompts(
-    tokenizer: Any, generate: GenerateFn, *, count: int, max_tokens: int, min_chars: int, temperature: float, seed: int
+    tokenizer: Any,
+    generate: GenerateFn,
+    *,
+    count: int,
+    max_tokens: int,
+    min_chars: int,
+    temperature: float,
+    seed: int,
+    system_prompt: str | None = None,
+    stream: str = "magpie",
 ) -> MagpieResult:
-    """Ask the target to write `count` user turns (sampled from the template's user prefix) and filter them."""
-    template = user_turn_template(tokenizer)
+    """Ask the target to write `count` user turns (sampled from the template's user prefix) and filter them.
+
+    `system_prompt` steers the turns (the prefix renders it before the user header); only the user turn is kept, so
+    its answer is later generated under the template's default, as the prompt is served. `stream` names the set:
+    each kept prompt's origin is `<stream>:<i>`, and its seeds are a stream of their own."""
+    template = user_turn_template(tokenizer, system_prompt)
     stop = end_of_turn_stop(tokenizer, template.suffix)
     prefix_ids = tokenizer(template.prefix, add_special_tokens=False)["input_ids"]
     sampling = [
         Sampling(
             temperature=temperature, max_tokens=max_tokens, seed=s, stop_token_ids=stop.token_ids, stop=stop.strings
         )
-        for s in request_seeds(seed, "magpie", count)
+        for s in request_seeds(seed, stream, count)
     ]
     completions = generate([list(prefix_ids)] * count, sampling)
     kept, dropped = [], collections.Counter()
@@ -95,5 +120,5 @@ def generate_magpie_prompts(
         elif len(text) < min_chars:
             dropped["too_short"] += 1
         else:
-            kept.append(PromptConversation(answer_slots([{"role": "user", "content": text}]), f"magpie:{i}"))
-    return MagpieResult(kept, dict(dropped), sum(c.num_tokens for c in completions))
+            kept.append(PromptConversation(answer_slots([{"role": "user", "content": text}]), f"{stream}:{i}"))
+    return MagpieResult(kept, dict(dropped), sum(c.num_tokens for c in completions), template.prefix)
