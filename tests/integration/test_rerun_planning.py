@@ -103,7 +103,10 @@ SHAPE_KEYS = {
     "train/hidden_states",
 }
 # a changed value the schema accepts and the dry run can plan with (evaluate.prompts=file needs a prompt file)
-CHANGED = {"evaluate/prompts": lambda value: "heldout" if value == "humaneval" else "humaneval"}
+CHANGED = {
+    "evaluate/prompts": lambda value: "heldout" if value == "humaneval" else "humaneval",
+    "regenerate/magpie_steered": lambda value: [*value, {"name": "changed", "prompts": 2, "system_prompt": "Changed."}],
+}
 PRESETS = ["tiny", "smollm2-135m"]
 SCHEMA = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
 

@@ -140,6 +140,17 @@ def test_render_says_n_a_for_what_a_run_did_not_measure(run_dir):
     assert "self-distilled" not in card  # a target given by path, data as read
 
 
+def test_the_card_names_each_steered_magpie_set_and_its_system_prompt(run_dir):
+    steer = {"name": "python", "prompts": 12000, "system_prompt": "You are a Python programming assistant."}
+    sections = SECTIONS | {"regenerate": SECTIONS["regenerate"] | {"magpie_steered": [steer]}}
+    config = view_of(PackageDraftStage, with_schema_defaults(run="t", **sections))
+    card = (package_draft(paths_of(run_dir), config, run_dir / "published_draft") / CARD_NAME).read_text()
+    assert "16000 Magpie user turns asked of the target, 12000 more steered by the system prompt " in card
+    assert (
+        "'You are a Python programming assistant.' (`magpie[python]`; the answers under the default template)" in card
+    )
+
+
 def test_an_untimed_untrained_draft_keeps_the_acceptance_table_whole(run_dir):
     acceptance = load(AcceptanceReport, run_dir / "eval" / "acceptance.json")
     untimed = acceptance.untrained.model_copy(update={"throughput": [], "tokens_per_s": 0.0, "speedup": 0.0})
