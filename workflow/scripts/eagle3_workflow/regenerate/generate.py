@@ -90,7 +90,7 @@ def regenerate(
         recorded=recorded,
         prompts_read=prompts_read,
         magpie=magpie,
-        magpie_sets=per_set,
+        per_set=per_set,
         generate_s=generate_s,
     )
     stats.duplicates_dropped, stats.capped_by_max_prompts = duplicates, capped
@@ -193,7 +193,7 @@ def _stats(
     recorded: dict[str, Any],
     prompts_read: dict[str, int],
     magpie: MagpieResult,
-    magpie_sets: dict[str, dict[str, Any]],
+    per_set: dict[str, dict[str, Any]],
     generate_s: float,
 ) -> RegenerationStats:
     """The stats of a regeneration; the caller fills in what happened between reading and answering."""
@@ -201,11 +201,11 @@ def _stats(
     return RegenerationStats(
         target="",
         prompts_read=prompts_read,
-        magpie_requested=sum(s["requested"] for s in magpie_sets.values()),
+        magpie_requested=sum(s["requested"] for s in per_set.values()),
         magpie_generated=len(magpie.prompts),
         magpie_dropped=magpie.dropped,
-        magpie_prefix=magpie_sets["magpie"]["prefix"] if "magpie" in magpie_sets else None,
-        magpie_sets=magpie_sets,
+        magpie_prefix=per_set["magpie"]["prefix"] if "magpie" in per_set else None,
+        magpie_sets=per_set,
         duplicates_dropped=0,
         capped_by_max_prompts=0,
         too_long_dropped=answered.too_long_dropped,
