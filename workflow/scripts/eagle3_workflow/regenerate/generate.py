@@ -149,8 +149,13 @@ def _magpie_prompts(
         )
         for prompt in magpie.prompts[:5]:
             log.info("%s example (%s): %r", stream, prompt.origin, prompt.messages[0]["content"][:200])
-        per_set[stream] = {"requested": count, "kept": len(magpie.prompts), "dropped": magpie.dropped}
-        per_set[stream] |= {"prefix": magpie.prefix, "system_prompt": system_prompt}
+        per_set[stream] = {
+            "requested": count,
+            "kept": len(magpie.prompts),
+            "dropped": magpie.dropped,
+            "prefix": magpie.prefix,
+            "system_prompt": system_prompt,
+        }
         together.prompts.extend(magpie.prompts)
         together.generated_tokens += magpie.generated_tokens
         for reason, dropped in magpie.dropped.items():
