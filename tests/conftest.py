@@ -22,7 +22,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_workflow.settings import (
+# The suite runs TEST_WORKERS (3) pytest processes on 2 cores, each starting vLLM servers, trainers and Snakemake
+# stages: the cores are oversubscribed by design. OpenMP threads that spin at barriers (GNU OpenMP's default) then
+# burn the time of everything beside them: the tiny pipeline's train_draft took 102 s in a clean-clone run against
+# 19 s alone, and 111 s against 28 s beside two busy processes with passive waiting (2026-12-04). Every process
+# of the suite (torch in the test processes, the stages, their trainers and engines) inherits this before any of
+# them loads OpenMP; the workflow itself sets it for the processes it starts on CPU (runtime.child_environment,
+# training.launcher.trainer_env). A value in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from eagle3_workflow.settings import (  # noqa: E402
     DataPreparation,
     EvaluationSettings,
     OnlineTrainSettings,

@@ -163,6 +163,14 @@ def test_the_trainer_entry_applies_the_cpu_shim_only_on_cpu():
     assert METRICS_ENV not in trainer_env(TrainDevice("cpu"), 2)  # set per attempt by run_attempt
 
 
+def test_a_cpu_trainer_waits_passively_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert trainer_env(TrainDevice("cpu"), 2)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in trainer_env(TrainDevice("cuda", 1), 2)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert trainer_env(TrainDevice("cpu"), 2)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Metrics: the trainer entry's handler and the table built from its records (speculators' real logger, in a
 # trainer-like process: tests/integration/test_training_trainer.py)
