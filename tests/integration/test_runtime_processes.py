@@ -558,3 +558,41 @@ def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_fo
     assert "did not stop" not in caplog.text
     assert server.child is not None
     assert not alive(tree(server.child.pid))
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_vllm_binds_it_is_retried_on_a_fresh_port(tiny_targets, tmp_path, monkeypatch, caplog):
+    """free_port() can only say a port is free now: another job's server may bind it before this one does (a
+    clean-clone suite failed so: '[Errno 98] Address already in use' from vLLM's launcher). The server is started
+    again on a fresh port, the log says why, and the server that answers is this one (its API key works)."""
+    import socket
+    import urllib.request
+
+    import eagle3_workflow.vllm_server as vllm_server
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # another process's listening socket: connections hang, vLLM's bind fails
+    taken_port = taken.getsockname()[1]
+    ports = iter([taken_port])
+    monkeypatch.setattr(vllm_server, "free_port", lambda: next(ports, None) or really_free_port())
+    spec = vllm_server.target_server_spec(_serving(), model=str(tiny_targets("llama")), device="cpu")
+    try:
+        with vllm_server.VLLMServer(spec, tmp_path / "server.log") as server:
+            assert server.port != taken_port
+            request = urllib.request.Request(f"{server.base_url}/v1/models", headers=server.headers())
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert response.status == 200
+    finally:
+        taken.close()
+    assert "Address already in use" in (tmp_path / "server.log").read_text()
+    assert (f"port {taken_port} was taken before vLLM bound it; starting the server again on a fresh port "
+            "(attempt 2 of 3)") in caplog.text  # fmt: skip
+
+
+def really_free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -284,3 +284,31 @@ def test_a_file_wait_left_behind_by_a_stopped_loop_ends_with_release_waits(tmp_p
     task.cancel()
     writer.close()
     loop.close()
+
+
+def test_a_foreign_server_on_the_port_is_never_taken_for_ours():
+    """Another server answering on the port (another job's vLLM, with its own API key) is a taken port, not
+    readiness: VLLMServer starts again elsewhere instead of sending this stage's work to someone else's server."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from eagle3_workflow.vllm_server import PortTaken, VLLMServer
+
+    class ForeignServer(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200 if self.path == "/health" else 401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    foreign = ThreadingHTTPServer(("127.0.0.1", 0), ForeignServer)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    try:
+        server = VLLMServer(target_server_spec(tiny_settings(ServingStage), model="/models/t", device="cpu"), "x.log")
+        server.port = foreign.server_address[1]
+        with pytest.raises(PortTaken, match=f"another server answers on port {server.port} \\(HTTP 401"):
+            server._answers_with_our_key()
+    finally:
+        foreign.shutdown()
+        foreign.server_close()

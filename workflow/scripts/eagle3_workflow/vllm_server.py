@@ -39,6 +39,7 @@ from eagle3_workflow.settings import ServingStage, VllmSettings
 
 __all__ = [
     "ServerFailure",
+    "PortTaken",
     "ServerSpec",
     "TensorParallelRefused",
     "VLLMServer",
@@ -77,6 +78,16 @@ class ServerFailure(StageError):
 
 class TensorParallelRefused(StageError):
     """The configured tensor-parallel size cannot be served on this machine's CPUs; the message says the fix."""
+
+
+class PortTaken(ServerFailure):
+    """The port chosen for the server was taken by another process before vLLM bound it (free_port can only say a
+    port is free now), or another server answers on it: VLLMServer starts again on a fresh port."""
+
+
+# vLLM's bind failure (launcher.create_server_socket): another process took the port between free_port() and the bind
+ADDRESS_IN_USE = re.compile(r"\[Errno 98\] Address already in use|EADDRINUSE")
+PORT_ATTEMPTS = 3
 
 
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
@@ -422,19 +433,28 @@ class VLLMServer:
         return self.child.last_lines(TAIL_LINES) if self.child is not None else []
 
     def __enter__(self) -> VLLMServer:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.start()
+            try:
+                self.wait_ready()
+                return self
+            except PortTaken as taken:
+                self.stop()
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("%s; starting the server again on a fresh port (attempt %d of %d)", taken.args[0].splitlines()[0],
+                            attempt + 1, PORT_ATTEMPTS)  # fmt: skip
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def start(self) -> None:
         self.port = free_port()
+        self.fatal, self.fatal_line, self.disk_full_line, self._stopping = None, "", None, False
         cmd = build_server_command(self.spec, self.port, self.python)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM: %s", " ".join(cmd))
@@ -476,13 +496,21 @@ class VLLMServer:
             raise self._failure(f"the vLLM server failed: {self.fatal}")
 
     def wait_ready(self) -> float:
+        """Wait until this server answers /health and, with its own API key, /v1/models. Raises PortTaken when vLLM
+        could not bind its port or another server answers there (never talk to someone else's server), ServerFailure
+        for any other failure."""
         start = time.monotonic()
         deadline = start + self.spec.ready_timeout_s
         while time.monotonic() < deadline:
-            self.check()
+            try:
+                self.check()
+            except ServerFailure as failure:
+                if self._port_in_use():
+                    raise PortTaken(f"port {self.port} was taken before vLLM bound it\n{failure}") from failure
+                raise
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:  # noqa: S310
-                    if response.status == 200:
+                    if response.status == 200 and self._answers_with_our_key():
                         self.ready_s = time.monotonic() - start
                         log.info("vLLM ready on 127.0.0.1:%d after %.1f s", self.port, self.ready_s)
                         return self.ready_s
@@ -493,6 +521,22 @@ class VLLMServer:
             f"the vLLM server was not ready after {self.spec.ready_timeout_s:.0f} s "
             "(vllm.ready_timeout_s); a large model may need more, a stuck one shows why below"
         )
+
+    def _port_in_use(self) -> bool:
+        return self.child is not None and any(ADDRESS_IN_USE.search(line) for line in self.child.last_lines(TAIL_LINES))
+
+    def _answers_with_our_key(self) -> bool:
+        """/v1/models with this server's API key: 200 from our server; 401 means another server owns the port."""
+        request = urllib.request.Request(f"{self.base_url}/v1/models", headers=self.headers())
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
+                return response.status == 200
+        except urllib.error.HTTPError as error:
+            if error.code in (401, 403):
+                raise PortTaken(
+                    f"another server answers on port {self.port} (HTTP {error.code} to this server's API key)"
+                ) from error
+            return False
 
     def stop(self) -> None:
         """Stop the whole process tree. A server that already failed is killed without a grace period
