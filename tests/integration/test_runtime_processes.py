@@ -586,8 +586,8 @@ def test_a_port_taken_before_vllm_binds_it_is_retried_on_a_fresh_port(tiny_targe
     finally:
         taken.close()
     assert "Address already in use" in (tmp_path / "server.log").read_text()
-    assert (f"port {taken_port} was taken before vLLM bound it; starting the server again on a fresh port "
-            "(attempt 2 of 3)") in caplog.text  # fmt: skip
+    assert (f"port {taken_port} (or another port the server binds) was taken before vLLM bound it; starting the "
+            "server again on a fresh port (attempt 2 of 3)") in caplog.text  # fmt: skip
 
 
 def really_free_port() -> int:

@@ -38,8 +38,8 @@ from eagle3_workflow.runtime.child import ChildProcess, first_traceback, strip_l
 from eagle3_workflow.settings import ServingStage, VllmSettings
 
 __all__ = [
-    "ServerFailure",
     "PortTaken",
+    "ServerFailure",
     "ServerSpec",
     "TensorParallelRefused",
     "VLLMServer",
@@ -506,7 +506,9 @@ class VLLMServer:
                 self.check()
             except ServerFailure as failure:
                 if self._port_in_use():
-                    raise PortTaken(f"port {self.port} was taken before vLLM bound it\n{failure}") from failure
+                    raise PortTaken(
+                        f"port {self.port} (or another port the server binds) was taken before vLLM bound it\n{failure}"
+                    ) from failure
                 raise
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:  # noqa: S310

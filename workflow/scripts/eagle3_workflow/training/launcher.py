@@ -128,9 +128,10 @@ def trainer_env(device: TrainDevice, cpu_threads: int | None) -> dict[str, str]:
         env[DEVICE_ENV] = "cpu"  # the trainer entry applies the CPU shim
         if cpu_threads and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(cpu_threads)
-        # OpenMP threads that spin at every barrier lose most of their time to whatever else runs on the cores: the
-        # tiny run's training took 111 s instead of 28 s beside two busy processes on 2 cores (19 s against 20 s
-        # alone), as vLLM's CPU engines do (runtime.child_environment). A value in the environment wins.
+        # OpenMP threads that spin at every barrier take the cores from whatever else runs there: the tiny run's
+        # training took 116.6 s with GNU OpenMP's default waiting against 31.2 s passive beside two busy processes on
+        # 2 cores, 23.2 s against 27.3 s alone (bench/suite/bench_omp_wait.py, 2026-12-04). vLLM's CPU engines wait
+        # passively too (runtime.child_environment). A value in the environment wins.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
