@@ -575,6 +575,7 @@ def test_a_port_taken_before_vllm_binds_it_is_retried_on_a_fresh_port(tiny_targe
     taken.listen()  # another process's listening socket: connections hang, vLLM's bind fails
     taken_port = taken.getsockname()[1]
     ports = iter([taken_port])
+    really_free_port = vllm_server.free_port
     monkeypatch.setattr(vllm_server, "free_port", lambda: next(ports, None) or really_free_port())
     spec = vllm_server.target_server_spec(_serving(), model=str(tiny_targets("llama")), device="cpu")
     try:
@@ -588,11 +589,3 @@ def test_a_port_taken_before_vllm_binds_it_is_retried_on_a_fresh_port(tiny_targe
     assert "Address already in use" in (tmp_path / "server.log").read_text()
     assert (f"port {taken_port} (or another port the server binds) was taken before vLLM bound it; starting the "
             "server again on a fresh port (attempt 2 of 3)") in caplog.text  # fmt: skip
-
-
-def really_free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
