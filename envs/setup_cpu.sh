@@ -45,6 +45,15 @@ else
   "${pip[@]}" install -q -r "$req"
 fi
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+# Every interpreter of this environment collects garbage less often. With CPython's default thresholds (700, 10, 10)
+# the cyclic collector walks the objects vLLM, torch, transformers and speculators build while they are imported
+# (objects that live as long as the process) again and again: 16% of the CPU time of importing vLLM's OpenAI server,
+# which every CPU vLLM server of the canary, extraction and evaluation pays (bench/suite/bench_gc_imports.py,
+# 2026-12-04). A .pth line runs at each interpreter's start (site.py), so it reaches the processes that never import
+# the workflow's code too: Snakemake, its jobs' script wrappers, the workers vLLM spawns. Cycles are still
+# collected, less often (tests/unit/test_environment.py).
+site_packages=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import gc; gc.set_threshold(50000, 20, 100)" > "$site_packages/eagle3-gc-thresholds.pth"
 "$venv/bin/python" -c 'import importlib.metadata, vllm, speculators, snakemake, torch; print("setup: torch", torch.__version__, "vllm", vllm.__version__, "speculators", importlib.metadata.version("speculators"))'
 # vLLM inspects each model class once per installed version, in a subprocess that imports vLLM again (~12 s
 # each on 2 cores), and caches the answer in ~/.cache/vllm/modelinfos: the tiny run's first server and its first

@@ -42,7 +42,17 @@ from eagle3_workflow.target_config import read_target_config
 
 
 def extraction_config(run: str, **extraction) -> dict:
-    return tiny_config(run=run, extraction={"progress_interval_s": 0.5, **extraction}, data={"max_samples": 96})
+    """The tiny preset as these tests extract it: 96 samples, progress every 0.5 s, and each replica (and the
+    canary) on one GPU of a fake 2-GPU machine (gpu_placement.machine_gpus; vLLM still runs on the CPU): the
+    runs below take their devices as a GPU run does (the placement's own tests:
+    tests/integration/test_gpu_placement_processes.py). Where the locks live and how many GPUs a job takes are
+    resources, not params: a copied run replans nothing for them."""
+    return tiny_config(
+        run=run,
+        extraction={"progress_interval_s": 0.5, "gpus_per_replica": 1, **extraction},
+        data={"max_samples": 96},
+        gpu_placement={"machine_gpus": 2},
+    )
 
 
 def hidden_dir(workdir: Path, run: str) -> Path:
@@ -66,7 +76,9 @@ def assert_same_samples(got: dict, clean: dict) -> None:
 def clean_run(tmp_path_factory):
     """A clean extraction of the tiny preset, up to validation (the reference the fault tests compare with)."""
     workdir = tmp_path_factory.mktemp("clean")
-    run_workflow(workdir, extraction_config("x"), extra=["--until", "validate_hidden_states"])
+    # the fake machine's devices, not a SLURM allocation or CUDA_VISIBLE_DEVICES of the shell running the tests
+    unset = {name: None for name in os.environ if name.startswith("SLURM_") or name == "CUDA_VISIBLE_DEVICES"}
+    run_workflow(workdir, extraction_config("x"), extra=["--until", "validate_hidden_states"], env=unset)
     return workdir
 
 
@@ -100,6 +112,18 @@ def test_clean_run_writes_progress_manifest_and_validation(clean_run):
     assert "tok/s" in log
     modes = {oct(p.stat().st_mode & 0o777) for p in (hidden / "files").glob("hs_*.safetensors")}
     assert modes == {oct(0o666 & ~process_umask())}, "hidden states must be readable by the group (vLLM writes 0600)"
+
+
+@pytest.mark.slow
+def test_the_real_gpu_stages_hold_their_devices(clean_run):
+    """The real canary and extraction rules on the fake 2-GPU machine: each job's log records the device it held,
+    once. Distinct ids for concurrent jobs: the Snakemake test of test_gpu_placement_processes.py (8 vLLM servers at
+    once do not fit the suite's budget)."""
+    for job in ("canary", "extract_hidden_states_replica_0"):
+        log_text = (clean_run / "results" / "x" / "logs" / f"{job}.log").read_text()
+        held = [line for line in log_text.splitlines() if "gpu placement: holding GPU(s)" in line]
+        assert len(held) == 1, (job, held)
+        assert " of 0,1 " in held[0], (job, held)
 
 
 @pytest.mark.slow

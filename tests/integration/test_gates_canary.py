@@ -79,13 +79,29 @@ def row(report, name: str):
     return next(r for r in report.checks if r.name == name)
 
 
+# the healthy targets' shapes: DeepSeek-V3 at hidden 128 (8 experts, top-2), where bf16 serving routes a few
+# near-tied tokens to the other expert: test_canary_passes_and_matches_hf checks those are excused and counted
+HEALTHY_SHAPES = {"deepseek_v3": {"hidden_size": 128, "head_dim": 64}}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
-    report = canary(tiny_targets(arch), tmp_path)
+    """Healthy targets pass, every slot nearest its own layer. The MoE target (DeepSeek-V3, hidden 128, 8 experts,
+    top-2): bf16 serving routes a few near-tied tokens to the other expert (measured: 5 of 173 tokens up to 0.079
+    max rel error, every one back to <= 0.008 with that routing swapped), which the per-token maximum called a
+    failure. Those tokens are excused, counted (at most 10% of them); the rest still hold 0.05."""
+    target = tiny_targets(arch, **HEALTHY_SHAPES.get(arch, {}))
+    report = canary(target, tmp_path)
     assert report.passed, report.checks
     assert report.proof == "hf_fp32" and report.reference.startswith("HF transformers")
-    assert max(report.per_layer_max_rel_error.values()) < 0.05
+    if arch != "deepseek_v3":
+        assert max(report.per_layer_max_rel_error.values()) < 0.05
+    else:
+        assert max(report.per_layer_max_rel_error.values()) <= 0.05
+        assert sum(report.per_layer_ambiguous_tokens.values()) > 0, "the routers were seen"
+        tokens = sum(len(s.input_ids) for s in canary_inputs(target)[0])
+        assert all(n <= 0.1 * tokens for n in report.per_layer_excused_tokens.values())
     assert report.canary_layer_ids == [2, 4, 6, 8]  # production's shape on the 8-layer tiny target
     assert set(report.layer_matches) == {"2", "4", "6", "8"}
     assert all(m.best == k for k, m in report.layer_matches.items())
@@ -157,21 +173,6 @@ def test_self_consistency_runs_only_when_asked_and_the_artefact_says_so(tiny_tar
     assert not any(r.name == "vs HF fp32 reference" for r in report.checks)
     assert not report.layer_matches
     assert (tmp_path / "files_repeat" / "hs_0.safetensors").exists(), "the second extraction went to its own folder"
-
-
-@pytest.mark.slow
-def test_a_healthy_moe_target_at_hidden_128_passes(tiny_targets, tmp_path):
-    """DeepSeek-V3, hidden 128, 8 experts, top-2: bf16 serving routes a few near-tied tokens to the other expert
-    (measured: 5 of 173 tokens up to 0.079 max rel error, every one back to <= 0.008 with that routing swapped), which
-    the per-token maximum called a failure. Those tokens are excused, counted; the rest still hold 0.05."""
-    report = canary(tiny_targets("deepseek_v3", hidden_size=128, head_dim=64), tmp_path)
-    assert report.passed, report.checks
-    assert report.proof == "hf_fp32"
-    assert all(m.best == k for k, m in report.layer_matches.items())
-    assert max(report.per_layer_max_rel_error.values()) <= 0.05
-    assert sum(report.per_layer_ambiguous_tokens.values()) > 0, "the routers were seen"
-    tokens = sum(len(s.input_ids) for s in canary_inputs(tiny_targets("deepseek_v3", hidden_size=128, head_dim=64))[0])
-    assert all(n <= 0.1 * tokens for n in report.per_layer_excused_tokens.values())
 
 
 @pytest.mark.slow

@@ -286,24 +286,6 @@ def test_every_gpu_rule_declares_its_placement(tmp_path):
         assert "@holding_gpus(snakemake)" in inspect.getsource(stage.main), stage.__name__
 
 
-# ------------------------------------------------------------------- the real rules, real vLLM on CPU
-
-
-@pytest.mark.slow
-def test_real_gpu_stages_hold_their_devices(tmp_path):
-    """The real canary and extraction rules on a fake 2-GPU machine (vLLM on CPU): each job's log records the
-    device it held. Distinct ids for concurrent jobs are the Snakemake test's above (8 vLLM servers at once do
-    not fit this test's budget)."""
-    config = tiny_config(
-        "placed",
-        data={"max_samples": 16},  # the placement is the point, not the samples
-        extraction={"replicas": 1, "gpus_per_replica": 1},
-        gpu_placement={"machine_gpus": 2, "lock_dir": str(tmp_path / "locks")},
-    )
-    target = "results/placed/hidden_states/replica_0.json"
-    run_workflow(tmp_path / "work", config, targets=[target], extra=["--resources", "gpu=2"], env=placement_env())
-    for job in ("canary", "extract_hidden_states_replica_0"):
-        log_text = (tmp_path / "work" / "results" / "placed" / "logs" / f"{job}.log").read_text()
-        held = [line for line in log_text.splitlines() if "gpu placement: holding GPU(s)" in line]
-        assert len(held) == 1, (job, held)
-        assert " of 0,1 " in held[0], (job, held)
+# The real canary and extraction rules holding their devices (vLLM on CPU, a fake 2-GPU machine):
+# tests/integration/test_extraction_server.py runs every extraction of its module that way, and its
+# test_the_real_gpu_stages_hold_their_devices reads the holds back from the logs.

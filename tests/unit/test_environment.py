@@ -1,0 +1,44 @@
+"""What the CPU environment `make setup` builds does to every interpreter it starts: the cyclic garbage collector's
+thresholds (envs/setup_cpu.sh writes them into a .pth file; bench/suite/bench_gc_imports.py measures why)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PYTHON_DEFAULT = (700, 10, 10)
+
+
+def run_python(code: str) -> str:
+    """`code` in a fresh interpreter of this environment, as every stage, server and Snakemake job starts."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_every_interpreter_of_the_environment_collects_garbage_less_often():
+    thresholds = tuple(int(v) for v in run_python("import gc; print(*gc.get_threshold())").split())
+    assert thresholds[0] >= 10_000, f"{thresholds}: envs/setup_cpu.sh's .pth did not run (make setup)"
+    assert thresholds != PYTHON_DEFAULT
+
+
+def test_garbage_in_reference_cycles_is_still_collected_without_being_asked():
+    """Cycles are freed by the collector on its own (no gc.collect()) while the process runs: the thresholds make
+    it run less often, never not at all."""
+    code = """
+import gc
+import weakref
+
+freed = [0]
+class Node:
+    pass
+def count(_):
+    freed[0] += 1
+for _ in range(3 * gc.get_threshold()[0]):
+    node = Node()
+    node.self = node
+    weakref.finalize(node, count, None)
+del node
+print(freed[0])
+"""
+    assert int(run_python(code)) > 0
