@@ -55,8 +55,9 @@ cleanup() {
         wait "${neighbours[@]}" 2>/dev/null || true
     fi
     local group
-    for group in "${groups[@]}"; do  # a group can only go once it is empty
-        rmdir "$group" 2>/dev/null || echo "slow_day.sh: $group still holds processes; rmdir it once they end" >&2
+    for group in "${groups[@]}"; do  # a group can only go once it is empty, a moment after its processes ended
+        for _ in {1..50}; do rmdir "$group" 2>/dev/null && break; sleep 0.1; done
+        [[ ! -d $group ]] || echo "slow_day.sh: $group still holds processes; rmdir it once they end" >&2
     done
 }
 trap cleanup EXIT
@@ -81,12 +82,21 @@ for ((cpu = 0; cpu < cpus; cpu++)); do
     neighbours+=("$!")
 done
 
-echo "slow_day.sh: $cpus neighbours, one pinned to each core, take $quota_us us of CPU time in every" \
-    "$period_us us (the command gets 1/$factor of every core)" >&2
+echo "slow_day.sh: $cpus neighbours, one pinned to each core, may take $quota_us us of the $cpus x $period_us us" \
+    "of CPU time in every $period_us us (the command gets 1/$factor of every core)" >&2
 started=$(date +%s.%N)
+# the command in the background, so that a TERM, INT or HUP to this script reaches it and the neighbours still go
+# (the EXIT trap); stdin stays this script's
 set +e
-"$@"
+"$@" <&0 &
+command_pid=$!
+trap 'kill -TERM "$command_pid" 2>/dev/null' TERM INT HUP
+wait "$command_pid"
 status=$?
+while kill -0 "$command_pid" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the command's own end
+    wait "$command_pid"
+    status=$?
+done
 set -e
 elapsed=$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 taken=$(neighbour_cpu_s)
