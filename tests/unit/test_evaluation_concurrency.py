@@ -159,10 +159,12 @@ def test_without_a_lock_path_the_passes_are_those_of_a_process_alone(monkeypatch
 
 # ---------------------------------------------------------------- real processes against a stand-in vLLM (CPU)
 
+FAKE_ENGINE_HANG_S = 120  # seconds, an engine start that hangs (FAKE_VLLM_HANG=<label>)
 FAKE_VLLM = '''
 """A stand-in for vLLM (tests/unit/test_evaluation_concurrency.py): engines that sleep and log what they did."""
 import json, os, time
 
+HANG_S = FAKE_ENGINE_HANG_S
 __version__ = "0.0.fake"
 
 
@@ -188,13 +190,29 @@ class _Request:
         self.outputs = [_Completion()]
 
 
+def _wait_for_the_others():
+    """FAKE_VLLM_AT_ONCE=N: an engine start returns once N processes are in theirs (a state, not a clock: however
+    slow the machine, processes started at once overlap here), or after 60 s, so that engines started one after
+    another show as not overlapping."""
+    count = int(os.environ.get("FAKE_VLLM_AT_ONCE", "0"))
+    if not count:
+        return
+    starting = os.environ["FAKE_VLLM_EVENTS"] + ".starting"
+    os.makedirs(starting, exist_ok=True)
+    open(os.path.join(starting, str(os.getpid())), "w").close()
+    deadline = time.time() + 60
+    while len(os.listdir(starting)) < count and time.time() < deadline:
+        time.sleep(0.05)
+
+
 class LLM:
     def __init__(self, **kwargs):
         start = time.time()
         self.label = os.path.basename((kwargs.get("speculative_config") or {}).get("model", "no_speculation"))
         if self.label == os.environ.get("FAKE_VLLM_FAIL"):
             raise RuntimeError(f"the fake engine {self.label} refused to start")
-        time.sleep(120 if self.label == os.environ.get("FAKE_VLLM_HANG") else 0.3)
+        time.sleep(HANG_S if self.label == os.environ.get("FAKE_VLLM_HANG") else 0.3)
+        _wait_for_the_others()
         _log(self.label, "engine_start", start)
 
     def generate(self, prompts, sampling, use_tqdm=None):
@@ -210,7 +228,7 @@ class LLM:
 
     def get_metrics(self):
         return []
-'''
+'''.replace("FAKE_ENGINE_HANG_S", str(FAKE_ENGINE_HANG_S))
 
 
 @pytest.fixture
@@ -256,7 +274,8 @@ def _plan(tmp_path: Path, draft: str) -> list[PlannedProcess]:
     ]  # fmt: skip
 
 
-def test_processes_at_once_never_time_beside_another_process_and_a_rerun_reuses_them(tmp_path, fake_vllm):
+def test_processes_at_once_never_time_beside_another_process_and_a_rerun_reuses_them(tmp_path, fake_vllm, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_AT_ONCE", "3")  # each engine start waits for the other two processes' (above)
     evaluation_ = _evaluation(tmp_path)
     engine = {"model": str(_model(tmp_path / "target"))}
     log_path = tmp_path / "evaluate.log"
@@ -290,7 +309,8 @@ def test_a_failing_process_fails_the_stage_with_its_traceback_and_stops_the_othe
     with pytest.raises(StageError) as failure:
         measure_runs(_plan(tmp_path, "broken"), {"model": str(_model(tmp_path / "target"))}, _evaluation(tmp_path),
                      log_path=tmp_path / "evaluate.log")  # fmt: skip
-    assert time.monotonic() - started < 40  # the hanging ones were stopped, not waited for
+    # the hanging ones were stopped, not waited for: on any day well under the hang (an engine that starts: 0.3 s)
+    assert time.monotonic() - started < FAKE_ENGINE_HANG_S - 20
     message = str(failure.value)
     assert "exited with code 1" in message
     assert "Traceback (most recent call last)" in message
