@@ -120,6 +120,12 @@ def workflow_command(
     ]
 
 
+def without_gpu_allocation() -> dict[str, None]:
+    """For workflow_env: unset the SLURM_* and CUDA_VISIBLE_DEVICES of the shell running the tests, so that a run
+    on a fake GPU machine (gpu_placement.machine_gpus) takes its devices from that machine, not an allocation."""
+    return {name: None for name in os.environ if name.startswith("SLURM_") or name == "CUDA_VISIBLE_DEVICES"}
+
+
 def workflow_env(env: dict | None = None) -> dict[str, str]:
     """The test's environment plus `env` (a None value unsets the variable), with this venv's bin first on PATH
     (jobs run `python`, `snakemake`)."""

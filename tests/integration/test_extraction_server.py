@@ -32,6 +32,7 @@ from conftest import (
     tiny_config,
     tiny_settings,
     wait_until,
+    without_gpu_allocation,
 )
 from safetensors.torch import load_file
 
@@ -76,9 +77,8 @@ def assert_same_samples(got: dict, clean: dict) -> None:
 def clean_run(tmp_path_factory):
     """A clean extraction of the tiny preset, up to validation (the reference the fault tests compare with)."""
     workdir = tmp_path_factory.mktemp("clean")
-    # the fake machine's devices, not a SLURM allocation or CUDA_VISIBLE_DEVICES of the shell running the tests
-    unset = {name: None for name in os.environ if name.startswith("SLURM_") or name == "CUDA_VISIBLE_DEVICES"}
-    run_workflow(workdir, extraction_config("x"), extra=["--until", "validate_hidden_states"], env=unset)
+    run_workflow(workdir, extraction_config("x"), extra=["--until", "validate_hidden_states"],
+                 env=without_gpu_allocation())  # fmt: skip
     return workdir
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config
+from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config, without_gpu_allocation
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.gpu_placement import PlacementSettings, hold_gpus
@@ -57,8 +57,7 @@ WORKER = textwrap.dedent(
 def placement_env() -> dict[str, str | None]:
     """A job on the fake GPU machine: none of the test's own SLURM_* or CUDA_VISIBLE_DEVICES (None unsets them in
     conftest's runner), the workflow's scripts importable."""
-    unset = {name: None for name in os.environ if name.startswith("SLURM_") or name == "CUDA_VISIBLE_DEVICES"}
-    return {**unset, "PYTHONPATH": str(SCRIPTS)}
+    return {**without_gpu_allocation(), "PYTHONPATH": str(SCRIPTS)}
 
 
 def worker_env() -> dict[str, str]:
