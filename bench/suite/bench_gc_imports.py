@@ -2,8 +2,8 @@
 (each CPU vLLM server of the canary, extraction and online training), vLLM (evaluation's engines, check_api),
 speculators (the trainer) and Snakemake (every job), each imported in a fresh interpreter with Python's default
 thresholds (700, 10, 10), with the thresholds every interpreter of this environment starts with (envs/setup_cpu.sh
-writes them into a .pth file) and with the collector off. Side by side in one run, interleaved, CPU seconds (user + system) of each import; the
-median of --repeats and the ratio to the default.
+writes them into a .pth file) and with the collector off. Side by side in one run, interleaved, CPU seconds (user +
+system) of each import; the median of --repeats and the ratio to the default.
 
 usage: .venv/bin/python bench/suite/bench_gc_imports.py [--repeats 5] [--thresholds 50000,20,100 ...]
 """
