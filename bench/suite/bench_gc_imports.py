@@ -1,8 +1,9 @@
 """What CPython's cyclic garbage collector costs the imports every stage process starts with: vLLM's OpenAI server
 (each CPU vLLM server of the canary, extraction and online training), vLLM (evaluation's engines, check_api),
 speculators (the trainer) and Snakemake (every job), each imported in a fresh interpreter with Python's default
-thresholds (700, 10, 10), with the thresholds every interpreter of this environment starts with (envs/setup_cpu.sh
-writes them into a .pth file) and with the collector off. Side by side in one run, interleaved, CPU seconds (user +
+thresholds (700, 10, 10), with the thresholds every interpreter of this environment starts with, with the collector
+off, and as the environment runs it: its thresholds and gc.freeze() at exit, which skips the finalization's
+collections (envs/setup_cpu.sh writes both into a .pth file). Each figure includes the interpreter's exit. Side by side in one run, interleaved, CPU seconds (user +
 system) of each import; the median of --repeats and the ratio to the default.
 
 usage: .venv/bin/python bench/suite/bench_gc_imports.py [--repeats 5] [--thresholds 50000,20,100 ...]
@@ -47,12 +48,15 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    settings = {"default (700, 10, 10)": "import gc; gc.set_threshold(700, 10, 10)",
-                f"this environment {environment_thresholds()}": "pass"}  # fmt: skip
+    # every setting but the environment's own leaves out the .pth's gc.freeze at exit (atexit.unregister)
+    no_freeze = "import atexit, gc; atexit.unregister(gc.freeze); "
+    settings = {"default (700, 10, 10)": no_freeze + "gc.set_threshold(700, 10, 10)",
+                f"thresholds {environment_thresholds()}": no_freeze + "pass"}  # fmt: skip
     for triple in args.thresholds:
         values = tuple(int(v) for v in triple.split(","))
-        settings[f"{values}"] = f"import gc; gc.set_threshold{values}"
-    settings["off"] = "import gc; gc.disable()"
+        settings[f"thresholds {values}"] = no_freeze + f"gc.set_threshold{values}"
+    settings["off"] = no_freeze + "gc.disable()"
+    settings["this environment: thresholds + freeze at exit"] = "pass"
 
     print(f"{platform.node()}, {platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d %H:%M')}, "
           f"Python {platform.python_version()}, {args.repeats} repeats, interleaved")  # fmt: skip
@@ -66,7 +70,7 @@ def main() -> None:
         print(f"\nimport {module}: CPU seconds, median of {args.repeats} (min-max) | / default")
         for name, values in runs.items():
             median = statistics.median(values)
-            print(f"  {name:28} {median:6.2f} ({min(values):.2f}-{max(values):.2f}) | {median / default:.2f}")
+            print(f"  {name:46} {median:6.2f} ({min(values):.2f}-{max(values):.2f}) | {median / default:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """What the CPU environment `make setup` builds does to every interpreter it starts: the cyclic garbage collector's
-thresholds (envs/setup_cpu.sh writes them into a .pth file; bench/suite/bench_gc_imports.py measures why)."""
+thresholds, and gc.freeze() at exit (envs/setup_cpu.sh writes both into a .pth file; bench/suite/bench_gc_imports.py
+measures why)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,31 @@ del node
 print(freed[0])
 """
     assert int(run_python(code)) > 0
+
+
+def test_at_exit_the_collector_skips_what_lived_as_long_as_the_process_after_every_other_handler(tmp_path):
+    """The .pth registers gc.freeze with atexit before anything else can, so it runs last: a handler registered
+    later (a library's, the workflow's) and weakref.finalize callbacks still find the collector as it was. What a
+    process left open is still written: an unclosed file's buffer reaches the disk."""
+    unclosed = tmp_path / "unclosed.txt"
+    code = f"""
+import atexit
+import gc
+import weakref
+
+class Resource:
+    pass
+kept = Resource()
+weakref.finalize(kept, lambda: print("finalize sees", gc.get_freeze_count(), "frozen"))
+atexit.register(lambda: print("a later handler sees", gc.get_freeze_count(), "frozen"))
+left_open = open({str(unclosed)!r}, "w")
+left_open.write("buffered, never flushed")
+atexit._run_exitfuncs()  # what the interpreter's exit runs first; the finalization follows
+print("after every handler:", gc.get_freeze_count() > 0)
+"""
+    assert run_python(code).splitlines() == [
+        "a later handler sees 0 frozen",
+        "finalize sees 0 frozen",
+        "after every handler: True",
+    ], "envs/setup_cpu.sh's .pth registers gc.freeze first, so that it runs last (make setup)"
+    assert unclosed.read_text() == "buffered, never flushed"
