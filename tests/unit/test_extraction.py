@@ -8,11 +8,14 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_settings
+from conftest import REPO, tiny_settings
 from safetensors.torch import save_file
 
 from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, disk_full_line, mount_point
@@ -182,6 +185,48 @@ def test_progress_ends_in_its_last_state_and_never_raises(tmp_path):
     progress = json.loads((tmp_path / "progress.json").read_text())
     assert (progress["state"], progress["samples_done"], progress["message"]) == ("stopped", 4, "stopped by SIGTERM")
     ProgressTracker(tmp_path, 0, 10, 3).finish("failed", "a folder where the file should be")  # warns, no raise
+
+
+def test_a_stop_whose_exception_a_library_swallowed_still_ends_progress_as_stopped(tmp_path):
+    """Found on a simulated slow day: a SIGTERM that arrived while the client read a scratch file raised
+    StageStopped inside safetensors, which came out as a ValueError, and the file check made that a StageError: the
+    stage exited 143 "stopped by SIGTERM" (run_stage knew), but progress.json said failed. In a process of its own:
+    the stop handlers must not be installed in the test's."""
+    code = f"""
+import os, signal
+from pathlib import Path
+from types import SimpleNamespace
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.extraction.replica import _end_failed_replica
+from eagle3_workflow.extraction_client import ProgressTracker
+from eagle3_workflow.runtime.stage import install_stop_handlers, stop_received
+
+install_stop_handlers()
+assert stop_received() is None
+try:
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # raises StageStopped here, as inside a library's read
+    except BaseException as swallowed:
+        raise ValueError(f"a library's own error instead of {{swallowed!r}}")
+except ValueError as exc:
+    failure = StageError(f"row 2: the file the server wrote is invalid: unreadable: {{exc!r}}")
+tmp = Path({str(tmp_path)!r})
+tracker = ProgressTracker(tmp / "progress.json", 0, 96, 2)
+tracker.add(121, 1.0)
+request = SimpleNamespace(files=SimpleNamespace(folder=tmp / "files"), scratch_dir=tmp / "scratch")
+assert _end_failed_replica(failure, tracker, request, None) is None
+print(stop_received().signal_name)
+"""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "workflow" / "scripts"), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["SIGTERM"]
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    assert progress["state"] == "stopped", progress
+    assert progress["message"] == "stopped by SIGTERM; 3 samples kept, the rerun resumes"
 
 
 def test_fatal_signatures_and_traceback_quote():

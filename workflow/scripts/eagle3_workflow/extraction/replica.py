@@ -23,7 +23,7 @@ from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction_client import ClientSettings, ProgressTracker, Sample, ServerStalled, extract_samples
 from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, rows_on_disk, shard_rows
 from eagle3_workflow.prepared import read_input_ids
-from eagle3_workflow.runtime.stage import StageStopped
+from eagle3_workflow.runtime.stage import StageStopped, stop_received
 from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient
 from eagle3_workflow.vllm_server import VLLMServer
 
@@ -216,8 +216,9 @@ def _end_failed_replica(
     full disk (the DiskFull to raise instead), and leave progress.json in its last state."""
     files_dir, scratch_dir = request.files.folder, request.scratch_dir
     shutil.rmtree(scratch_dir, ignore_errors=True)
-    if isinstance(exc, StageStopped):
-        tracker.finish("stopped", f"stopped by {exc.signal_name}; {tracker.done} samples kept, the rerun resumes")
+    stop = exc if isinstance(exc, StageStopped) else stop_received()
+    if stop is not None:  # a failure after a stop signal is the stop's consequence (run_stage says so too)
+        tracker.finish("stopped", f"stopped by {stop.signal_name}; {tracker.done} samples kept, the rerun resumes")
         return None
     evidence = disk_full_evidence(exc, files_dir, quoted_folder=scratch_dir)
     if evidence is None:

@@ -98,6 +98,13 @@ def _raise_stopped(signum: int, _frame: object) -> None:
     raise StageStopped(signum)
 
 
+def stop_received() -> StageStopped | None:
+    """The stop this process was asked for, if a stop signal arrived: also when the StageStopped it raised was
+    swallowed on its way up (raised inside a C extension's callback, it can come out as another exception: a
+    SIGTERM during a safetensors read surfaced as a ValueError about torch.storage.UntypedStorage)."""
+    return StageStopped(_received[0]) if _received else None
+
+
 def install_stop_handlers() -> None:
     """Make SIGTERM/SIGINT raise StageStopped (main thread only: Python delivers signals there)."""
     if threading.current_thread() is threading.main_thread():
