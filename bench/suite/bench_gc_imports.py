@@ -3,8 +3,9 @@
 speculators (the trainer) and Snakemake (every job), each imported in a fresh interpreter with Python's default
 thresholds (700, 10, 10), with the thresholds every interpreter of this environment starts with, with the collector
 off, and as the environment runs it: its thresholds and gc.freeze() at exit, which skips the finalization's
-collections (envs/setup_cpu.sh writes both into a .pth file). Each figure includes the interpreter's exit. Side by side in one run, interleaved, CPU seconds (user +
-system) of each import; the median of --repeats and the ratio to the default.
+collections (envs/setup_cpu.sh writes both into a .pth file). Each figure includes the interpreter's exit. Side by
+side in one run, interleaved, CPU seconds (user + system) of each import; the median of --repeats and the ratio to
+the default.
 
 usage: .venv/bin/python bench/suite/bench_gc_imports.py [--repeats 5] [--thresholds 50000,20,100 ...]
 """

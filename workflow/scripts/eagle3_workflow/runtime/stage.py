@@ -142,17 +142,18 @@ def run_stage(
     install_stop_handlers()
     try:
         body(log)
-        if _received:  # the exception was swallowed on its way up (a library's catch-all): still a stop
-            raise StageStopped(_received[0])
+        stop = stop_received()
+        if stop is not None:  # the exception was swallowed on its way up (a library's catch-all): still a stop
+            raise stop
     except StageStopped as stop:
         log.warning("stage %s stopped by %s; %s", name, stop.signal_name, rerun_sentence(resumes))
         sys.exit(128 + stop.signum)
     except BaseException as exc:  # noqa: BLE001 - after a stop signal any failure is the teardown's consequence
-        if not _received:
+        stop = stop_received()
+        if stop is None:
             _report_failure(log, name, exc)
         # a stop signal arrived, then the body failed (a server stopped for the stop left a half-written file that
         # the client read first): the job was stopped, the rerun resumes; the failure is said, not raised as one
-        stop = StageStopped(_received[0])
         log.warning("stage %s stopped by %s; %s (the body then ended with %r, a consequence of the stop)",
                     name, stop.signal_name, rerun_sentence(resumes), exc)  # fmt: skip
         sys.exit(128 + stop.signum)
