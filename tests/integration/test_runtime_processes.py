@@ -589,3 +589,27 @@ def test_a_port_taken_before_vllm_binds_it_is_retried_on_a_fresh_port(tiny_targe
     assert "Address already in use" in (tmp_path / "server.log").read_text()
     assert (f"port {taken_port} (or another port the server binds) was taken before vLLM bound it; starting the "
             "server again on a fresh port (attempt 2 of 3)") in caplog.text  # fmt: skip
+
+
+# ---------------------------------------------------------------- an eager CPU engine compiles nothing
+
+
+def test_an_eager_cpu_engine_builds_no_inductor_kernel_for_vllms_logprob_rank(tmp_path):
+    """vLLM's logprob rank (every request with logprobs: the extraction's greedy probe, the lossless pass) is a
+    torch.compile function; in the environment of an eager CPU engine it runs as written: the same counts, and
+    nothing in inductor's cache (without it: a gcc build, 15 s of the first extraction after `make setup`)."""
+    from eagle3_workflow.runtime import child_environment
+
+    env = child_environment(vllm_on_cpu=True, eager=True) | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    code = textwrap.dedent("""
+        import torch
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+        logits = torch.randn(3, 1000)
+        chosen = logits[:, 7:8]
+        assert torch.equal(batched_count_greater_than(logits, chosen), (logits >= chosen).sum(-1))
+        print("counted")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and "counted" in proc.stdout, proc.stderr[-3000:]
+    built = [p for p in (tmp_path / "inductor").rglob("*") if p.is_file()] if (tmp_path / "inductor").exists() else []
+    assert built == [], f"inductor built {len(built)} file(s): {built[:5]}"

@@ -274,14 +274,22 @@ def test_engine_kwargs_follow_the_vllm_config_and_device():
                                       "num_speculative_tokens": 3}  # fmt: skip
 
 
-def test_measurement_environment():
+def test_measurement_environment(monkeypatch):
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
     assert env["OMP_NUM_THREADS"] == "2"
+    assert "TORCHDYNAMO_DISABLE" not in env
+    assert (
+        measurement_environment(device="cpu", cpu_threads=2, in_process=True, eager=True)["TORCHDYNAMO_DISABLE"] == "1"
+    )
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert str(REPO / "workflow" / "scripts") in env["PYTHONPATH"].split(":")
     env = measurement_environment(device="cuda", cpu_threads=2, in_process=False)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env or env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
+    assert "TORCHDYNAMO_DISABLE" not in measurement_environment(
+        device="cuda", cpu_threads=2, in_process=False, eager=True
+    )
 
 
 def test_the_spec_not_the_environment_chooses_the_kernels(monkeypatch):
@@ -366,7 +374,7 @@ def test_cpu_runs_the_lossless_and_timing_passes_on_one_engine_per_label_in_one_
 
 
 def test_cuda_times_with_cuda_graphs_and_checks_losslessness_in_batch_invariant_processes():
-    from eagle3_workflow.evaluation.stage import lossless_numerics, plan_measurements
+    from eagle3_workflow.evaluation.stage import all_eager, lossless_numerics, plan_measurements
 
     settings = evaluation(timing_concurrency=[1, 8])
     vllm_settings = VLLM_SETTINGS.model_copy(update={"enforce_eager": True, "generation_cuda_graphs": True})
@@ -385,6 +393,10 @@ def test_cuda_times_with_cuda_graphs_and_checks_losslessness_in_batch_invariant_
     shared = plan_measurements(_labelled(), settings=evaluation(isolate_runs=False), vllm_settings=vllm_settings,
                                device="cuda", numerics="batch_invariant")  # fmt: skip
     assert [(len(p.runs), p.batch_invariant) for p in shared] == [(3, False), (3, True)]
+    # eager engines only (no torch.compile wanted in their process: runtime.child_environment) for the lossless ones
+    assert not all_eager({"enforce_eager": True}, [p.runs[0] for p in plan])
+    assert all_eager({"enforce_eager": True}, exact)
+    assert not all_eager({"enforce_eager": False}, exact)
 
 
 def test_without_time_untrained_the_baseline_loses_only_its_timing_pass():

@@ -277,6 +277,22 @@ def test_a_cpu_server_runs_its_model_in_the_engine_core_process():
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_API_KEY"] == "key"
 
 
+def test_an_eager_cpu_engine_runs_torch_compile_helpers_as_written(monkeypatch):
+    """enforce_eager on CPU: no dynamo for vLLM's compiled helpers (runtime.child_environment); a compiling
+    server, a GPU server or a value the user set keeps torch.compile as it was."""
+    from eagle3_workflow.runtime import child_environment
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    eager = target_server_spec(tiny_settings(ServingStage), model="/models/t", device="cpu")
+    assert eager.enforce_eager
+    assert server_environment(eager, "key")["TORCHDYNAMO_DISABLE"] == "1"
+    compiling = dataclasses.replace(eager, enforce_eager=False)
+    assert "TORCHDYNAMO_DISABLE" not in server_environment(compiling, "key")
+    assert "TORCHDYNAMO_DISABLE" not in child_environment(vllm_on_cpu=False, eager=True)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert server_environment(eager, "key")["TORCHDYNAMO_DISABLE"] == "0"
+
+
 def test_greedy_check_row_accepts_ties_and_names_a_different_token():
     from eagle3_workflow.artefacts import GreedyProbe
     from eagle3_workflow.validation.checks import greedy_check_row

@@ -386,7 +386,7 @@ def render_endpoint_args(vllm_root: Path | None = None) -> list[str]:
 def server_environment(spec: ServerSpec, api_key: str) -> dict[str, str]:
     from eagle3_workflow.runtime import child_environment
 
-    env = child_environment(vllm_on_cpu=spec.device == "cpu", cpu_threads=spec.cpu_threads)
+    env = child_environment(vllm_on_cpu=spec.device == "cpu", cpu_threads=spec.cpu_threads, eager=spec.enforce_eager)
     env["VLLM_API_KEY"] = api_key  # the key never appears on a command line (ps would show it)
     if engine_in_one_process(spec):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # cpu_engine_in_one_process

@@ -48,12 +48,15 @@ def measurement_engine_kwargs(
     return kwargs
 
 
-def measurement_environment(*, device: str, cpu_threads: int | None, in_process: bool) -> dict[str, str]:
-    """The child's environment: vLLM's engine in-process (or not), as the engine kwargs say. Which kernels it runs
-    is the spec's (MeasurementSpec.batch_invariant): the process sets that switch itself."""
+def measurement_environment(
+    *, device: str, cpu_threads: int | None, in_process: bool, eager: bool = False
+) -> dict[str, str]:
+    """The child's environment: vLLM's engine in-process (or not), as the engine kwargs say; `eager` when every
+    engine it starts has enforce_eager (runtime.child_environment). Which kernels it runs is the spec's
+    (MeasurementSpec.batch_invariant): the process sets that switch itself."""
     from eagle3_workflow.runtime import child_environment
 
-    env = child_environment(vllm_on_cpu=device == "cpu", cpu_threads=cpu_threads)
+    env = child_environment(vllm_on_cpu=device == "cpu", cpu_threads=cpu_threads, eager=eager)
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env

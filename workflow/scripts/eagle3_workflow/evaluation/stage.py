@@ -330,8 +330,9 @@ def measure_runs(
             pending.append((i, process, todo))
     if not pending:
         return measured
+    eager = all_eager(engine, [run for _, _, todo in pending for run in todo])
     env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
-                                  in_process=settings.tensor_parallel_size == 1)  # fmt: skip
+                                  in_process=settings.tensor_parallel_size == 1, eager=eager)  # fmt: skip
     # TP > 1 on CPU: a worker per core list (refused, with the fix, when the CPUs cannot give one)
     env |= cpu_engine_environment(device, settings.tensor_parallel_size, vllm_settings.cpu_threads)
     together = evaluation.concurrent and len(pending) > 1
@@ -364,6 +365,11 @@ def measure_runs(
             )
         )
     return measured
+
+
+def all_eager(engine: dict[str, Any], runs: list[MeasurementRun]) -> bool:
+    """Whether every engine of these runs has enforce_eager (the engine's kwargs with each run's overrides)."""
+    return all((engine | run.engine_overrides).get("enforce_eager", False) for run in runs)
 
 
 def run_role(run: MeasurementRun) -> str:

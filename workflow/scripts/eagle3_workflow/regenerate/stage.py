@@ -31,10 +31,11 @@ OUTPUT_TAIL_LINES = 40
 # of 9 s (30x slower or worse, spin-waiting). Without them vLLM sizes each worker's threads to its cores.
 def subprocess_env(settings: RegenerateResponsesStage) -> dict[str, str]:
     from eagle3_workflow.runtime import child_environment
-    from eagle3_workflow.vllm_server import cpu_engine_environment, cpu_engine_in_one_process
+    from eagle3_workflow.vllm_server import cpu_engine_environment, cpu_engine_in_one_process, resolve_device
 
     # vLLM's CPU workers set their own torch threads from their core binding; cpu_threads is the engine's
-    env = child_environment(vllm_on_cpu=True, cpu_threads=settings.vllm.cpu_threads)
+    env = child_environment(vllm_on_cpu=True, cpu_threads=settings.vllm.cpu_threads,
+                            eager=resolve_device(settings.vllm.device) == "cpu" and settings.vllm.enforce_eager)  # fmt: skip
     # TP > 1 on CPU: a worker per core list (refused here, with the fix, when the CPUs cannot give one)
     env |= cpu_engine_environment(settings.vllm.device, settings.extraction.tensor_parallel_size,
                                   settings.vllm.cpu_threads)  # fmt: skip

@@ -5,6 +5,14 @@ name), unbuffered output (their log is streamed line by line) and no model hub. 
 thread limits Snakemake sets for every job removed: Snakemake exports MKL_NUM_THREADS=<threads>, torch prefers
 it over OMP_NUM_THREADS, and vLLM pins its CPU worker to one core, so two torch threads fought over that core
 (measured: a 64-request regeneration took over 300 s instead of 9 s).
+
+An eager CPU vLLM (enforce_eager) compiles no model graph, but its sampler still wraps one helper in
+torch.compile: the logprob rank (vllm/v1/sample/ops/logprobs.py, batched_count_greater_than, ``(x >= v).sum(-1)``),
+run by every request that asks for logprobs (the extraction's greedy probe, the evaluation's lossless pass).
+Through dynamo and inductor that is a C++ build with gcc the first time on a machine (measured: 15 s of a 30 s
+extraction right after `make setup`) and ~1.6 CPU-s of tracing and cache loading in every later process.
+``TORCHDYNAMO_DISABLE=1`` runs it as written, giving the same integer counts: set for eager CPU engines unless
+the environment already says otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +30,11 @@ INHERITED_THREAD_VARIABLES = (
 )
 
 
-def child_environment(*, vllm_on_cpu: bool = False, cpu_threads: int | None = None) -> dict[str, str]:
+def child_environment(
+    *, vllm_on_cpu: bool = False, cpu_threads: int | None = None, eager: bool = False
+) -> dict[str, str]:
+    """The environment of a child process; `vllm_on_cpu` for a CPU vLLM engine (server or offline), `eager` when
+    every engine it starts has enforce_eager (no torch.compile wanted there: see the module's docstring)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPTS_DIR), env.get("PYTHONPATH", "")) if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,4 +48,6 @@ def child_environment(*, vllm_on_cpu: bool = False, cpu_threads: int | None = No
         # spinning OpenMP threads starve the API server and client on a small machine (one generate pass
         # swung from 0.2 s to 5 s under load); passive waiting costs nothing measurable on an idle machine
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if eager:
+            env.setdefault("TORCHDYNAMO_DISABLE", "1")
     return env
