@@ -228,3 +228,17 @@ def test_truncation_keeps_only_needed_tensors():
     assert cfg["num_hidden_layers"] == 3
     assert cfg["layer_types"] == ["a"] * 3
     assert "num_nextn_predict_layers" not in cfg
+
+
+def test_the_canary_opens_its_reference_while_the_server_starts_and_raises_what_opening_raised(tmp_path):
+    """hf_fp32: the reference skeleton is opened in a thread; its failure (here: no target in the folder) reaches
+    the stage when the reference is asked for, as UnsupportedTarget. self_consistency opens none."""
+    from eagle3_workflow.canary.check import opening_reference
+    from eagle3_workflow.canary.slice import CanarySlice
+    from eagle3_workflow.full_depth_reference import UnsupportedTarget
+
+    piece = CanarySlice(tmp_path / "model", 2, [1, 2], 64)
+    opened = opening_reference(piece, "hf_fp32", trust_remote_code=False)
+    with pytest.raises(UnsupportedTarget, match="config.json"):
+        opened()
+    assert opening_reference(piece, "self_consistency", trust_remote_code=False) is None

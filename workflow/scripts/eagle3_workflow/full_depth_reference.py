@@ -324,13 +324,19 @@ def _first_tensor(output: Any) -> torch.Tensor:
 
 
 def stream_reference(
-    target_dir: Path, batch: Sequence[Sequence[int]], visit: Visit, *, trust_remote_code: bool
+    target_dir: Path,
+    batch: Sequence[Sequence[int]],
+    visit: Visit,
+    *,
+    trust_remote_code: bool,
+    opened: Target | None = None,
 ) -> tuple[int, int]:
     """Run the fp32 HF forward of `batch` through the whole target, one decoder layer in memory at a time, and call
     ``visit(label, states)`` with states [B, T, H] for every depth in vLLM's convention: str(k), k in 0..N-1, the
     input of layer k; str(N) the pre-norm output of the last layer; POST_NORM the final norm's output. Positions
-    past a sample's length are padding. Returns (N, the most weight bytes held at once)."""
-    target = open_target(target_dir, trust_remote_code=trust_remote_code)
+    past a sample's length are padding. Returns (N, the most weight bytes held at once). `opened`: the skeleton
+    open_target already built for this folder (the canary builds it while its server starts), used once."""
+    target = opened if opened is not None else open_target(target_dir, trust_remote_code=trust_remote_code)
     model, decoder = target.model, target.decoder
     layers = decoder.layers
     num_layers = len(layers)

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +41,7 @@ from eagle3_workflow.artefacts import CanaryReport, CheckRow, LayerMatch
 from eagle3_workflow.canary.slice import CanarySlice, build_truncated_target, canary_layer_count, canary_layer_ids
 from eagle3_workflow.errors import StageError, check_table
 from eagle3_workflow.extraction_client import ClientSettings, ProgressTracker, Sample, extract_samples
-from eagle3_workflow.full_depth_reference import REFERENCE, UnsupportedTarget, stream_reference
+from eagle3_workflow.full_depth_reference import REFERENCE, Target, UnsupportedTarget, open_target, stream_reference
 from eagle3_workflow.hidden_states import read_hidden_states, read_sample
 from eagle3_workflow.layer_match import MAX_EXCUSED_FRACTION, SlotComparison, SlotError, SlotMatch
 from eagle3_workflow.prepared import open_prepared
@@ -141,9 +142,11 @@ def inspect_files(
     repeat_dir: Path,
     tolerance: float,
     trust_remote_code: bool,
+    opened: Callable[[], Target] | None = None,
 ) -> FileFindings:
     """Read every extracted file once: format checks, and (hf_fp32) against the streamed fp32 reference of every
-    layer of the slice, all samples in one batch."""
+    layer of the slice, all samples in one batch. `opened` gives the slice's reference skeleton when it was built
+    beforehand (opening_reference; what open_target raised is raised here)."""
     layer_ids = piece.layer_ids
     found = FileFindings()
     slots: list[torch.Tensor] = []
@@ -162,8 +165,10 @@ def inspect_files(
     comparison = SlotComparison(slots, layer_ids)
     batch = [sample.input_ids for sample in samples]
     try:
+        target = opened() if opened is not None else None
         with comparison.routing:
-            num_layers, _ = stream_reference(piece.model_dir, batch, comparison, trust_remote_code=trust_remote_code)
+            num_layers, _ = stream_reference(piece.model_dir, batch, comparison, trust_remote_code=trust_remote_code,
+                                             opened=target)  # fmt: skip
     except UnsupportedTarget as exc:
         raise StageError(
             f"the canary's fp32 reference cannot run the slice of this target: {exc.reason}. {NO_REFERENCE_FIX}"
@@ -277,6 +282,7 @@ def _run_on_slice(request: CanaryRequest, piece: CanarySlice) -> CanaryReport:
         log.warning("canary: %s", REFERENCE_NOTES[proof])
     log.info("canary: %d-layer slice, capturing ids %s, proof %s", piece.layers, piece.layer_ids, proof)
     spec = request.spec_factory(str(piece.model_dir), piece.layer_ids, str(scratch.resolve()))
+    opened = opening_reference(piece, proof, trust_remote_code=request.trust_remote_code)
     with VLLMServer(spec, request.server_log) as server:
         ready_s = server.ready_s
         for into in [files, repeat] if proof == SELF_CONSISTENCY else [files]:
@@ -287,7 +293,8 @@ def _run_on_slice(request: CanaryRequest, piece: CanarySlice) -> CanaryReport:
             for i in range(min(request.render_samples, len(samples)))
         ]
     found = inspect_files(samples, piece, proof, files_dir=files.folder, repeat_dir=repeat.folder,
-                          tolerance=request.tolerance, trust_remote_code=request.trust_remote_code)  # fmt: skip
+                          tolerance=request.tolerance, trust_remote_code=request.trust_remote_code,
+                          opened=opened)  # fmt: skip
     checks = build_checks(found, piece, render_problems, tolerance=request.tolerance, proof=proof)
     return CanaryReport(
         passed=all(c.passed for c in checks),
@@ -308,6 +315,33 @@ def _run_on_slice(request: CanaryRequest, piece: CanarySlice) -> CanaryReport:
             str(m.claimed): LayerMatch(**dataclasses.asdict(m), margin=round(m.margin, 3)) for m in found.matches
         },
     )
+
+
+def opening_reference(piece: CanarySlice, proof: str, *, trust_remote_code: bool) -> Callable[[], Target] | None:
+    """hf_fp32: the slice's fp32 reference skeleton (open_target: transformers' import and the model built on the
+    meta device, ~2-3 s of one core on the tiny target) built in a thread while the server starts, which keeps its
+    own processes busy on the other cores. The call returns it, or raises what open_target raised. A daemon thread:
+    a stage stopped meanwhile does not wait for it."""
+    if proof != HF_FP32:
+        return None
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["target"] = open_target(piece.model_dir, trust_remote_code=trust_remote_code)
+        except BaseException as exc:  # noqa: BLE001 - raised in the stage's thread by opened()
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="canary-reference", daemon=True)
+    thread.start()
+
+    def opened() -> Target:
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["target"]
+
+    return opened
 
 
 def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[Sample], list[list[dict]]]:

@@ -369,7 +369,7 @@ def measure_runs(
 
 def all_eager(engine: dict[str, Any], runs: list[MeasurementRun]) -> bool:
     """Whether every engine of these runs has enforce_eager (the engine's kwargs with each run's overrides)."""
-    return all((engine | run.engine_overrides).get("enforce_eager", False) for run in runs)
+    return all((engine | run.engine_overrides)["enforce_eager"] for run in runs)
 
 
 def run_role(run: MeasurementRun) -> str:
