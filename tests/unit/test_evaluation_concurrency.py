@@ -277,7 +277,7 @@ def _plan(tmp_path: Path, draft: str) -> list[PlannedProcess]:
 def test_processes_at_once_never_time_beside_another_process_and_a_rerun_reuses_them(tmp_path, fake_vllm, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_AT_ONCE", "3")  # each engine start waits for the other two processes' (above)
     evaluation_ = _evaluation(tmp_path)
-    engine = {"model": str(_model(tmp_path / "target"))}
+    engine = {"model": str(_model(tmp_path / "target")), "enforce_eager": True}
     log_path = tmp_path / "evaluate.log"
     measured = measure_runs(_plan(tmp_path, "trained"), engine, evaluation_, log_path=log_path)
     assert measured.concurrent
@@ -307,7 +307,8 @@ def test_a_failing_process_fails_the_stage_with_its_traceback_and_stops_the_othe
     monkeypatch.setenv("FAKE_VLLM_HANG", "no_speculation")  # its engines would start for 2 minutes
     started = time.monotonic()
     with pytest.raises(StageError) as failure:
-        measure_runs(_plan(tmp_path, "broken"), {"model": str(_model(tmp_path / "target"))}, _evaluation(tmp_path),
+        measure_runs(_plan(tmp_path, "broken"), {"model": str(_model(tmp_path / "target")), "enforce_eager": True},
+                     _evaluation(tmp_path),
                      log_path=tmp_path / "evaluate.log")  # fmt: skip
     # the hanging ones were stopped, not waited for: on any day well under the hang (an engine that starts: 0.3 s)
     assert time.monotonic() - started < FAKE_ENGINE_HANG_S - 20

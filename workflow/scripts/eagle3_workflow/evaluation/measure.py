@@ -126,10 +126,7 @@ def measure(spec: MeasurementSpec) -> MeasurementResult:
     import_s = time.perf_counter() - started
     progress_bar = engine_progress_bar()  # one marker per finished request: the parent's stall watch
     print(f"{spec.log_prefix}vllm {vllm.__version__} imported in {import_s:.1f} s ({numerics()} kernels)", flush=True)
-    # the last engine's memory and distributed state go with the process: no cleanup of our own after it (vLLM's
-    # shutdown ran one already; a second costs a full collection of everything vLLM built)
-    results = [measure_run(spec, run, progress_bar, gate, release=i < len(spec.runs) - 1)
-               for i, run in enumerate(spec.runs)]  # fmt: skip
+    results = [measure_run(spec, run, progress_bar, gate) for run in spec.runs]
     return MeasurementResult(vllm_version=vllm.__version__, import_s=import_s, runs=results,
                              lock_wait_s=dict(gate.waited_s))  # fmt: skip
 
@@ -148,13 +145,10 @@ def numerics() -> str:
     return "batch_invariant" if os.environ.get("VLLM_BATCH_INVARIANT") == "1" else "production"
 
 
-def measure_run(
-    spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, gate: Gate | None = None, *, release: bool = True
-) -> RunResult:
-    """One engine: start it, warm it up (excluded), run its passes; shut it down even on failure, and with
-    `release` give its memory back for the next engine of this process. The result is written to run.result_path
-    at once, so a cut later in this process loses nothing measured. With an active gate the timing passes wait
-    for the lock alone and warm the engine up again once they hold it."""
+def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, gate: Gate | None = None) -> RunResult:
+    """One engine: start it, warm it up (excluded), run its passes; shut it down even on failure. The result is
+    written to run.result_path at once, so a cut later in this process loses nothing measured. With an active
+    gate the timing passes wait for the lock alone and warm the engine up again once they hold it."""
     from vllm import LLM, SamplingParams
 
     from eagle3_workflow.runtime.worker import report_busy, report_idle
@@ -195,8 +189,7 @@ def measure_run(
     finally:
         _shutdown(llm)
         del llm
-        if release:
-            _release_engine()
+        _release_engine()
     result = run_result(run, lossless, engine_start_s=engine_start_s, timings=timings, prefix=prefix)
     if run.result_path:
         write(run.result_path, result)
