@@ -5,11 +5,34 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="${VENV_DIR:-$root/.venv}"
-py=${PYTHON:-python3}
 req="$root/envs/requirements-cpu.txt"
 lock="$root/envs/constraints-cpu.txt"
 stamp="$venv/.eagle3-setup-stamp"
-want=$(cat "$0" "$req" $( [ -f "$lock" ] && echo "$lock") | sha256sum | cut -c1-16)
+
+# The interpreter: a Python 3.11 that can make a venv (the lock's wheels are cp311). The distribution's own
+# (/usr/bin/python3.11: Debian builds CPython with profile-guided optimisation and links it statically) comes before
+# another 3.11 on PATH, which is often built with neither (pyenv's default): every process of a run is Python
+# startup and imports (Snakemake, each stage, each vLLM server and worker), and importing vLLM's OpenAI server took
+# 0.8x the CPU time on it (bench/suite/bench_interpreters.py, docs/benchmarks.md). PYTHON=/path/to/python3.11 picks
+# another.
+is_venv_py311() { "$1" -c 'import ensurepip, sys, venv; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1; }
+if [ -n "${PYTHON:-}" ]; then
+  py=$PYTHON
+  is_venv_py311 "$py" || { echo "setup: PYTHON=$py is not a Python 3.11 that can make a venv (import ensurepip, venv)" >&2; exit 1; }
+else
+  py=""
+  for candidate in /usr/bin/python3.11 python3.11 python3; do
+    if command -v "$candidate" >/dev/null 2>&1 && is_venv_py311 "$candidate"; then py=$(command -v "$candidate"); break; fi
+  done
+  if [ -z "$py" ]; then
+    echo "setup: no Python 3.11 with venv found (tried /usr/bin/python3.11, python3.11, python3); the lock's wheels" \
+      "are cp311. Install one (Debian/Ubuntu: apt-get install python3.11-venv) or set PYTHON=/path/to/python3.11" >&2
+    exit 1
+  fi
+fi
+py_id=$("$py" -c 'import os, sys; print(os.path.realpath(sys.executable), sys.version.split()[0])')
+setup_hash() { { cat "$0" "$req" $( [ -f "$lock" ] && echo "$lock"); echo "$py_id"; } | sha256sum | cut -c1-16; }
+want=$(setup_hash)
 
 # up to date: the stamp of a verified build (which ended importing them all, below) and the packages still there;
 # finding them takes 0.03 s where importing them took 11 s, on every `make demo` and `make test`
@@ -19,7 +42,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
   exit 0
 fi
 
-echo "setup: building .venv (1 min 44 s measured on a fresh 2-core machine with an empty pip cache; nothing is compiled)"
+echo "setup: building .venv with $py_id (1 min 44 s measured on a fresh 2-core machine with an empty pip cache)"
+# a venv made by another interpreter is made again (its packages are reinstalled below)
+if [ -x "$venv/bin/python" ] \
+   && [ "$("$venv/bin/python" -c 'import os, sys; print(os.path.realpath(sys._base_executable), sys.version.split()[0])' 2>/dev/null)" != "$py_id" ]; then
+  echo "setup: .venv was made by another interpreter: making it again"
+  "$py" -m venv --clear "$venv"
+fi
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade "pip>=25"
@@ -84,7 +113,7 @@ if [ ! -s "$lock" ]; then
   { echo "# requirements-cpu.txt sha256: $req_hash"
     echo "# full pip freeze of a verified build; envs/setup_cpu.sh installs it with --no-deps"
     "${pip[@]}" freeze --exclude-editable | grep -v '^-e '; } > "$lock"
-  want=$(cat "$0" "$req" "$lock" | sha256sum | cut -c1-16)
+  want=$(setup_hash)
   echo "setup: wrote $lock"
 fi
 echo "$want" > "$stamp"

@@ -102,6 +102,12 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
     assert "[eval-vllm]" in log
     assert "stage evaluate_draft: done" in log
+    # the measurement process was started before the prompts and the untrained draft, and it is the one that ran
+    assert log.index("the measurement process (no_speculation, trained, untrained), started before its spec") < (
+        log.index("untrained baseline: ")
+    )
+    assert "started early, is not the process" not in log and "started early, got no spec" not in log
+    assert log.count(" imported in ") == 1 and log.count("measurement process measure_0 done") == 1
     print(report.model_dump_json(indent=1)[:3000], file=sys.stderr)
 
     # a rerun with nothing changed (as after a cut later in the stage) measures nothing again
@@ -112,6 +118,7 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert again.trained.mean_acceptance_length == report.trained.mean_acceptance_length
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
     assert log.count("reusing ") == 3
+    assert "measure_0, started early, got no spec (every run's result reused" in log
 
 
 def shift_d2t(weights: Path) -> None:

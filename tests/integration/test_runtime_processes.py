@@ -206,8 +206,11 @@ def add(question):
     print("added", len(question.numbers), "numbers", flush=True)
     return Answer(total=sum(question.numbers))
 
+def prepare():
+    print("prepared before the spec", flush=True)
+
 if __name__ == "__main__":
-    serve(Question, add, name="toy worker")
+    serve(Question, add, name="toy worker", prepare=prepare)
 """
 
 
@@ -256,6 +259,46 @@ def test_a_failing_worker_is_a_stage_error_quoting_its_traceback(toy_worker, tmp
     assert message.startswith("the toy worker exited with code 1\n")
     quoted = message.split("first traceback in the output of the toy worker:\n", 1)[1].split("\nlast ", 1)[0]
     assert quoted.splitlines()[-1] == "eagle3_workflow.errors.StageError: nothing to add: give numbers", quoted
+    assert not files.result.exists()
+
+
+def test_a_worker_started_before_its_spec_prepares_waits_then_answers(toy_worker, tmp_path):
+    """start_worker: the worker runs its prepare while the spec does not exist yet (an earlier attempt's spec is
+    removed first, never taken), then answers the spec finish() gives it."""
+    from eagle3_workflow.runtime.worker import WorkerFiles, start_worker
+
+    protocol, job = toy_worker
+    job = dataclasses.replace(job, log_path=tmp_path / "early.log")
+    files = WorkerFiles.in_folder(tmp_path, "early")
+    files.spec.write_text('{"numbers": []}')  # an earlier attempt's: it would fail
+    with start_worker("toy_worker", files=files, job=job) as worker:
+        wait_until(
+            lambda: any("prepared before the spec" in line for line in worker.child.output()),
+            300,
+            "the worker's prepare",
+        )
+        assert not files.spec.exists() and worker.child.poll() is None, "it waits for its spec"
+        finished = worker.finish(protocol.Question(numbers=[4, 5]), protocol.Answer)
+    assert finished.result == protocol.Answer(total=9)
+    log = job.log_path.read_text()
+    assert log.index("prepared before the spec") < log.index("added 2 numbers")
+
+
+def test_a_worker_started_before_its_spec_and_never_given_one_is_stopped(toy_worker, tmp_path):
+    from eagle3_workflow.runtime.worker import WorkerFiles, start_worker
+
+    protocol, job = toy_worker
+    files = WorkerFiles.in_folder(tmp_path, "unused")
+    with start_worker("toy_worker", files=files, job=job) as worker:
+        wait_until(
+            lambda: any("prepared before the spec" in line for line in worker.child.output()),
+            300,
+            "the worker's prepare",
+        )
+        processes = tree(worker.child.pid)
+        assert len(processes) == 2, "the launcher and the worker"
+    assert worker.child.poll() is not None
+    assert not alive(processes)
     assert not files.result.exists()
 
 

@@ -11,16 +11,20 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.evaluation.protocol import MeasurementResult, MeasurementSpec
+from eagle3_workflow.evaluation.protocol import LOG_PREFIX, MeasurementResult, MeasurementSpec
 from eagle3_workflow.settings import VllmSettings
 from eagle3_workflow.vllm_server import offline_engine_kwargs
+
+if TYPE_CHECKING:
+    from eagle3_workflow.runtime.worker import Job, StartedWorker
 
 log = logging.getLogger("eagle3.evaluation")
 
 TAIL_LINES = 60
+MEASURE_MODULE = "eagle3_workflow.evaluation.measure"
 STOP_WAIT_S = 60.0  # how long the stage waits for the threads of stopped processes (SIGTERM, grace, kill: ~10 s)
 
 
@@ -62,6 +66,55 @@ def measurement_environment(
     return env
 
 
+def kernels_environment(env: dict[str, str], *, batch_invariant: bool) -> dict[str, str]:
+    """The environment of a measurement process started before its spec: the kernels the stage planned for it, which
+    measure.prepare imports vLLM with (a process given its spec at the start sets them itself, measure.use_kernels)."""
+    env = dict(env)
+    if batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    else:
+        env.pop("VLLM_BATCH_INVARIANT", None)
+    return env
+
+
+def measurement_job(
+    labels: list[str],
+    *,
+    env: dict[str, str],
+    log_path: str | Path | None,
+    prefix: str,
+    timeout_s: float,
+    stall_timeout_s: float | None = None,
+    check: Callable[[], None] | None = None,
+) -> Job:
+    """The runtime.worker Job of the measurement process of these runs: stopped past `timeout_s`, or when requests
+    are in flight and none finishes for `stall_timeout_s` (or longer, when the observed pace is slower:
+    runtime.worker.Watch), or when `check` raises (what it raised is raised)."""
+    from eagle3_workflow.runtime.worker import Job, Watch
+
+    return Job(
+        name=f"the measurement process ({', '.join(labels)})",
+        env=env,
+        watch=Watch(timeout_s=timeout_s, timeout_setting="evaluate.timeout_s", stall_timeout_s=stall_timeout_s),
+        log_path=log_path,
+        prefix=prefix,
+        tail_lines=TAIL_LINES,
+        check=check,
+    )
+
+
+def start_measurement_process(
+    labels: list[str], work_dir: Path, name: str, *, env: dict[str, str], log_path: str | Path | None, **watch: Any
+) -> StartedWorker:
+    """A measurement process started now, before its spec (runtime.worker.start_worker): it imports vLLM while the
+    stage loads the tokenizer and prompts and builds the untrained draft; run_measurement_process(..., started=)
+    gives it the spec. `env` must name its kernels (kernels_environment). Use as a context manager."""
+    from eagle3_workflow.runtime.worker import WorkerFiles, start_worker
+
+    job = measurement_job(labels, env=env, log_path=log_path, prefix=LOG_PREFIX, **watch)
+    return start_worker(MEASURE_MODULE, files=WorkerFiles.in_folder(work_dir, name), job=job)
+
+
 def run_measurement_process(
     spec: MeasurementSpec,
     work_dir: Path,
@@ -72,27 +125,21 @@ def run_measurement_process(
     timeout_s: float,
     stall_timeout_s: float | None = None,
     check: Callable[[], None] | None = None,
+    started: StartedWorker | None = None,
 ) -> tuple[MeasurementResult, float]:
     """Run one measurement process (<work_dir>/<name>.spec.json in, <name>.result.json back); its output goes into
-    the log after the spec's log prefix. Returns the result and the wall time.
+    the log after the spec's log prefix. Returns the result and the wall time. `started`: the process of that name,
+    started before its spec (start_measurement_process), which gets the spec instead of a new process. The watch:
+    measurement_job."""
+    from eagle3_workflow.runtime.worker import WorkerFiles, run_worker
 
-    The process is stopped if it runs past `timeout_s`, or if requests are in flight and none finishes for
-    `stall_timeout_s` (or longer, when the observed pace is slower: runtime.worker.Watch), or when `check` raises
-    (what it raised is raised)."""
-    from eagle3_workflow.runtime.worker import Job, Watch, WorkerFiles, run_worker
-
-    labels = ", ".join(r.label for r in spec.runs)
-    job = Job(
-        name=f"the measurement process ({labels})",
-        env=env,
-        watch=Watch(timeout_s=timeout_s, timeout_setting="evaluate.timeout_s", stall_timeout_s=stall_timeout_s),
-        log_path=log_path,
-        prefix=spec.log_prefix,
-        tail_lines=TAIL_LINES,
-        check=check,
-    )
-    files = WorkerFiles.in_folder(work_dir, name)
-    finished = run_worker("eagle3_workflow.evaluation.measure", spec, MeasurementResult, files=files, job=job)
+    if started is not None:
+        finished = started.finish(spec, MeasurementResult)
+    else:
+        job = measurement_job([r.label for r in spec.runs], env=env, log_path=log_path, prefix=spec.log_prefix,
+                              timeout_s=timeout_s, stall_timeout_s=stall_timeout_s, check=check)  # fmt: skip
+        files = WorkerFiles.in_folder(work_dir, name)
+        finished = run_worker(MEASURE_MODULE, spec, MeasurementResult, files=files, job=job)
     log.info("measurement process %s done in %.1f s", name, finished.wall_s)
     return finished.result, finished.wall_s
 

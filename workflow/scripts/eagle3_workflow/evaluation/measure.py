@@ -113,17 +113,44 @@ def measured_sampling(spec: MeasurementSpec) -> dict[str, Any]:
     }
 
 
+def import_vllm() -> float:
+    """Import vLLM (and the progress bar's tqdm); the seconds it took."""
+    started = time.perf_counter()
+    import vllm  # noqa: F401
+
+    from eagle3_workflow.runtime.worker import engine_progress_bar  # noqa: F401
+
+    return time.perf_counter() - started
+
+
+PREPARED_IMPORT_S: list[float] = []  # set by prepare: vLLM was imported before the spec came
+
+
+def prepare() -> None:
+    """A process started before its spec (runtime.worker.start_worker, ``--await-spec``) imports vLLM while the stage
+    still builds the spec, with the kernels its environment names: the stage set VLLM_BATCH_INVARIANT for the
+    process it planned (launch.kernels_environment); `measure` refuses a spec that asks for the other kernels."""
+    PREPARED_IMPORT_S.append(import_vllm())
+
+
 def measure(spec: MeasurementSpec) -> MeasurementResult:
     """Start each engine in turn, warm it up, run its lossless and timing passes, read its counters."""
     gate = Gate(spec.lock_path, spec.log_prefix)
     gate.hold("import")
-    use_kernels(batch_invariant=spec.batch_invariant)
-    started = time.perf_counter()
-    import vllm
+    if PREPARED_IMPORT_S:
+        if (numerics() == "batch_invariant") != spec.batch_invariant:
+            raise RuntimeError(
+                f"this process imported vLLM with {numerics()} kernels before its spec came, and the spec asks for "
+                f"batch_invariant={spec.batch_invariant}: the stage started it with the wrong environment (a bug)"
+            )
+        import_s = PREPARED_IMPORT_S[0]
+    else:
+        use_kernels(batch_invariant=spec.batch_invariant)
+        import_s = import_vllm()
+    import vllm  # imported above, with the kernels chosen: nothing to load here
 
     from eagle3_workflow.runtime.worker import engine_progress_bar
 
-    import_s = time.perf_counter() - started
     progress_bar = engine_progress_bar()  # one marker per finished request: the parent's stall watch
     print(f"{spec.log_prefix}vllm {vllm.__version__} imported in {import_s:.1f} s ({numerics()} kernels)", flush=True)
     results = [measure_run(spec, run, progress_bar, gate) for run in spec.runs]
@@ -296,4 +323,4 @@ def run_result(
 if __name__ == "__main__":  # vLLM's spawned processes re-import __main__: the guard keeps them from re-running it
     from eagle3_workflow.runtime.worker import serve
 
-    serve(MeasurementSpec, measure, name="evaluate_draft (measurement process)")
+    serve(MeasurementSpec, measure, name="evaluate_draft (measurement process)", prepare=prepare)

@@ -11,10 +11,16 @@ On CUDA with a fixed KV cache (``evaluate.concurrent_processes: null``, concurre
 start all at once: their imports and engine starts (torch.compile, CUDA graphs: most of a 135M target's
 evaluation) overlap, and a lock file keeps each timing pass alone (measure.Gate). Each engine passes vLLM's
 start-up free-memory check beside the others with its share of the GPU (engine_memory()).
+
+Processes that run one after another: the first is started before the stage loads the tokenizer and prompts and
+builds the untrained draft (start_first_process, runtime.worker.start_worker), so its vLLM import runs beside that
+work; it gets its spec once the prompts are known, or is stopped when an earlier attempt's results leave it nothing
+to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -23,7 +29,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_workflow.artefacts import (
     AcceptanceReport,
@@ -64,6 +70,9 @@ from eagle3_workflow.evaluation.protocol import (
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
 from eagle3_workflow.target_config import read_target_config
 from eagle3_workflow.vllm_server import cpu_engine_environment, generation_cuda_graphs
+
+if TYPE_CHECKING:
+    from eagle3_workflow.runtime.worker import StartedWorker
 
 log = logging.getLogger("eagle3.evaluation")
 
@@ -116,21 +125,13 @@ def evaluate_draft(
     check_eagle3_draft(draft)
     device = resolve_device(vllm_settings.device)
     numerics = lossless_numerics(settings.lossless_numerics, device)
-    tokenizer = load_chat_tokenizer(str(target), trust_remote_code=trust_remote_code)
-    prompt_set = load_prompts(settings, tokenizer, prepared_dir=prepared, train_data_ratio=stage.train.train_data_ratio,
-                              max_model_len=vllm_settings.max_model_len)  # fmt: skip
-    log.info("%d evaluation prompts from %s", len(prompt_set.prompts), prompt_set.detail)
-    stop = assistant_stop_set(tokenizer)
-    log.info("answers stop at token ids %s, strings %s", stop.token_ids, stop.strings)
-
-    untrained = build_untrained_draft(draft, target, work_dir / "untrained_draft", settings.seed)
-    log.info("untrained baseline: %s", untrained.description)
+    untrained_dir = work_dir / "untrained_draft"  # built below, once the first process is importing vLLM
 
     k = settings.num_speculative_tokens
     labelled = [
         MeasurementRun(label=NO_SPECULATION, speculative_config=None),
         eagle3_run("trained", draft, k),
-        eagle3_run("untrained", untrained.path, k),
+        eagle3_run("untrained", untrained_dir, k),
     ]
     engine = measurement_engine_kwargs(vllm_settings, target=str(target), dtype=dtype, trust_remote_code=trust_remote_code,
                            seed=settings.seed, device=device, tensor_parallel_size=settings.tensor_parallel_size,
@@ -142,8 +143,23 @@ def evaluate_draft(
     engine = engine_memory(engine, settings, vllm_settings, device=device, processes=len(plan) if concurrent else 1)
     log.info("%d measurement process(es), %s", len(plan),
              "all at once, each timing pass alone (lock file)" if concurrent else "one after another")  # fmt: skip
-    evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir, concurrent=concurrent)
-    measured = measure_runs(plan, engine, evaluation, log_path=log_path)
+    with contextlib.ExitStack() as early:
+        first = None
+        if not concurrent:  # the first process imports vLLM while this one loads the prompts and the baseline
+            where = dict(settings=settings, vllm_settings=vllm_settings, device=device, work_dir=work_dir)
+            first = early.enter_context(start_first_process(plan, engine, **where, log_path=log_path))
+        tokenizer = load_chat_tokenizer(str(target), trust_remote_code=trust_remote_code)
+        prompt_set = load_prompts(settings, tokenizer, prepared_dir=prepared,
+                                  train_data_ratio=stage.train.train_data_ratio,
+                                  max_model_len=vllm_settings.max_model_len)  # fmt: skip
+        log.info("%d evaluation prompts from %s", len(prompt_set.prompts), prompt_set.detail)
+        stop = assistant_stop_set(tokenizer)
+        log.info("answers stop at token ids %s, strings %s", stop.token_ids, stop.strings)
+
+        untrained = build_untrained_draft(draft, target, untrained_dir, settings.seed)
+        log.info("untrained baseline: %s", untrained.description)
+        evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir, concurrent=concurrent)
+        measured = measure_runs(plan, engine, evaluation, log_path=log_path, first=first)
     logit_dtype = resolved_dtype(dtype, target)
     verdict = lossless_verdict(measured.lossless, prompt_set, logit_dtype=logit_dtype, numerics=numerics,
                                tie_steps=settings.lossless_tie_steps, decode=tokenizer.decode)  # fmt: skip
@@ -302,11 +318,18 @@ def check_eagle3_draft(draft: Path) -> None:
 
 
 def measure_runs(
-    plan: list[PlannedProcess], engine: dict[str, Any], evaluation: Evaluation, *, log_path: str | Path | None
+    plan: list[PlannedProcess],
+    engine: dict[str, Any],
+    evaluation: Evaluation,
+    *,
+    log_path: str | Path | None,
+    first: FirstProcess | None = None,
 ) -> Measured:
     """Run the planned processes: one after another, or all at once (evaluation.concurrent) with a lock file that
     keeps each timing pass alone. An engine whose result a cut run left in work_dir/runs with the same key
-    (everything that decides its result) is reused, not measured again."""
+    (everything that decides its result) is reused, not measured again. `first`: the first planned process, started
+    early (start_first_process); it gets its spec if it is still the first to run, with the same environment, and is
+    stopped otherwise (when the stage leaves its context)."""
     settings, vllm_settings, stop = evaluation.settings, evaluation.vllm_settings, evaluation.stop
     device, work_dir = evaluation.device, evaluation.work_dir
     measured = Measured(lossless={}, timing={}, processes=[])
@@ -331,10 +354,7 @@ def measure_runs(
     if not pending:
         return measured
     eager = all_eager(engine, [run for _, _, todo in pending for run in todo])
-    env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
-                                  in_process=settings.tensor_parallel_size == 1, eager=eager)  # fmt: skip
-    # TP > 1 on CPU: a worker per core list (refused, with the fix, when the CPUs cannot give one)
-    env |= cpu_engine_environment(device, settings.tensor_parallel_size, vllm_settings.cpu_threads)
+    env = process_environment(eager, settings, vllm_settings, device)
     together = evaluation.concurrent and len(pending) > 1
     measured.concurrent = together
     launches = []
@@ -345,11 +365,13 @@ def measure_runs(
                                **spec_fields)  # fmt: skip
         launches.append(Launch(spec=spec, name=f"measure_{i}", env=env))
     watch = dict(log_path=log_path, timeout_s=settings.timeout_s, stall_timeout_s=vllm_settings.stall_timeout_s)
+    started = first.take(launches[0]) if first is not None and not together else None
     if together:
         finished = run_measurement_processes(launches, work_dir, **watch)
     else:
-        finished = [run_measurement_process(launch.spec, work_dir, launch.name, env=launch.env, **watch)
-                    for launch in launches]  # fmt: skip
+        finished = [run_measurement_process(launch.spec, work_dir, launch.name, env=launch.env, **watch,
+                                            started=started if i == 0 else None)
+                    for i, launch in enumerate(launches)]  # fmt: skip
     for launch, (result, wall_s) in zip(launches, finished, strict=True):
         measured.vllm_version = result.vllm_version
         for run, run_result in zip(launch.spec.runs, result.runs, strict=True):
@@ -365,6 +387,72 @@ def measure_runs(
             )
         )
     return measured
+
+
+def process_environment(
+    eager: bool, settings: EvaluationSettings, vllm_settings: VllmSettings, device: str
+) -> dict[str, str]:
+    """The environment of every measurement process of a stage (`eager`: all_eager over the engines it starts)."""
+    env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
+                                  in_process=settings.tensor_parallel_size == 1, eager=eager)  # fmt: skip
+    # TP > 1 on CPU: a worker per core list (refused, with the fix, when the CPUs cannot give one)
+    return env | cpu_engine_environment(device, settings.tensor_parallel_size, vllm_settings.cpu_threads)
+
+
+@dataclasses.dataclass
+class FirstProcess:
+    """The first planned measurement process, started before its spec (start_first_process): its name, the kernels
+    it imported vLLM with and its environment without them, and the started worker (a context manager)."""
+
+    name: str
+    batch_invariant: bool
+    env: dict[str, str]
+    worker: StartedWorker
+
+    def take(self, launch: Launch) -> StartedWorker | None:
+        """The started worker, to run `launch` with, if `launch` is the process it was started as: same name (the
+        first in the plan, not reused away by an earlier attempt's results), same kernels, same environment. Else
+        None, and the worker is stopped now: the processes that run instead must not share the machine with it."""
+        if (launch.name, launch.spec.batch_invariant, launch.env) == (self.name, self.batch_invariant, self.env):
+            return self.worker
+        log.info("%s, started early, is not the process to run first (%s): stopped", self.name, launch.name)
+        self.worker.stop()
+        return None
+
+    def __enter__(self) -> FirstProcess:
+        self.worker.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.worker.finished:
+            log.info("%s, started early, got no spec (every run's result reused, or the stage failed first): stopped",
+                     self.name)  # fmt: skip
+        self.worker.__exit__(*exc)
+
+
+def start_first_process(
+    plan: list[PlannedProcess],
+    engine: dict[str, Any],
+    *,
+    settings: EvaluationSettings,
+    vllm_settings: VllmSettings,
+    device: str,
+    work_dir: Path,
+    log_path: str | Path | None,
+) -> FirstProcess:
+    """The first process of a one-after-another plan, to start before the stage loads the tokenizer and prompts and
+    builds the untrained draft: it imports vLLM meanwhile (~3 s of a CPU run's measurement process, on the core the
+    stage leaves idle), then waits for its spec (measure_runs gives it). Its environment is the one measure_runs
+    computes when no earlier result is reused, with the kernels of the plan's first process."""
+    from eagle3_workflow.evaluation.launch import kernels_environment, start_measurement_process
+
+    process = plan[0]
+    env = process_environment(all_eager(engine, [run for p in plan for run in p.runs]), settings, vllm_settings, device)
+    worker = start_measurement_process([run.label for run in process.runs], work_dir, "measure_0",
+                                       env=kernels_environment(env, batch_invariant=process.batch_invariant),
+                                       log_path=log_path, timeout_s=settings.timeout_s,
+                                       stall_timeout_s=vllm_settings.stall_timeout_s)  # fmt: skip
+    return FirstProcess(name="measure_0", batch_invariant=process.batch_invariant, env=env, worker=worker)
 
 
 def all_eager(engine: dict[str, Any], runs: list[MeasurementRun]) -> bool:

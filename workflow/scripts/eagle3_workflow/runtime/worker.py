@@ -6,9 +6,13 @@ Parent side (the stage):
   come from ``job.watch``; a non-zero exit is a StageError quoting the first traceback and the last lines.
 - ``run_worker(module, spec, result_type, files=..., job=...)``: ``python -m <module> --spec S --result R`` through
   run_command, the spec (an artefacts.Artefact) written to S first; the result read back from R as `result_type`.
+- ``start_worker(module, files=..., job=...)``: the same process started before its spec is known (``--await-spec``):
+  it runs its ``prepare`` (imports vLLM, say) while the stage still builds the spec, then waits for S;
+  ``finish(spec, result_type)`` writes S and waits as run_worker does. Left unfinished, it is stopped.
 
 Worker side (the child's ``if __name__ == "__main__":``):
-- ``serve(spec_type, work, name=...)``: reads the spec, runs `work(spec)`, writes the result it returns atomically.
+- ``serve(spec_type, work, name=..., prepare=...)``: reads the spec, runs `work(spec)`, writes the result it returns
+  atomically; started with ``--await-spec``, it runs `prepare()` first and waits for the spec file to appear.
   A failure prints the exception and its whole traceback (the parent quotes it) and exits 1; SIGTERM is one line
   and exit 143, as in a stage (runtime.stage's signal policy).
 - ``report_busy`` / ``report_idle`` / ``engine_progress_bar``: progress for the parent's watch. A worker with
@@ -130,10 +134,14 @@ def _run(command: Sequence[str], job: Job) -> tuple[ChildProcess, float]:
     started = time.perf_counter()
     child = job.child(command)
     with child:
-        code = child.wait()
+        _wait_ok(child, job)
+    return child, time.perf_counter() - started
+
+
+def _wait_ok(child: ChildProcess, job: Job) -> None:
+    code = child.wait()
     if code != 0:
         raise job.failure(child, f"{job.name} exited with code {code}")
-    return child, time.perf_counter() - started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +162,19 @@ class Finished(Generic[R]):
     wall_s: float
 
 
-def worker_command(module: str, files: WorkerFiles) -> list[str]:
-    return [sys.executable, "-m", module, "--spec", str(files.spec), "--result", str(files.result)]
+AWAIT_SPEC = "--await-spec"
+SPEC_POLL_S = 0.02  # how often a worker started early looks for its spec file
+
+
+def worker_command(module: str, files: WorkerFiles, *, await_spec: bool = False) -> list[str]:
+    return [sys.executable, "-m", module, "--spec", str(files.spec), "--result", str(files.result),
+            *([AWAIT_SPEC] if await_spec else [])]  # fmt: skip
+
+
+def _read_result(child: ChildProcess, files: WorkerFiles, result_type: type[R], job: Job) -> R:
+    if not files.result.is_file():
+        raise job.failure(child, f"{job.name} exited with code 0 but wrote no result {files.result}; this is a bug")
+    return load(result_type, files.result)
 
 
 def run_worker(module: str, spec: Artefact, result_type: type[R], *, files: WorkerFiles, job: Job) -> Finished[R]:
@@ -169,16 +188,72 @@ def run_worker(module: str, spec: Artefact, result_type: type[R], *, files: Work
     command = worker_command(module, files)
     log.info("%s: %s", job.name, " ".join(command))
     child, wall_s = _run(command, job)
-    if not files.result.is_file():
-        raise job.failure(child, f"{job.name} exited with code 0 but wrote no result {files.result}; this is a bug")
-    return Finished(result=load(result_type, files.result), wall_s=wall_s)
+    return Finished(result=_read_result(child, files, result_type, job), wall_s=wall_s)
+
+
+class StartedWorker:
+    """A worker started before its spec exists (start_worker): it prepares (serve's `prepare`) while the stage builds
+    the spec, then waits for the spec file. Use as a context manager: leaving it without `finish` (the stage failed,
+    or found nothing left for the worker to do) stops the worker and its tree."""
+
+    def __init__(self, module: str, files: WorkerFiles, job: Job):
+        self.module, self.files, self.job = module, files, job
+        self.child = job.child(worker_command(module, files, await_spec=True))
+        self.started = 0.0
+        self.finished = False
+
+    def __enter__(self) -> StartedWorker:
+        self.files.spec.parent.mkdir(parents=True, exist_ok=True)
+        self.files.result.parent.mkdir(parents=True, exist_ok=True)
+        self.files.spec.unlink(missing_ok=True)  # an earlier attempt's spec must not start this one
+        self.files.result.unlink(missing_ok=True)
+        log.info("%s, started before its spec: %s", self.job.name, " ".join(self.child.command))
+        self.started = time.perf_counter()
+        self.child.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if not self.finished:
+            self.stop(exc_type)
+
+    def stop(self, exc_type: type[BaseException] | None = None) -> None:
+        """Stop a worker that will get no spec (SIGTERM, a short grace, then its tree killed). Safe to call twice."""
+        self.finished = True
+        self.child.__exit__(exc_type)
+
+    def finish(self, spec: Artefact, result_type: type[R]) -> Finished[R]:
+        """Give the worker its spec (written atomically: the worker never reads half of it) and wait for its result,
+        as run_worker does. wall_s counts from the start, the wait for the spec included."""
+        try:
+            write(self.files.spec, spec)
+            _wait_ok(self.child, self.job)  # one that died while preparing fails here, quoting its traceback
+        finally:
+            self.finished = True
+            self.child.__exit__(sys.exc_info()[0])
+        return Finished(result=_read_result(self.child, self.files, result_type, self.job),
+                        wall_s=time.perf_counter() - self.started)  # fmt: skip
+
+
+def start_worker(module: str, *, files: WorkerFiles, job: Job) -> StartedWorker:
+    """``python -m <module> --spec S --result R --await-spec`` under `job`, started now, its spec given later
+    (StartedWorker.finish). The watch's limits count from now."""
+    return StartedWorker(module, files, job)
 
 
 # ---------------------------------------------------------------------------------------------------- worker side
 
 
-def serve(spec_type: type[S], work: Callable[[S], Artefact], *, name: str, argv: Sequence[str] | None = None) -> None:
+def serve(
+    spec_type: type[S],
+    work: Callable[[S], Artefact],
+    *,
+    name: str,
+    prepare: Callable[[], None] | None = None,
+    argv: Sequence[str] | None = None,
+) -> None:
     """The worker's ``__main__``: ``--spec S --result R``; read S as `spec_type`, write what `work` returns to R.
+    With ``--await-spec`` (start_worker): run `prepare()`, then wait for S to appear (the parent writes it atomically;
+    the parent's watch bounds the wait, and the worker dies with the parent).
 
     Exits 0 after writing the result; 1 on any failure, printing its repr and whole traceback for the parent to
     quote (a StageError too: the traceback ends in its message); 128 + signal after a stop signal."""
@@ -187,10 +262,16 @@ def serve(spec_type: type[S], work: Callable[[S], Artefact], *, name: str, argv:
     parser = argparse.ArgumentParser(description=f"{name}: a worker of a stage (runtime.worker)")
     parser.add_argument("--spec", required=True, type=Path, help=f"{spec_type.__name__} JSON")
     parser.add_argument("--result", required=True, type=Path, help="where to write the result JSON")
+    parser.add_argument(AWAIT_SPEC, action="store_true", help="prepare, then wait for the spec file to appear")
     args = parser.parse_args(argv)
     setup_logging(None)
     install_stop_handlers()
     try:
+        if args.await_spec:
+            if prepare is not None:
+                prepare()
+            while not args.spec.exists():
+                time.sleep(SPEC_POLL_S)
         write(args.result, work(load(spec_type, args.spec)))
     except StageStopped as stop:
         print(f"{name} stopped by {stop.signal_name}", file=sys.stderr, flush=True)
