@@ -42,7 +42,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
   exit 0
 fi
 
-echo "setup: building .venv with $py_id (1 min 44 s measured on a fresh 2-core machine with an empty pip cache)"
+echo "setup: building .venv with $py_id (66 s and 64 s measured in fresh clones on this 2-core VM, 2026-12-05, with an empty pip cache)"
 # a venv made by another interpreter is made again (its packages are reinstalled below)
 if [ -x "$venv/bin/python" ] \
    && [ "$("$venv/bin/python" -c 'import os, sys; print(os.path.realpath(sys._base_executable), sys.version.split()[0])' 2>/dev/null)" != "$py_id" ]; then

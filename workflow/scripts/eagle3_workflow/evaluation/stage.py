@@ -143,11 +143,14 @@ def evaluate_draft(
     engine = engine_memory(engine, settings, vllm_settings, device=device, processes=len(plan) if concurrent else 1)
     log.info("%d measurement process(es), %s", len(plan),
              "all at once, each timing pass alone (lock file)" if concurrent else "one after another")  # fmt: skip
+    # the processes' environment, taken once, now: what runs in this process meanwhile may set variables of its own
+    # (torch's inductor sets TORCHINDUCTOR_CACHE_DIR when asked for its cache folder)
+    env = plan_environment(plan, engine, settings, vllm_settings, device)
     with contextlib.ExitStack() as early:
         first = None
         if not concurrent:  # the first process imports vLLM while this one loads the prompts and the baseline
-            where = dict(settings=settings, vllm_settings=vllm_settings, device=device, work_dir=work_dir)
-            first = early.enter_context(start_first_process(plan, engine, **where, log_path=log_path))
+            first = early.enter_context(start_first_process(plan, env, settings=settings, vllm_settings=vllm_settings,
+                                                            work_dir=work_dir, log_path=log_path))  # fmt: skip
         tokenizer = load_chat_tokenizer(str(target), trust_remote_code=trust_remote_code)
         prompt_set = load_prompts(settings, tokenizer, prepared_dir=prepared,
                                   train_data_ratio=stage.train.train_data_ratio,
@@ -159,7 +162,7 @@ def evaluate_draft(
         untrained = build_untrained_draft(draft, target, untrained_dir, settings.seed)
         log.info("untrained baseline: %s", untrained.description)
         evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir, concurrent=concurrent)
-        measured = measure_runs(plan, engine, evaluation, log_path=log_path, first=first)
+        measured = measure_runs(plan, engine, evaluation, log_path=log_path, env=env, first=first)
     logit_dtype = resolved_dtype(dtype, target)
     verdict = lossless_verdict(measured.lossless, prompt_set, logit_dtype=logit_dtype, numerics=numerics,
                                tie_steps=settings.lossless_tie_steps, decode=tokenizer.decode)  # fmt: skip
@@ -323,13 +326,14 @@ def measure_runs(
     evaluation: Evaluation,
     *,
     log_path: str | Path | None,
+    env: dict[str, str] | None = None,
     first: FirstProcess | None = None,
 ) -> Measured:
     """Run the planned processes: one after another, or all at once (evaluation.concurrent) with a lock file that
     keeps each timing pass alone. An engine whose result a cut run left in work_dir/runs with the same key
-    (everything that decides its result) is reused, not measured again. `first`: the first planned process, started
-    early (start_first_process); it gets its spec if it is still the first to run, with the same environment, and is
-    stopped otherwise (when the stage leaves its context)."""
+    (everything that decides its result) is reused, not measured again. `env`: the processes' environment
+    (plan_environment, taken when the stage started; None: taken now). `first`: the first planned process, started
+    early (start_first_process); it gets its spec if it is still the first to run, and is stopped otherwise."""
     settings, vllm_settings, stop = evaluation.settings, evaluation.vllm_settings, evaluation.stop
     device, work_dir = evaluation.device, evaluation.work_dir
     measured = Measured(lossless={}, timing={}, processes=[])
@@ -353,8 +357,7 @@ def measure_runs(
             pending.append((i, process, todo))
     if not pending:
         return measured
-    eager = all_eager(engine, [run for _, _, todo in pending for run in todo])
-    env = process_environment(eager, settings, vllm_settings, device)
+    env = env if env is not None else plan_environment(plan, engine, settings, vllm_settings, device)
     together = evaluation.concurrent and len(pending) > 1
     measured.concurrent = together
     launches = []
@@ -389,10 +392,16 @@ def measure_runs(
     return measured
 
 
-def process_environment(
-    eager: bool, settings: EvaluationSettings, vllm_settings: VllmSettings, device: str
+def plan_environment(
+    plan: list[PlannedProcess],
+    engine: dict[str, Any],
+    settings: EvaluationSettings,
+    vllm_settings: VllmSettings,
+    device: str,
 ) -> dict[str, str]:
-    """The environment of every measurement process of a stage (`eager`: all_eager over the engines it starts)."""
+    """The environment of every measurement process of the plan: eager (runtime.child_environment) when every engine
+    the plan starts has enforce_eager, whether or not an earlier attempt's results spare some of them."""
+    eager = all_eager(engine, [run for process in plan for run in process.runs])
     env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
                                   in_process=settings.tensor_parallel_size == 1, eager=eager)  # fmt: skip
     # TP > 1 on CPU: a worker per core list (refused, with the fix, when the CPUs cannot give one)
@@ -415,7 +424,10 @@ class FirstProcess:
         None, and the worker is stopped now: the processes that run instead must not share the machine with it."""
         if (launch.name, launch.spec.batch_invariant, launch.env) == (self.name, self.batch_invariant, self.env):
             return self.worker
-        log.info("%s, started early, is not the process to run first (%s): stopped", self.name, launch.name)
+        changed = sorted(k for k in self.env.keys() | launch.env.keys() if self.env.get(k) != launch.env.get(k))
+        log.info("%s, started early, is not the process to run first (%s; batch_invariant %s, environment "
+                 "variables changed: %s): stopped", self.name, launch.name, launch.spec.batch_invariant,
+                 changed or "none")  # fmt: skip
         self.worker.stop()
         return None
 
@@ -432,22 +444,20 @@ class FirstProcess:
 
 def start_first_process(
     plan: list[PlannedProcess],
-    engine: dict[str, Any],
+    env: dict[str, str],
     *,
     settings: EvaluationSettings,
     vllm_settings: VllmSettings,
-    device: str,
     work_dir: Path,
     log_path: str | Path | None,
 ) -> FirstProcess:
     """The first process of a one-after-another plan, to start before the stage loads the tokenizer and prompts and
     builds the untrained draft: it imports vLLM meanwhile (~3 s of a CPU run's measurement process, on the core the
-    stage leaves idle), then waits for its spec (measure_runs gives it). Its environment is the one measure_runs
-    computes when no earlier result is reused, with the kernels of the plan's first process."""
+    stage leaves idle), then waits for its spec (measure_runs gives it). Its environment is `env`, the one every
+    process of the plan gets (plan_environment), with the kernels of the plan's first process."""
     from eagle3_workflow.evaluation.launch import kernels_environment, start_measurement_process
 
     process = plan[0]
-    env = process_environment(all_eager(engine, [run for p in plan for run in p.runs]), settings, vllm_settings, device)
     worker = start_measurement_process([run.label for run in process.runs], work_dir, "measure_0",
                                        env=kernels_environment(env, batch_invariant=process.batch_invariant),
                                        log_path=log_path, timeout_s=settings.timeout_s,
