@@ -13,7 +13,7 @@ stamp="$venv/.eagle3-setup-stamp"
 # (/usr/bin/python3.11: Debian builds CPython with profile-guided optimisation and links it statically) comes before
 # another 3.11 on PATH, which is often built with neither (pyenv's default): every process of a run is Python
 # startup and imports (Snakemake, each stage, each vLLM server and worker), and importing vLLM's OpenAI server took
-# 0.8x the CPU time on it (bench/suite/bench_interpreters.py, docs/benchmarks.md). PYTHON=/path/to/python3.11 picks
+# 0.85x the CPU time on it (bench/suite/bench_interpreters.py, docs/benchmarks.md). PYTHON=/path/to/python3.11 picks
 # another.
 is_venv_py311() { "$1" -c 'import ensurepip, sys, venv; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1; }
 if [ -n "${PYTHON:-}" ]; then
