@@ -2,7 +2,7 @@
 as it is and with one fault injected into a copy of the served draft/ each (its config.json or d2t), against the
 trained draft's prediction (speculators' model from the trainer's checkpoint, the fp32 reference's hidden states).
 The healthy draft agrees step by step; each fault fails, naming the key it changed. One measurement process, one
-engine per draft, the first 3 heldout prompts, 32 tokens each. The stage's own run of the check (default on):
+engine per draft, the first 4 heldout prompts, 48 tokens each (as the tiny preset's evaluate_draft). The stage's own run of the check (default on):
 tests/e2e/test_e2e.py (acceptance.json's parity)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from eagle3_workflow.evaluation.prompts import load_prompts
 from eagle3_workflow.evaluation.protocol import MeasurementSpec, eagle3_run
 from eagle3_workflow.settings import ServingStage
 
-PROMPTS, MAX_TOKENS, K = 3, 32, 3
+PROMPTS, MAX_TOKENS, K = 4, 48, 3  # the tiny preset's parity pass: its default 4 prompts, its max_tokens
 
 
 def edit_config(draft: Path, change) -> None:
@@ -69,13 +69,16 @@ def _other_rope_theta(config):
         layer["rope_theta"] = layer.get("rope_theta", 10000.0) * 100
 
 
-# fault -> (how it is injected into the served copy, what the failure must name)
+# fault -> (how it is injected into the served copy, what the failure must name, whether vLLM's proposals move
+# beyond a near-tie on the tiny draft: a rope_theta 100x larger moves its logits by at most 5.5 standard deviations
+# of the rounding model (parity.py), so only the comparison of the served files with the checkpoint sees it there)
 FAULTS = {
-    "norm_before_residual": (lambda d: edit_config(d, _flip_norm), "norm_before_residual: served"),
-    "d2t": (shift_d2t, "vocabulary mapping d2t"),
+    "norm_before_residual": (lambda d: edit_config(d, _flip_norm), "norm_before_residual: served", True),
+    "d2t": (shift_d2t, "vocabulary mapping d2t", True),
     "max_position_embeddings": (lambda d: edit_config(d, _cut_positions),
-                                "transformer_layer_config.max_position_embeddings: served 16"),
-    "rope_theta": (lambda d: edit_config(d, _other_rope_theta), "transformer_layer_config.rope_parameters: served"),
+                                "transformer_layer_config.max_position_embeddings: served 16", True),
+    "rope_theta": (lambda d: edit_config(d, _other_rope_theta), "transformer_layer_config.rope_parameters: served",
+                   False),
 }  # fmt: skip
 
 
@@ -127,7 +130,7 @@ def test_the_served_draft_agrees_with_the_trained_one_and_each_injected_fault_fa
     workdir, config, _ = tiny_pipeline
     run_dir = workdir / "results" / config["run"]
     drafts = {"healthy": run_dir / "draft"}
-    for fault, (inject, _) in FAULTS.items():
+    for fault, (inject, _, _) in FAULTS.items():
         drafts[fault] = Path(shutil.copytree(run_dir / "draft", tmp_path / fault))
         inject(drafts[fault])
     with working_directory(workdir):
@@ -141,14 +144,20 @@ def test_the_served_draft_agrees_with_the_trained_one_and_each_injected_fault_fa
     assert healthy.independent and "trainer's final checkpoint" in healthy.reference
     assert healthy.steps_compared >= 20 and healthy.agreeing_steps + healthy.ties_excused == healthy.steps_compared
     assert healthy.prompts == list(range(PROMPTS))
-    for fault, (_, names) in FAULTS.items():
+    for fault, (_, names, moves_steps) in FAULTS.items():
         parity, _ = results[fault]
         message = parity_failure(parity, draft=fault)
         print(message, file=sys.stderr)
         assert parity.verdict == "failed", (fault, parity)
-        assert parity.first_difference is not None
         assert names in message, (fault, message)
-        assert "first difference: prompt" in message and "predicted " in message and "served " in message
         for key in ("norm_before_residual", "d2t/t2d", "max_position_embeddings", "rope_theta",
                     "eagle_aux_hidden_state_layer_ids"):  # fmt: skip
             assert key in message
+        if moves_steps:  # the step comparison itself sees it: the first step, both proposals
+            first = parity.first_difference
+            assert first is not None and parity.differing_steps >= 3, (fault, parity)
+            assert first.gap_steps is None or first.gap_steps > first.tie_bound_steps
+            assert "first difference: prompt" in message and "predicted " in message and "served " in message
+        else:
+            assert parity.differing_steps == 0
+            assert "the served draft's files are not the trainer's checkpoint" in message
