@@ -1,9 +1,10 @@
 """The draft parity check (evaluation/parity.py) for real: the tiny pipeline's trained draft, served by vLLM (CPU)
-as it is and with one fault injected into a copy of the served draft/ each (its config.json or d2t), against the
-trained draft's prediction (speculators' model from the trainer's checkpoint, the fp32 reference's hidden states).
-The healthy draft agrees step by step; each fault fails, naming the key it changed. One measurement process, one
-engine per draft, the first 4 heldout prompts, 48 tokens each (as the tiny preset's evaluate_draft). The stage's own run of the check (default on):
-tests/e2e/test_e2e.py (acceptance.json's parity)."""
+as it is and with one fault injected into a copy of the served draft/ each (its config.json or d2t: the four of
+issue 46, and the aux layer ids one deeper), against the trained draft's prediction (speculators' model from the
+trainer's checkpoint, the fp32 reference's hidden states). The healthy draft agrees step by step; each fault fails,
+naming the key it changed. One measurement process, one engine per draft, the first 4 heldout prompts, 48 tokens
+each (as the tiny preset's evaluate_draft). The stage's own run of the check (default on): tests/e2e/test_e2e.py
+(acceptance.json's parity)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def _cut_positions(config):
     config["transformer_layer_config"]["max_position_embeddings"] = 16
 
 
+def _deeper_layers(config):
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+
+
 def _other_rope_theta(config):
     layer = config["transformer_layer_config"]
     rope = layer.get("rope_parameters") or {}
@@ -79,6 +84,9 @@ FAULTS = {
                                 "transformer_layer_config.max_position_embeddings: served 16", True),
     "rope_theta": (lambda d: edit_config(d, _other_rope_theta), "transformer_layer_config.rope_parameters: served",
                    False),
+    # the issue's case that passed every earlier gate: vLLM hands the draft the layers one deeper
+    "aux_layer_ids": (lambda d: edit_config(d, _deeper_layers), "eagle_aux_hidden_state_layer_ids: served [3, 5, 6]",
+                      True),
 }  # fmt: skip
 
 

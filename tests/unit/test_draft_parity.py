@@ -121,6 +121,7 @@ def test_the_tie_bound_is_the_rounding_model():
     # the target's layers up to the deepest aux layer, then one draft pass per proposal
     assert roundings([2, 4, 5], 0) == 2 * 6 + 13
     assert roundings([2, 4, 5], 2) == 2 * 6 + 3 * 13
+    assert roundings([2, 4, 5], 0, draft_layers=2) == 2 * 6 + 25  # each further draft layer: 12 more
 
 
 def _checkpoint(folder: Path, *, norm_before_residual=True, theta=10000.0, shift=0) -> Path:
@@ -144,6 +145,11 @@ def test_the_served_files_are_compared_with_the_trainers_checkpoint(tmp_path):
     assert any(f.startswith("transformer_layer_config.rope_parameters: served") for f in found)
     assert "vocabulary mapping d2t: the served model.safetensors differs from the trainer's checkpoint" in found
     assert not any("fc.weight" in f for f in found)
+    # layer ids other than training.json's, named once
+    trained_on = TrainedDraft(trained.checkpoint, [1, 3, 4], True, "")
+    assert config_differences(tmp_path / "same", trained_on) == [
+        "eagle_aux_hidden_state_layer_ids: served [2, 4, 5], trained on [1, 3, 4]"
+    ]
     # a reference read from the served folder itself has nothing to compare with
     assert config_differences(tmp_path / "bad", TrainedDraft(tmp_path / "bad", [2, 4, 5], False, "")) == []
 

@@ -80,10 +80,11 @@ CONFIG_KEYS = [
     "transformer_layer_config.rms_norm_eps",
     "transformer_layer_config.vocab_size",
 ]
-# roundings of one pass of a one-layer EAGLE-3 draft in the served dtype, in series from its inputs to a logit (each
-# kernel accumulates in fp32 and rounds its output once): the two input norms, fc, qkv, attention (softmax . V),
-# o_proj, the residual add, the post-attention norm, gate/up, act x up, down, the residual add, the final norm
-DRAFT_ROUNDINGS = 13
+# roundings of one pass of an EAGLE-3 draft in the served dtype, in series from its inputs to a logit (each kernel
+# accumulates in fp32 and rounds its output once): per decoder layer its input norm(s), qkv, attention
+# (softmax . V), o_proj, the residual add, the post-attention norm, gate/up, act x up, down, the residual add (the
+# first layer's two input norms and fc counted as the norm), then the final norm
+DRAFT_ROUNDINGS_PER_LAYER = 12
 # per target decoder layer: its attention and MLP outputs are each rounded and added to the residual stream
 TARGET_ROUNDINGS_PER_LAYER = 2
 # a near-tie: the gap within this many standard deviations of what the roundings move it by (a healthy step
@@ -91,11 +92,12 @@ TARGET_ROUNDINGS_PER_LAYER = 2
 TIE_SIGMAS = 4.0
 
 
-def roundings(layer_ids: Sequence[int], proposal: int) -> int:
+def roundings(layer_ids: Sequence[int], proposal: int, draft_layers: int = 1) -> int:
     """The served dtype's roundings in series between the target's embedding and proposal `proposal`'s (0-based)
     logits: the target's layers up to the deepest aux layer, then one draft pass per proposal (proposal t reads
     the draft's own output t times)."""
-    return TARGET_ROUNDINGS_PER_LAYER * (max(layer_ids, default=0) + 1) + DRAFT_ROUNDINGS * (proposal + 1)
+    draft_pass = DRAFT_ROUNDINGS_PER_LAYER * draft_layers + 1
+    return TARGET_ROUNDINGS_PER_LAYER * (max(layer_ids, default=0) + 1) + draft_pass * (proposal + 1)
 
 
 def tie_bound(head: Any, h: Any, winner: int, other: int, *, rounds: int, dtype: str, winner_logit: float) -> float:
@@ -179,6 +181,7 @@ class Predicted:
     proposals: list[list[int]]
     inputs: list[Any]  # per draft step, lm_head's input [positions, hidden]
     head: Any  # lm_head's weight [draft vocab, hidden]
+    draft_layers: int = 1
 
 
 def predict(model: Any, aux: Any, trajectory: Sequence[int], k: int) -> Predicted:
@@ -202,7 +205,13 @@ def predict(model: Any, aux: Any, trajectory: Sequence[int], k: int) -> Predicte
         hook.remove()
     to_target = target_ids(model)
     proposals = [[int(to_target[d]) for d in logits.argmax(-1).tolist()] for logits in captured]
-    return Predicted(logits=captured, proposals=proposals, inputs=inputs, head=model.lm_head.weight.detach())
+    return Predicted(
+        logits=captured,
+        proposals=proposals,
+        inputs=inputs,
+        head=model.lm_head.weight.detach(),
+        draft_layers=len(model.layers),
+    )
 
 
 def target_ids(model: Any) -> list[int]:
@@ -358,8 +367,8 @@ def gap_and_bound(
     if loser is None:
         return None, None
     step_size = dtype_step(winner, dtype)
-    bound = tie_bound(pred.head, pred.inputs[t][position], best, loser, rounds=roundings(layer_ids, t), dtype=dtype,
-                      winner_logit=winner)  # fmt: skip
+    rounds = roundings(layer_ids, t, pred.draft_layers)
+    bound = tie_bound(pred.head, pred.inputs[t][position], best, loser, rounds=rounds, dtype=dtype, winner_logit=winner)
     return (winner - float(logits[loser])) / step_size, bound / step_size
 
 
@@ -378,7 +387,8 @@ def config_differences(served_draft: Path, trained: TrainedDraft) -> list[str]:
         if a != b:
             found.append(f"{key}: served {a!r}, trained {b!r}")
     served_ids = served_cfg.get("eagle_aux_hidden_state_layer_ids")
-    if served_ids is not None and list(served_ids) != list(trained.layer_ids):
+    checkpoint_ids = trained_cfg.get("eagle_aux_hidden_state_layer_ids")
+    if served_ids is not None and served_ids == checkpoint_ids and list(served_ids) != list(trained.layer_ids):
         found.append(f"eagle_aux_hidden_state_layer_ids: served {served_ids}, trained on {trained.layer_ids}")
     served_w = load_file(str(served_draft / "model.safetensors"))
     trained_w = load_file(str(trained.checkpoint / "model.safetensors"))
@@ -473,7 +483,7 @@ def check_parity(
         differing_steps=len(differences),
         proposals_compared=tally.proposals,
         dtype=dtype,
-        roundings=[roundings(trained.layer_ids, t) for t in range(k)],
+        roundings=[roundings(trained.layer_ids, t, len(model.layers)) for t in range(k)],
         tie_sigmas=TIE_SIGMAS,
         reference=trained.source,
         independent=trained.independent,
@@ -505,6 +515,8 @@ def draft_parity(
                                     strict=True)]  # fmt: skip
     parity = check_parity(served, prompt_indices=list(range(n)), draft=draft, target=target, k=k, dtype=dtype,
                           trust_remote_code=trust_remote_code, decode=decode)  # fmt: skip
+    if not parity.independent:
+        log.warning("draft parity: %s", parity.reference)
     log.info("draft parity %s: %d of %d served steps agree with the trained draft's prediction, %d excused as ties "
              "(reference: %s)", parity.verdict, parity.agreeing_steps, parity.steps_compared, parity.ties_excused,
              parity.reference)  # fmt: skip
