@@ -50,7 +50,7 @@ def reference(moved: dict[tuple[int, int], tuple[int, float]] | None = None) -> 
         logits.append(z)
     proposals = [[int(i) for i in z.argmax(-1)] for z in logits]
     return Predicted(logits=logits, proposals=proposals, inputs=[torch.randn(len(TRAJECTORY) - 1, H) for _ in range(K)],
-                     head=torch.randn(V, H))  # fmt: skip
+                     head=torch.randn(V, H), num_draft_layers=1)  # fmt: skip
 
 
 # the served run that follows it: the prefill's token, then 2 accepted + bonus, then the last token
@@ -119,9 +119,9 @@ def test_the_tie_bound_is_the_rounding_model():
     fp32 = tie_bound(head, h, 0, 1, rounds=25, dtype="float32", winner_logit=10.0)
     assert fp32 == pytest.approx(expected / 2**16, rel=1e-3)
     # the target's layers up to the deepest aux layer, then one draft pass per proposal
-    assert roundings([2, 4, 5], 0) == 2 * 6 + 13
-    assert roundings([2, 4, 5], 2) == 2 * 6 + 3 * 13
-    assert roundings([2, 4, 5], 0, draft_layers=2) == 2 * 6 + 25  # each further draft layer: 12 more
+    assert roundings([2, 4, 5], 0, 1) == 2 * 6 + 13
+    assert roundings([2, 4, 5], 2, 1) == 2 * 6 + 3 * 13
+    assert roundings([2, 4, 5], 0, 2) == 2 * 6 + 25  # each further draft layer: 12 more
 
 
 def _checkpoint(folder: Path, *, norm_before_residual=True, theta=10000.0, shift=0) -> Path:
@@ -213,3 +213,26 @@ def test_the_stage_serves_the_parity_pass_on_the_trained_draft_only():
         'eagle3_run("trained", draft, k).model_copy(update={"parity_prompts": settings.draft_parity_prompts})' in source
     )
     assert "raise StageError(parity_failure(parity, draft=str(draft)))" in source
+
+
+def test_the_reference_predicts_each_step_from_the_context_before_it(prepared, tmp_path):
+    """speculators' forward on a scratch draft of the tiny target, as the check runs it: proposal t from the step
+    whose context ends at token m reads no token past m + t (the trajectory's tokens stand for the accepted
+    proposals only up to there), so a trajectory cut after that predicts the same logits."""
+    from synthetic_run import build_scratch_draft
+
+    from eagle3_workflow.evaluation.parity import aux_states, load_reference_draft, predict, target_ids
+
+    draft = build_scratch_draft(prepared["target"], prepared["token_freq"], tmp_path / "d")
+    layer_ids = json.loads((draft / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    model = load_reference_draft(TrainedDraft(draft, layer_ids, False, ""), prepared["target"])
+    trajectory = [1, 15, 27, 33, 48, 52, 61, 70, 88, 95, 101, 7, 9, 12]
+    full_aux, cut_aux = aux_states(prepared["target"], [trajectory, trajectory[:9]], layer_ids, trust_remote_code=False)
+    full = predict(model, full_aux, trajectory, 3)
+    cut = predict(model, cut_aux, trajectory[:9], 3)
+    assert [len(z) for z in full.logits] == [len(trajectory) - 1] * 3 and full.num_draft_layers == 1
+    to_target = target_ids(model)
+    assert full.proposals[0] == [to_target[int(i)] for i in full.logits[0].argmax(-1)]
+    m = 5  # the context ends at trajectory[5]: proposal t reads trajectory[..m + t]
+    for t in range(3):
+        assert torch.allclose(full.logits[t][m - 1], cut.logits[t][m - 1], atol=1e-5), t

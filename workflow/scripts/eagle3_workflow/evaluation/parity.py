@@ -92,11 +92,11 @@ TARGET_ROUNDINGS_PER_LAYER = 2
 TIE_SIGMAS = 4.0
 
 
-def roundings(layer_ids: Sequence[int], proposal: int, draft_layers: int = 1) -> int:
+def roundings(layer_ids: Sequence[int], proposal: int, num_draft_layers: int) -> int:
     """The served dtype's roundings in series between the target's embedding and proposal `proposal`'s (0-based)
     logits: the target's layers up to the deepest aux layer, then one draft pass per proposal (proposal t reads
     the draft's own output t times)."""
-    draft_pass = DRAFT_ROUNDINGS_PER_LAYER * draft_layers + 1
+    draft_pass = DRAFT_ROUNDINGS_PER_LAYER * num_draft_layers + 1
     return TARGET_ROUNDINGS_PER_LAYER * (max(layer_ids, default=0) + 1) + draft_pass * (proposal + 1)
 
 
@@ -181,7 +181,7 @@ class Predicted:
     proposals: list[list[int]]
     inputs: list[Any]  # per draft step, lm_head's input [positions, hidden]
     head: Any  # lm_head's weight [draft vocab, hidden]
-    draft_layers: int = 1
+    num_draft_layers: int
 
 
 def predict(model: Any, aux: Any, trajectory: Sequence[int], k: int) -> Predicted:
@@ -210,7 +210,7 @@ def predict(model: Any, aux: Any, trajectory: Sequence[int], k: int) -> Predicte
         proposals=proposals,
         inputs=inputs,
         head=model.lm_head.weight.detach(),
-        draft_layers=len(model.layers),
+        num_draft_layers=len(model.layers),
     )
 
 
@@ -367,7 +367,7 @@ def gap_and_bound(
     if loser is None:
         return None, None
     step_size = dtype_step(winner, dtype)
-    rounds = roundings(layer_ids, t, pred.draft_layers)
+    rounds = roundings(layer_ids, t, pred.num_draft_layers)
     bound = tie_bound(pred.head, pred.inputs[t][position], best, loser, rounds=rounds, dtype=dtype, winner_logit=winner)
     return (winner - float(logits[loser])) / step_size, bound / step_size
 
