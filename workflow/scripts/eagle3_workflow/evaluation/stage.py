@@ -182,12 +182,12 @@ def evaluate_draft(
         write(work_dir / "acceptance_failed.json", report)
         raise StageError(lossless_failure(verdict.mismatches, verdict.non_argmax, num_prompts=len(prompt_set.prompts),
                                           tie_steps=settings.lossless_tie_steps, numerics=numerics))  # fmt: skip
+    if parity.verdict == "failed":  # the exact check first: it names the step and the cause
+        write(work_dir / "acceptance_failed.json", report)
+        raise StageError(parity_failure(parity, draft=str(draft)))
     if consistency.verdict == "failed":
         write(work_dir / "acceptance_failed.json", report)
         raise StageError(consistency_failure(consistency, draft=str(draft)))
-    if parity.verdict == "failed":
-        write(work_dir / "acceptance_failed.json", report)
-        raise StageError(parity_failure(parity, draft=str(draft)))
     return report
 
 
