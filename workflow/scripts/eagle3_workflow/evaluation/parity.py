@@ -108,7 +108,12 @@ def tie_bound(head: Any, h: Any, winner: int, other: int, *, rounds: int, dtype:
     (W[winner] - W[other]) . h by a standard deviation of u/sqrt(3) |(W[winner] - W[other]) * h|; each of the
     `rounds` roundings in series is taken to move the residual stream as much, at first order and without
     amplification (RMSNorm takes magnitudes away), so the gap's deviation is sqrt(rounds) times that. A tie: within
-    TIE_SIGMAS deviations, plus one step of the logit's magnitude for the two logits' own rounding."""
+    TIE_SIGMAS deviations, plus one step of the logit's magnitude for the two logits' own rounding.
+
+    The model checked against real roundings (not fitted to them): the tiny preset's trained draft run by torch in
+    bf16 on the fp32 aux states moved its top-1 gaps against every other token by a median 0.37, a 99th percentile
+    1.33 and at most 2.47 of these deviations (143,080 gaps, its 4 parity prompts, 2026-12-06); vLLM's served
+    draft on the same prompts differed from the reference only at two proposals, at 0.02 and 0.08 of their bounds."""
     from eagle3_workflow.evaluation.lossless import MANTISSA_BITS
 
     u = 2.0 ** -(MANTISSA_BITS.get(dtype, 7) + 1)
