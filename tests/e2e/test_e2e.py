@@ -63,6 +63,12 @@ def test_trained_draft_beats_the_untrained_one_and_stays_lossless(tiny_run):
     assert acceptance["trained"]["tokens_per_s"] > 0
     assert acceptance["untrained"]["throughput"] == [] and acceptance["untrained"]["num_drafts"] > 0
     assert any(note.startswith("not timed (evaluate.time_untrained false): untrained") for note in acceptance["notes"])
+    # the draft parity check ran by default: vLLM's draft proposed what the trainer's checkpoint predicts, step by step
+    parity = acceptance["parity"]
+    assert parity["verdict"] == "passed", parity
+    assert parity["independent"] and parity["prompts"] == [0, 1, 2, 3]
+    assert parity["steps_compared"] >= 100 and parity["proposals_compared"] >= parity["steps_compared"]
+    assert parity["agreeing_steps"] + parity["ties_excused"] == parity["steps_compared"]
 
 
 @pytest.mark.slow

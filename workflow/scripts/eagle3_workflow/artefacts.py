@@ -557,6 +557,43 @@ class TrainServeConsistency(Artefact):
     reason: str
 
 
+class ParityDifference(Artefact):
+    """The first served step where vLLM's draft did not propose what the trained draft proposes (beyond a tie)."""
+
+    prompt_index: int
+    step: int  # the engine step of that request (0: the prefill's token)
+    generated_position: int  # generated tokens before the step
+    proposal: int  # the first proposal (1-based) where the two differ
+    predicted_accepted: int
+    served_accepted: int
+    predicted_token: int  # the reference's proposal there (a target id)
+    predicted_text: str
+    served: str  # what vLLM proposed there, as far as its acceptance tells
+    gap_steps: float | None  # the reference's logit gap there, in steps of the served dtype (None: not in its vocab)
+    tie_bound_steps: float | None  # what rounding alone may move that gap by (parity.tie_bound), in the same steps
+    context: str
+
+
+class DraftParity(Artefact):
+    """acceptance.json's `parity`: the trained draft's served steps against the reference's prediction
+    (eagle3_workflow.evaluation.parity)."""
+
+    verdict: Literal["passed", "failed", "not judged", "off"]
+    prompts: list[int]  # indices into the evaluation prompts
+    steps_compared: int
+    agreeing_steps: int
+    ties_excused: int
+    differing_steps: int
+    proposals_compared: int = 0  # served proposals compared one by one (0: the engine did not show them)
+    dtype: str
+    roundings: list[int]  # per proposal: the served dtype's roundings in series (parity.roundings)
+    tie_sigmas: float  # a near-tie: within this many standard deviations of the rounding model
+    reference: str
+    independent: bool  # the reference read the trainer's checkpoint, not the served folder
+    first_difference: ParityDifference | None = None
+    config_differences: list[str] = Field(default_factory=list)
+
+
 class AcceptanceReport(Artefact):
     """eval/acceptance.json. Written only when every speculative run was lossless and its served acceptance is
     consistent with its validation accuracy (`consistency`)."""
@@ -590,6 +627,7 @@ class AcceptanceReport(Artefact):
     no_speculation_throughput: list[Throughput] = Field(default_factory=list)
     logit_dtype: str = "bfloat16"
     consistency: TrainServeConsistency | None = None  # None: written before the check existed
+    parity: DraftParity | None = None  # None: written before the check existed
 
 
 # ---------------------------------------------------------------------------------------------------- provenance

@@ -311,6 +311,7 @@ class EvaluationSettings(View):
     lossless_tie_steps: int
     consistency_min_ratio: Number
     consistency_min_predicted: Number
+    draft_parity_prompts: int
     timeout_s: Number
 
 

@@ -193,6 +193,7 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     engine_start_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids in spec.prompts]
     lossless = LosslessPass(outputs=[], generate_s=0.0, before=[], after=[])
+    parity = ParityPass(outputs=[], steps=[], proposals=None)
     timings: list[ConcurrencyTiming] = []
     try:
         warm_up = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS)
@@ -201,6 +202,8 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
         if run.lossless_pass:
             gate.hold("lossless")
             lossless = lossless_pass(llm, prompts, SamplingParams(**measured_sampling(spec)), progress_bar)
+        if run.parity_prompts and run.speculative_config and (run.lossless_pass or not run.timing_pass):
+            parity = parity_pass(llm, spec.prompts[: run.parity_prompts], spec)
         if run.timing_pass:
             if gate.active:
                 report_idle()  # waiting for the others' starts, lossless and timing passes is not a stall
@@ -218,6 +221,9 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
         del llm
         _release_engine()
     result = run_result(run, lossless, engine_start_s=engine_start_s, timings=timings, prefix=prefix)
+    result = result.model_copy(
+        update={"parity_outputs": parity.outputs, "parity_steps": parity.steps, "parity_proposals": parity.proposals}
+    )
     if run.result_path:
         write(run.result_path, result)
     return result
@@ -232,6 +238,61 @@ def _release_engine() -> None:
         gc.collect()
         return
     cleanup_dist_env_and_memory()
+
+
+def parity_pass(llm: Any, prompts: list[list[int]], spec: MeasurementSpec) -> ParityPass:
+    """The draft parity pass: each prompt alone, greedily, through vLLM's engine one step at a time with DELTA
+    outputs, so each step's new tokens are that step's accepted draft tokens + the bonus token (the prefill's
+    step: its first token). With the engine in this process and no async scheduling, the draft's proposals after
+    each step are read from the scheduler's request (what the next step verifies). Stop token ids only (no stop
+    strings: the steps are what is compared)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, stop_token_ids=list(spec.stop_token_ids) or None,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    engine = llm.llm_engine
+    scheduler = in_process_scheduler(llm)
+    result = ParityPass(outputs=[], steps=[], proposals=[] if scheduler is not None else None)
+    started = time.perf_counter()
+    for index, ids in enumerate(prompts):
+        engine.add_request(f"parity-{index}", {"prompt_token_ids": ids}, params)
+        tokens: list[int] = []
+        counts: list[int] = []
+        proposed: list[list[int]] = []
+        while engine.has_unfinished_requests():
+            for request in engine.step():
+                new = list(request.outputs[0].token_ids) if request.outputs else []
+                if new:
+                    tokens += new
+                    counts.append(len(new))
+                    if scheduler is not None:
+                        waiting = list(scheduler.requests.values())
+                        proposed.append([int(t) for t in waiting[0].spec_token_ids] if len(waiting) == 1 else [])
+        result.outputs.append(tokens)
+        result.steps.append(counts)
+        if result.proposals is not None:
+            result.proposals.append(proposed)
+    print(f"{spec.log_prefix}  parity pass: {len(prompts)} prompt(s), {sum(map(len, result.steps))} engine steps, "
+          f"{sum(map(len, result.outputs))} tokens in {time.perf_counter() - started:.2f} s, proposals "
+          f"{'read' if scheduler is not None else 'not visible'}", flush=True)  # fmt: skip
+    return result
+
+
+def in_process_scheduler(llm: Any) -> Any:
+    """The scheduler of an in-process engine without async scheduling (its requests hold the draft's proposals
+    between steps), else None."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None or getattr(core, "async_scheduling", False):
+        return None
+    return getattr(core, "scheduler", None)
+
+
+@dataclasses.dataclass
+class ParityPass:
+    outputs: list[list[int]]
+    steps: list[list[int]]
+    proposals: list[list[list[int]]] | None  # per prompt, per step: the proposals made after it (None: not visible)
 
 
 @dataclasses.dataclass

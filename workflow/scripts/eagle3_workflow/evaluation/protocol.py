@@ -39,6 +39,8 @@ class MeasurementRun(Artefact):
     lossless_pass: bool = True
     timing_pass: bool = True
     engine_overrides: dict[str, Any] = Field(default_factory=dict)
+    # the draft parity pass (evaluation/parity.py): the first N prompts one at a time, each engine step's tokens
+    parity_prompts: int = 0
     key: str = ""
     result_path: str | None = None
 
@@ -106,6 +108,11 @@ class RunResult(Artefact):
     metrics_after: list[dict[str, Any]]
     load_1m: float
     timings: list[ConcurrencyTiming] = Field(default_factory=list)
+    # the parity pass: per prompt, the greedy output and the tokens each engine step emitted (accepted + 1)
+    parity_outputs: list[list[int]] = Field(default_factory=list)
+    parity_steps: list[list[int]] = Field(default_factory=list)
+    # per prompt, per step: the draft's proposals made after that step (None: the engine does not show them)
+    parity_proposals: list[list[list[int]]] | None = None
     key: str = ""
     numerics: str = "production"  # production | batch_invariant: the kernels the engine ran with
 

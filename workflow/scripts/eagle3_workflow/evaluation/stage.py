@@ -57,6 +57,7 @@ from eagle3_workflow.evaluation.launch import (
 )
 from eagle3_workflow.evaluation.lossless import compare_greedy, lossless_failure, non_argmax_steps
 from eagle3_workflow.evaluation.metrics import acceptance_result, summary_table, throughput
+from eagle3_workflow.evaluation.parity import draft_parity, parity_failure
 from eagle3_workflow.evaluation.prompts import PromptSet, load_prompts
 from eagle3_workflow.evaluation.protocol import (
     LOG_PREFIX,
@@ -130,7 +131,7 @@ def evaluate_draft(
     k = settings.num_speculative_tokens
     labelled = [
         MeasurementRun(label=NO_SPECULATION, speculative_config=None),
-        eagle3_run("trained", draft, k),
+        eagle3_run("trained", draft, k).model_copy(update={"parity_prompts": settings.draft_parity_prompts}),
         eagle3_run("untrained", untrained_dir, k),
     ]
     engine = measurement_engine_kwargs(vllm_settings, target=str(target), dtype=dtype, trust_remote_code=trust_remote_code,
@@ -170,7 +171,9 @@ def evaluate_draft(
     notes = prompt_set.notes + report_notes(results, verdict, measured, evaluation)
     report = build_report(results, verdict, measured, evaluation, untrained_baseline=untrained.description, notes=notes)
     consistency = train_serve_consistency(draft, results["trained"], settings)
-    report = report.model_copy(update={"consistency": consistency})
+    parity = draft_parity(measured.lossless["trained"], prompt_set, draft=draft, target=target, k=k,
+                          dtype=logit_dtype, trust_remote_code=trust_remote_code, decode=tokenizer.decode)  # fmt: skip
+    report = report.model_copy(update={"consistency": consistency, "parity": parity})
     log.info("\n%s", summary_table(report))
     log.info(
         "train/serve consistency %s: %s\n%s", consistency.verdict, consistency.reason, consistency_table(consistency)
@@ -179,6 +182,9 @@ def evaluate_draft(
         write(work_dir / "acceptance_failed.json", report)
         raise StageError(lossless_failure(verdict.mismatches, verdict.non_argmax, num_prompts=len(prompt_set.prompts),
                                           tie_steps=settings.lossless_tie_steps, numerics=numerics))  # fmt: skip
+    if parity.verdict == "failed":  # the exact check first: it names the step and the cause
+        write(work_dir / "acceptance_failed.json", report)
+        raise StageError(parity_failure(parity, draft=str(draft)))
     if consistency.verdict == "failed":
         write(work_dir / "acceptance_failed.json", report)
         raise StageError(consistency_failure(consistency, draft=str(draft)))
