@@ -31,6 +31,11 @@ profile and warm-up forwards run untouched), as a wrong method name in a patched
 the layer's all-reduce for a peer that is gone, and vLLM reports nothing to the engine: only the worker's log says
 it. The TP rank comes from vllm.distributed inside the worker process.
 
+EAGLE3_FAULT=rank_raises_at_first_step:<r> makes trainer rank r (torchrun's RANK; never a process without one) raise
+an AttributeError with an empty message from the first forward of a module in training mode (the draft's, at the
+first step, before that step's gradient all-reduce), through torch's global forward pre-hook: the other rank then
+waits in the all-reduce for a peer that is gone.
+
 Each fault is installed when the module it patches is first imported (`_AfterImport`), not at startup: a process
 that never imports vLLM (Snakemake, most jobs) does not load it for a fault.
 """
@@ -172,6 +177,25 @@ def _stop_after_optimizer_step(count):
     return install
 
 
+def _rank_raises_at_first_step(rank):
+    def install(module_module):
+        import time
+
+        fired = [False]
+
+        def raise_in_rank(module, _args):
+            # the first forward of a module in training mode: the draft's, at the first training step
+            if fired[0] or not module.training or os.environ.get("RANK") != str(rank):
+                return
+            fired[0] = True
+            print(f"EAGLE3_FAULT rank_raises_at_first_step: rank {rank} raises at t={time.time():.3f}", flush=True)
+            raise AttributeError()  # noqa: RSE102 -- the point: an exception whose message is empty
+
+        module_module.register_module_forward_pre_hook(raise_in_rank)
+
+    return install
+
+
 def _claimed_ids(transform):
     """A fault that changes the ids vLLM's EagleModelMixin is told to capture: transform(model, ids) -> ids."""
 
@@ -286,6 +310,8 @@ elif FAULT == "tp_worker_dies_at_first_forward":
     }
 elif FAULT.startswith("stop_after_optimizer_step:"):
     HOOKS = {"torch.optim.optimizer": _stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))}
+elif FAULT.startswith("rank_raises_at_first_step:"):
+    HOOKS = {"torch.nn.modules.module": _rank_raises_at_first_step(int(FAULT.split(":", 1)[1]))}
 else:
     HOOKS = {}
 if HOOKS:

@@ -210,7 +210,9 @@ def _wrap_maybe_save_checkpoint(original: Callable[..., Any]) -> Callable[..., A
         )
         if rank0 and folder.exists():
             shutil.rmtree(folder)  # an earlier launch's: never mix its files with this save's
-        result = original(self, epoch, local_step)
+        result = original(self, epoch, local_step)  # several ranks: rank 0 writes, every rank passes its barrier
+        # on every rank (speculators' own log lines are rank 0's only): which ranks took part in the save
+        log.info("rank %d: interrupt save done", int(getattr(self, "rank", 0)), extra={"override_rank0_filter": True})
         if rank0:
             _write_state(folder / STATE_FILE, record)
             log.info("interrupt checkpoint %s records %s", folder, record)
