@@ -196,6 +196,17 @@ def _rank_raises_at_first_step(rank):
     return install
 
 
+def _ddp_skips_gradient_sync(distributed):
+    ddp = distributed.DistributedDataParallel
+    init = ddp.__init__
+
+    def init_without_sync(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.require_backward_grad_sync = False  # what no_sync() sets: each rank steps on its own gradients
+
+    ddp.__init__ = init_without_sync
+
+
 def _claimed_ids(transform):
     """A fault that changes the ids vLLM's EagleModelMixin is told to capture: transform(model, ids) -> ids."""
 
@@ -312,6 +323,8 @@ elif FAULT.startswith("stop_after_optimizer_step:"):
     HOOKS = {"torch.optim.optimizer": _stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))}
 elif FAULT.startswith("rank_raises_at_first_step:"):
     HOOKS = {"torch.nn.modules.module": _rank_raises_at_first_step(int(FAULT.split(":", 1)[1]))}
+elif FAULT == "ddp_skips_gradient_sync":
+    HOOKS = {"torch.nn.parallel.distributed": _ddp_skips_gradient_sync}
 else:
     HOOKS = {}
 if HOOKS:
