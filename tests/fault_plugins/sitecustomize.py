@@ -36,6 +36,13 @@ an AttributeError with an empty message from the first forward of a module in tr
 first step, before that step's gradient all-reduce), through torch's global forward pre-hook: the other rank then
 waits in the all-reduce for a peer that is gone.
 
+EAGLE3_FAULT=ddp_skips_gradient_sync makes every DistributedDataParallel module skip its gradient all-reduce (what
+``no_sync()`` does, for the whole run): each trainer rank steps on its own gradients and the ranks' weights part.
+
+EAGLE3_PROBE_RANK_WEIGHTS=<folder> is a probe, not a fault (it combines with one): after every optimizer step, each
+trainer rank (torchrun's RANK; a process without one records nothing) appends the sha256 of its parameters to
+<folder>/rank<RANK>.txt, so that a test can tell whether the ranks hold the same weights.
+
 Each fault is installed when the module it patches is first imported (`_AfterImport`), not at startup: a process
 that never imports vLLM (Snakemake, most jobs) does not load it for a fault.
 """
@@ -207,6 +214,26 @@ def _ddp_skips_gradient_sync(distributed):
     ddp.__init__ = init_without_sync
 
 
+def _record_rank_weights(folder):
+    def install(optimizer_module):
+        import hashlib
+
+        def record(optimizer, _args, _kwargs):
+            rank = os.environ.get("RANK")
+            if rank is None:
+                return
+            digest = hashlib.sha256()
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    digest.update(param.detach().float().cpu().numpy().tobytes())
+            with open(os.path.join(folder, f"rank{rank}.txt"), "a", encoding="utf-8") as out:
+                out.write(digest.hexdigest() + "\n")
+
+        optimizer_module.register_optimizer_step_post_hook(record)
+
+    return install
+
+
 def _claimed_ids(transform):
     """A fault that changes the ids vLLM's EagleModelMixin is told to capture: transform(model, ids) -> ids."""
 
@@ -327,5 +354,15 @@ elif FAULT == "ddp_skips_gradient_sync":
     HOOKS = {"torch.nn.parallel.distributed": _ddp_skips_gradient_sync}
 else:
     HOOKS = {}
+if os.environ.get("EAGLE3_PROBE_RANK_WEIGHTS"):  # a probe, not a fault: combined with any of the above
+    _fault_hook = HOOKS.get("torch.optim.optimizer")
+    _probe_hook = _record_rank_weights(os.environ["EAGLE3_PROBE_RANK_WEIGHTS"])
+
+    def _optimizer_hooks(module):
+        if _fault_hook is not None:
+            _fault_hook(module)
+        _probe_hook(module)
+
+    HOOKS["torch.optim.optimizer"] = _optimizer_hooks
 if HOOKS:
     sys.meta_path.insert(0, _AfterImport(HOOKS))

@@ -37,9 +37,16 @@ def train_inputs(tiny_targets, tmp_path_factory):
 def two_ranks(train_inputs, tmp_path_factory):
     """One 2-rank training run, to the end, that several checks read: (summary, its tmp folder, wall seconds)."""
     tmp = tmp_path_factory.mktemp("two_ranks")
-    started = time.monotonic()
-    summary = run_training(train_inputs, tmp, cpu_processes=2)
-    return summary, tmp, time.monotonic() - started
+    (tmp / "weights").mkdir()
+    with pytest.MonkeyPatch.context() as env:  # the probe in the trainer's processes (they inherit this environment)
+        env.setenv(
+            "PYTHONPATH", os.pathsep.join([str(REPO / "tests" / "fault_plugins"), os.environ.get("PYTHONPATH", "")])
+        )
+        env.setenv("EAGLE3_PROBE_RANK_WEIGHTS", str(tmp / "weights"))
+        started = time.monotonic()
+        summary = run_training(train_inputs, tmp, cpu_processes=2)
+        wall = time.monotonic() - started
+    return summary, tmp, wall
 
 
 def fault_env(fault: str) -> dict[str, str]:
@@ -121,6 +128,12 @@ def test_two_ranks_train_the_draft_with_metrics_from_rank_0_once(two_ranks):
     assert sorted(r["step"] for r in records if "train" in r["metrics"]) == list(range(summary.steps))
     assert [r["metrics"]["epoch"] for r in records if "val" in r["metrics"]] == [0, 1]
     assert steps["loss"].iloc[-1] < steps["loss"].iloc[0]
+    # DDP: after every step both ranks hold the same weights (with each rank stepping on its own gradients, fault
+    # plugin ddp_skips_gradient_sync, they part at the first step), and the weights change from step to step
+    weights = [(tmp / "weights" / f"rank{rank}.txt").read_text().split() for rank in (0, 1)]
+    assert len(weights[0]) == summary.steps
+    assert weights[0] == weights[1]
+    assert len(set(weights[0])) == summary.steps
     print(f"2-rank tiny CPU training: {summary.steps} steps, {wall:.1f} s (trainer wall {summary.wall_s} s)")
 
 
@@ -247,8 +260,8 @@ def test_sigterm_in_epoch_0_saves_on_every_rank_and_the_rerun_resumes_from_it(tr
 # (step 0, with the same weights, already differs by 1.6 %: 4.833 against 4.914). 6 % leaves a margin above 4.4 %.
 # It tells a different global batch (one process at 512 tokens a step, 6 steps instead of 4: 0.880, -21 %) and a
 # different seed (0.922, -17 %, seed 1); it does not tell gradients left unsynchronised (each rank stepping on its
-# own half: 1.140, +2.5 %), which `test_two_ranks_train_the_draft_with_metrics_from_rank_0_once` does not see
-# either: see docs/reruns.md.
+# own half, fault plugin ddp_skips_gradient_sync: 1.140, +2.5 %): the ranks' weights, compared after every step in
+# `test_two_ranks_train_the_draft_with_metrics_from_rank_0_once`, do (they part at the first step).
 VAL_LOSS_REL_TOL = 0.06
 
 
