@@ -164,12 +164,13 @@ def test_a_rank_that_raises_at_its_first_step_fails_the_stage_at_once(train_inpu
     assert quoted.rstrip().endswith("\nAttributeError"), failure[:4000]
     root_cause = failure[failure.index("Root Cause (first observed failure)") :]
     assert "rank      : 1 (local_rank: 1)" in root_cause, failure[-3000:]
-    # Rank 0 waited in the all-reduce for rank 1's gradients: torchrun saw rank 1 exit (it polls every 0.1 s) and
-    # stopped rank 0. A rank left waiting would end only at gloo's timeout (30 min), and one that held on to
-    # torchrun's SIGTERM would be killed after torchrun's 30 s: 25 s tells both from the 1.5 s measured here
-    # (2 cores shared with other work), every process already started when the fault fires.
-    print(f"rank 1 raised; the stage ended {ended - raised:.1f} s later")
-    assert ended - raised < 25, f"the stage took {ended - raised:.1f} s to fail after rank 1 raised"
+    # Rank 0 waited in the all-reduce for rank 1's gradients. It must end on its own (gloo: the peer's socket
+    # closed) or by torchrun's SIGTERM (torchrun polls its ranks every 0.1 s), never by the SIGKILL torchrun sends
+    # 30 s later to a rank that held on to SIGTERM; a rank left waiting would hang until gloo's timeout (30 min:
+    # the 300 s guard above). Measured from the raise to the stage's exit: 1.1 and 1.5 s, 4.1 s at load average 10.
+    rank_0 = re.search(r"rank      : 0 \(local_rank: 0\)\n\s*exitcode  : (-?\d+)", failure)
+    assert rank_0 is None or rank_0.group(1) != "-9", failure[-3000:]  # None: rank 0 exited 0 or was not listed
+    print(f"rank 1 raised; the stage ended {ended - raised:.1f} s later; rank 0: {rank_0 and rank_0.group(1)}")
 
 
 def test_kill_9_of_the_stage_leaves_no_rank_worker_or_agent(train_inputs, tmp_path):
