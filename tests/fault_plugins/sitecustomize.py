@@ -36,6 +36,10 @@ an AttributeError with an empty message from the first forward of a module in tr
 first step, before that step's gradient all-reduce), through torch's global forward pre-hook: the other rank then
 waits in the all-reduce for a peer that is gone.
 
+EAGLE3_FAULT=sigterm_rank_at_forward:<r>:<n> makes trainer rank r send itself SIGTERM at the start of its n-th
+forward of the DDP-wrapped draft (a stop signal that reaches one rank outside a collective while the others compute:
+docs/reruns.md, measured by hand, no test).
+
 EAGLE3_FAULT=ddp_skips_gradient_sync makes every DistributedDataParallel module skip its gradient all-reduce (what
 ``no_sync()`` does, for the whole run): each trainer rank steps on its own gradients and the ranks' weights part.
 
@@ -234,6 +238,29 @@ def _record_rank_weights(folder):
     return install
 
 
+def _sigterm_rank_at_forward(rank, count):
+    def install(module_module):
+        import signal
+        import time
+
+        seen = [0]
+
+        def sigterm_here(module, _args):
+            if type(module).__name__ != "DistributedDataParallel" or os.environ.get("RANK") != str(rank):
+                return
+            seen[0] += 1
+            if seen[0] == count:
+                print(
+                    f"EAGLE3_FAULT sigterm_rank_at_forward: rank {rank} signals itself at t={time.time():.3f}",
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        module_module.register_module_forward_pre_hook(sigterm_here)
+
+    return install
+
+
 def _claimed_ids(transform):
     """A fault that changes the ids vLLM's EagleModelMixin is told to capture: transform(model, ids) -> ids."""
 
@@ -350,6 +377,9 @@ elif FAULT.startswith("stop_after_optimizer_step:"):
     HOOKS = {"torch.optim.optimizer": _stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))}
 elif FAULT.startswith("rank_raises_at_first_step:"):
     HOOKS = {"torch.nn.modules.module": _rank_raises_at_first_step(int(FAULT.split(":", 1)[1]))}
+elif FAULT.startswith("sigterm_rank_at_forward:"):
+    _rank, _count = FAULT.split(":", 1)[1].split(":")
+    HOOKS = {"torch.nn.modules.module": _sigterm_rank_at_forward(int(_rank), int(_count))}
 elif FAULT == "ddp_skips_gradient_sync":
     HOOKS = {"torch.nn.parallel.distributed": _ddp_skips_gradient_sync}
 else:
