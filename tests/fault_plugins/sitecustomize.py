@@ -38,7 +38,7 @@ waits in the all-reduce for a peer that is gone.
 
 EAGLE3_FAULT=sigterm_rank_at_forward:<r>:<n> makes trainer rank r send itself SIGTERM at the start of its n-th
 forward of the DDP-wrapped draft (a stop signal that reaches one rank outside a collective while the others compute:
-docs/reruns.md, measured by hand, no test).
+test_a_sigterm_that_reaches_one_rank_mid_step_stops_every_rank_at_that_steps_end).
 
 EAGLE3_FAULT=ddp_skips_gradient_sync makes every DistributedDataParallel module skip its gradient all-reduce (what
 ``no_sync()`` does, for the whole run): each trainer rank steps on its own gradients and the ranks' weights part.

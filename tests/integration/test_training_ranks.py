@@ -276,3 +276,29 @@ def test_two_ranks_reach_the_validation_loss_of_one_process_with_the_same_global
     difference = abs(ranks.final_val_loss - one.final_val_loss) / one.final_val_loss
     print(f"final val loss: 2 ranks {ranks.final_val_loss:.4f}, 1 process {one.final_val_loss:.4f} ({difference:.2%})")
     assert difference < VAL_LOSS_REL_TOL, (ranks.final_val_loss, one.final_val_loss)
+
+
+def test_a_sigterm_that_reaches_one_rank_mid_step_stops_every_rank_at_that_steps_end(train_inputs, tmp_path):
+    """Rank 1 alone is signalled, at the start of its first forward, while rank 0 computes (it will wait in the
+    step's gradient all-reduce); then the stage, as at a time limit. Every rank stops at the end of that step
+    (the ranks agree at each step's end), so the interrupt save's collectives match. Before: the ranks waited for
+    each other in mismatched collectives until torchrun killed them 30 s later, and nothing was saved."""
+    save = tmp_path / "train_work" / "checkpoints"
+    log = tmp_path / "train_work" / "logs" / "trainer-attempt-01.log"
+    proc, stderr_path = start_stage(train_inputs, tmp_path, RANKS, "sigterm_rank_at_forward:1:1")
+    try:
+        wait_until(lambda: log.exists() and "signals itself" in log.read_text(), 600, "rank 1 to signal itself")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    text = stderr_path.read_text(encoding="utf-8")
+    assert proc.returncode == 143, text[-3000:]
+    assert (
+        f"stage train_draft stopped by SIGTERM; training was at epoch 0 step 1 (global step 1); speculators saved "
+        f"{save}/interrupted; the rerun resumes from epoch 0 step 1 (global step 1)"
+    ) in text, text[-3000:]
+    first = log.read_text()
+    assert "rank 0: interrupt save done" in first and "rank 1: interrupt save done" in first, first[-3000:]
+    assert saved_step_counts(save / "interrupted") == (1, {1.0})
