@@ -31,6 +31,22 @@ profile and warm-up forwards run untouched), as a wrong method name in a patched
 the layer's all-reduce for a peer that is gone, and vLLM reports nothing to the engine: only the worker's log says
 it. The TP rank comes from vllm.distributed inside the worker process.
 
+EAGLE3_FAULT=rank_raises_at_first_step:<r> makes trainer rank r (torchrun's RANK; never a process without one) raise
+an AttributeError with an empty message from the first forward of a module in training mode (the draft's, at the
+first step, before that step's gradient all-reduce), through torch's global forward pre-hook: the other rank then
+waits in the all-reduce for a peer that is gone.
+
+EAGLE3_FAULT=sigterm_rank_at_forward:<r>:<n> makes trainer rank r send itself SIGTERM at the start of its n-th
+forward of the DDP-wrapped draft (a stop signal that reaches one rank outside a collective while the others compute:
+test_a_sigterm_that_reaches_one_rank_mid_step_stops_every_rank_at_that_steps_end).
+
+EAGLE3_FAULT=ddp_skips_gradient_sync makes every DistributedDataParallel module skip its gradient all-reduce (what
+``no_sync()`` does, for the whole run): each trainer rank steps on its own gradients and the ranks' weights part.
+
+EAGLE3_PROBE_RANK_WEIGHTS=<folder> is a probe, not a fault (it combines with one): after every optimizer step, each
+trainer rank (torchrun's RANK; a process without one records nothing) appends the sha256 of its parameters to
+<folder>/rank<RANK>.txt, so that a test can tell whether the ranks hold the same weights.
+
 Each fault is installed when the module it patches is first imported (`_AfterImport`), not at startup: a process
 that never imports vLLM (Snakemake, most jobs) does not load it for a fault.
 """
@@ -172,6 +188,79 @@ def _stop_after_optimizer_step(count):
     return install
 
 
+def _rank_raises_at_first_step(rank):
+    def install(module_module):
+        import time
+
+        fired = [False]
+
+        def raise_in_rank(module, _args):
+            # the first forward of a module in training mode: the draft's, at the first training step
+            if fired[0] or not module.training or os.environ.get("RANK") != str(rank):
+                return
+            fired[0] = True
+            print(f"EAGLE3_FAULT rank_raises_at_first_step: rank {rank} raises at t={time.time():.3f}", flush=True)
+            raise AttributeError()  # noqa: RSE102 -- the point: an exception whose message is empty
+
+        module_module.register_module_forward_pre_hook(raise_in_rank)
+
+    return install
+
+
+def _ddp_skips_gradient_sync(distributed):
+    ddp = distributed.DistributedDataParallel
+    init = ddp.__init__
+
+    def init_without_sync(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.require_backward_grad_sync = False  # what no_sync() sets: each rank steps on its own gradients
+
+    ddp.__init__ = init_without_sync
+
+
+def _record_rank_weights(folder):
+    def install(optimizer_module):
+        import hashlib
+
+        def record(optimizer, _args, _kwargs):
+            rank = os.environ.get("RANK")
+            if rank is None:
+                return
+            digest = hashlib.sha256()
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    digest.update(param.detach().float().cpu().numpy().tobytes())
+            with open(os.path.join(folder, f"rank{rank}.txt"), "a", encoding="utf-8") as out:
+                out.write(digest.hexdigest() + "\n")
+
+        optimizer_module.register_optimizer_step_post_hook(record)
+
+    return install
+
+
+def _sigterm_rank_at_forward(rank, count):
+    def install(module_module):
+        import signal
+        import time
+
+        seen = [0]
+
+        def sigterm_here(module, _args):
+            if type(module).__name__ != "DistributedDataParallel" or os.environ.get("RANK") != str(rank):
+                return
+            seen[0] += 1
+            if seen[0] == count:
+                print(
+                    f"EAGLE3_FAULT sigterm_rank_at_forward: rank {rank} signals itself at t={time.time():.3f}",
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        module_module.register_module_forward_pre_hook(sigterm_here)
+
+    return install
+
+
 def _claimed_ids(transform):
     """A fault that changes the ids vLLM's EagleModelMixin is told to capture: transform(model, ids) -> ids."""
 
@@ -286,7 +375,24 @@ elif FAULT == "tp_worker_dies_at_first_forward":
     }
 elif FAULT.startswith("stop_after_optimizer_step:"):
     HOOKS = {"torch.optim.optimizer": _stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))}
+elif FAULT.startswith("rank_raises_at_first_step:"):
+    HOOKS = {"torch.nn.modules.module": _rank_raises_at_first_step(int(FAULT.split(":", 1)[1]))}
+elif FAULT.startswith("sigterm_rank_at_forward:"):
+    _rank, _count = FAULT.split(":", 1)[1].split(":")
+    HOOKS = {"torch.nn.modules.module": _sigterm_rank_at_forward(int(_rank), int(_count))}
+elif FAULT == "ddp_skips_gradient_sync":
+    HOOKS = {"torch.nn.parallel.distributed": _ddp_skips_gradient_sync}
 else:
     HOOKS = {}
+if os.environ.get("EAGLE3_PROBE_RANK_WEIGHTS"):  # a probe, not a fault: combined with any of the above
+    _fault_hook = HOOKS.get("torch.optim.optimizer")
+    _probe_hook = _record_rank_weights(os.environ["EAGLE3_PROBE_RANK_WEIGHTS"])
+
+    def _optimizer_hooks(module):
+        if _fault_hook is not None:
+            _fault_hook(module)
+        _probe_hook(module)
+
+    HOOKS["torch.optim.optimizer"] = _optimizer_hooks
 if HOOKS:
     sys.meta_path.insert(0, _AfterImport(HOOKS))

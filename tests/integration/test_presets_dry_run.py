@@ -27,6 +27,7 @@ class PlannedJob:
     rule: str
     wildcards: str
     resources: dict[str, str]
+    threads: int = 1
 
 
 def parse_dry_run_plan(text: str) -> list[PlannedJob]:
@@ -37,6 +38,8 @@ def parse_dry_run_plan(text: str) -> list[PlannedJob]:
             jobs.append(PlannedJob(rule=line.split()[1].rstrip(":"), wildcards="", resources={}))
         elif jobs and line.startswith("    wildcards: "):
             jobs[-1].wildcards = line.split(": ", 1)[1].strip()
+        elif jobs and line.startswith("    threads: "):
+            jobs[-1].threads = int(line.split(": ", 1)[1])
         elif jobs and line.startswith("    resources: "):
             for item in line.split(": ", 1)[1].split(", "):
                 key, _, value = item.partition("=")
@@ -165,3 +168,14 @@ def test_smollm2_gpu_preset_plans_every_stage_on_cpu(tmp_path):
               "extract_hidden_states", "validate_hidden_states", "train_draft", "evaluate_draft", "package_draft",
               "summarize_run", "report"}  # fmt: skip
     assert stages <= planned, stages - planned
+
+
+def test_cpu_trainer_ranks_size_the_train_draft_job(tmp_path):
+    """train.gpus 0 with train.cpu_processes 2: a CPU job with threads for both ranks and their data loaders."""
+    shape = PRESETS["llama-3.1-8b"]
+    paths = user_paths_file(tmp_path, shape, extra={"train": {"gpus": 0, "cpu_processes": 2, "num_workers": 1}})
+    # a local plan (the SLURM profile's dry run prints no threads); --cores 16 leaves the rule's threads uncapped
+    proc = run_workflow(tmp_path / "work", [preset_path("llama-3.1-8b"), paths], extra=["-n"], cores=16, timeout=300)
+    [train] = [job for job in parse_dry_run_plan(proc.stdout + proc.stderr) if job.rule == "train_draft"]
+    assert train.threads == 2 * (1 + 1), train
+    assert train.resources.get("gpu") in (None, "0"), train

@@ -139,11 +139,41 @@ def test_command_resolves_in_speculators_own_config():
 
 
 def test_device_follows_gpus_and_what_is_visible():
-    assert resolve_device(0, 8) == TrainDevice("cpu", 1)
-    assert resolve_device(8, 0) == TrainDevice("cpu", 1)
-    assert resolve_device(4, 8) == TrainDevice("cuda", 4)
+    assert resolve_device(0, 8, 1, 2) == TrainDevice("cpu", 1)
+    assert resolve_device(8, 0, 1, 2) == TrainDevice("cpu", 1)
+    assert resolve_device(4, 8, 1, 2) == TrainDevice("cuda", 4)
     with pytest.raises(StageError, match="only 2 CUDA"):
-        resolve_device(8, 2)
+        resolve_device(8, 2, 1, 2)
+
+
+def test_cpu_ranks_launch_the_gpu_paths_torchrun_command(monkeypatch):
+    settings = train_settings({**TRAIN, "cpu_processes": 2})
+    paths = TrainPaths.in_work_dir(Path("w"), Path("t"), 256)
+    cpu = build_train_command(
+        settings, paths, resolve_device(0, 0, 2, 2), target_layer_ids=[2], trust_remote_code=False
+    )
+    gpu = build_train_command(
+        settings, paths, resolve_device(2, 2, 2, 2), target_layer_ids=[2], trust_remote_code=False
+    )
+    assert cpu[1:8] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                        "eagle3_workflow.trainer_entry", "--speculator-type"]  # fmt: skip
+    # the same launcher and flags, plus the CPU's attention and loss implementations
+    assert cpu[: len(gpu)] == gpu
+    assert cpu[len(gpu) :] == ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    # the job's threads are shared among the ranks
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert trainer_env(TrainDevice("cpu", 2), 4)["OMP_NUM_THREADS"] == "2"
+    assert trainer_env(TrainDevice("cpu", 1), 4)["OMP_NUM_THREADS"] == "4"
+
+
+def test_more_cpu_ranks_than_cores_is_refused_with_the_fix():
+    with pytest.raises(StageError) as refused:
+        resolve_device(0, 0, 3, 2)
+    assert "train.cpu_processes=3 but this job may run on 2 CPU core(s)" in str(refused.value)
+    assert "Set train.cpu_processes to at most 2" in str(refused.value)
+    assert resolve_device(0, 0, 2, 2) == TrainDevice("cpu", 2)
+    assert resolve_device(1, 0, 2, 2) == TrainDevice("cpu", 2)  # no GPU visible: the CPU, with its ranks
+    assert resolve_device(2, 2, 3, 2) == TrainDevice("cuda", 2)  # on GPUs the CPU ranks are not asked for
 
 
 def test_shim_patch_points_exist_and_cpu_defaults_do_not_override():

@@ -123,6 +123,15 @@ def stage_params(rule):
     return SETTINGS.config_of(SETTINGS.rule_settings_model(rule, config), config)
 
 
+def train_job_threads():
+    """Threads of the train_draft job: each trainer process (a GPU rank, or a CPU rank with train.gpus 0 and
+    train.cpu_processes) and its data-loader pool. Snakemake caps this at --cores when running locally.
+    """
+    train = config["train"]
+    processes = train["gpus"] or train["cpu_processes"]
+    return max(2, processes * (train["num_workers"] + 1))
+
+
 def train_job_gpus():
     """GPUs of the train_draft job: the trainer's, plus its vLLM server's when it trains online on a GPU
     (train.online.server_gpus; 0 = the server shares the trainer's first GPU)."""

@@ -20,8 +20,7 @@ rule train_draft:
         log_of("train_draft"),
     conda:
         CONDA_ENV
-    # one data-loader pool per GPU process; Snakemake caps this at --cores when running locally
-    threads: max(2, config["train"]["gpus"] * (config["train"]["num_workers"] + 1))
+    threads: train_job_threads()
     resources:
         **gpu_resources(train_job_gpus()),
         runtime=lambda wc, attempt: config["train"]["runtime_minutes"] * attempt,

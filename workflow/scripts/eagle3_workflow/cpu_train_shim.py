@@ -18,6 +18,13 @@ checkpointing/resume are speculators' own code:
   that processor for its tokenizer only (``get_tokenizer``) -> the target's tokenizer itself (``AutoTokenizer``,
   the pad token resolved as speculators does); a text-only target's processor is that tokenizer anyway.
 
+- under torchrun (``train.cpu_processes`` > 1), ``distributed.maybe_setup_distributed`` (the name ``cli.main``
+  calls) picks its backend from the accelerator and binds each rank to device ``LOCAL_RANK``: with none it raises
+  "No accelerator found". While it runs, the accelerator it asks for is the CPU (torch's default backend for it is
+  gloo) and ``init_process_group`` gets no ``device_id`` (a CPU process group binds no device); speculators' own
+  function still creates the process groups and the topology every other module reads, and the trainer then wraps
+  the model in DDP exactly as on GPUs (``Trainer._setup_model_ddp``).
+
 Flex attention has no CPU backward and the fused loss needs Triton: ``--draft-attn-impl sdpa`` and
 ``--loss-implementation eager`` are added when the command line does not choose them.
 
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +52,11 @@ SHIM_PATCH_POINTS: list[tuple[str, str]] = [
     ("speculators.train.cli", "setup_metric_logger"),  # trainer_entry.install_metric_handler
     ("speculators.train.config", "TrainConfig.resolve"),
     ("speculators.train.utils", "load_processor"),
+    ("speculators.train.cli", "maybe_setup_distributed"),
+    ("torch.accelerator", "set_device_index"),
+    ("torch.accelerator", "current_accelerator"),
+    ("torch.distributed", "init_process_group"),
+    ("torch.distributed", "get_default_backend_for_device"),
 ]
 
 # speculators train options a CPU run needs, added when the command line does not set them
@@ -118,6 +131,9 @@ def apply_cpu_patches() -> None:
 
     trainer.Trainer.__init__ = init_on_cpu
     train_utils.load_processor = target_tokenizer
+    import speculators.train.cli as cli
+
+    cli.maybe_setup_distributed = distributed_on_cpu(cli.maybe_setup_distributed)
     setattr(trainer.Trainer, _PATCHED_MARKER, True)
 
 
@@ -130,3 +146,35 @@ def target_tokenizer(target_model_path: str, *, trust_remote_code: bool) -> Any:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def distributed_on_cpu(setup: Callable[..., None]) -> Callable[..., None]:
+    """speculators' ``maybe_setup_distributed`` for ranks with no accelerator: gloo, no device binding."""
+
+    def setup_on_cpu(*args: Any, **kwargs: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if "LOCAL_RANK" not in os.environ or torch.accelerator.is_available():
+            setup(*args, **kwargs)  # one process (nothing to set up), or an accelerator: speculators' own path
+            return
+        accelerator, init = torch.accelerator, dist.init_process_group
+        saved = (accelerator.set_device_index, accelerator.current_accelerator)
+
+        def init_without_device(backend: str | None = None, *a: Any, device_id: Any = None, **kw: Any) -> None:
+            del device_id  # LOCAL_RANK, meant as an accelerator index: a CPU process group binds no device
+            init(backend, *a, **kw)
+
+        accelerator.set_device_index = lambda *a, **kw: None
+        accelerator.current_accelerator = lambda *a, **kw: torch.device("cpu")
+        dist.init_process_group = init_without_device
+        try:
+            setup(*args, **kwargs)
+        finally:
+            accelerator.set_device_index, accelerator.current_accelerator = saved
+            dist.init_process_group = init
+        backend = dist.get_backend()
+        if backend != "gloo":
+            raise RuntimeError(f"the CPU ranks' process group uses {backend!r}, not gloo: update cpu_train_shim.py")
+
+    return setup_on_cpu

@@ -269,6 +269,7 @@ class TrainSettings(TrainDataRatio):
     """The train section as offline training reads it (train.online is read only online: OnlineTrainSettings)."""
 
     gpus: int
+    cpu_processes: int
     draft_layers: int
     ttt_steps: int
     draft_vocab_size: int

@@ -1,5 +1,5 @@
 """The trainer's command line from the ``train`` settings: which speculators flags this stage sets, and how the
-trainer entry is launched (one process, or torchrun for several GPUs). Pure: no torch, no subprocess."""
+trainer entry is launched (one process, or torchrun for several GPUs or CPU ranks). Pure: no torch, no subprocess."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def build_train_command(
     python: str = sys.executable,
 ) -> list[str]:
     """The full trainer command line. ``train.extra_args`` come last, so they override what is set here."""
-    if device.kind == "cuda" and device.processes > 1:
+    if device.processes > 1:  # one rank per GPU, or per core on CPU (gloo): the same entry and flags
         launcher = [
             python,
             "-m",
@@ -157,16 +157,28 @@ def build_train_command(
     return command + list(settings.extra_args)
 
 
-def resolve_device(gpus: int, cuda_devices: int) -> TrainDevice:
-    """CUDA with ``gpus`` processes when asked for and present; otherwise the CPU shim."""
+def resolve_device(gpus: int, cuda_devices: int, cpu_processes: int, cpu_cores: int) -> TrainDevice:
+    """CUDA with ``gpus`` processes when asked for and present; otherwise the CPU shim with ``cpu_processes``
+    ranks (train.cpu_processes), each needing one of the ``cpu_cores`` this process may run on."""
     if gpus > 0 and cuda_devices == 0:
         log.warning("train.gpus=%d but no CUDA device is visible: training on CPU through the shim", gpus)
-        return TrainDevice("cpu", 1)
+        return _cpu_device(cpu_processes, cpu_cores)
     if gpus == 0:
-        return TrainDevice("cpu", 1)
+        return _cpu_device(cpu_processes, cpu_cores)
     if gpus > cuda_devices:
         raise StageError(
             f"train.gpus={gpus} but only {cuda_devices} CUDA device(s) are visible; lower train.gpus or request "
             "more GPUs (profiles/slurm reads train.gpus)"
         )
     return TrainDevice("cuda", gpus)
+
+
+def _cpu_device(processes: int, cores: int) -> TrainDevice:
+    if processes > cores:
+        raise StageError(
+            f"train.cpu_processes={processes} but this job may run on {cores} CPU core(s) (os.sched_getaffinity): "
+            f"each trainer rank needs a core of its own, or the ranks take turns at every collective and a step "
+            f"takes many times as long. Set train.cpu_processes to at most {cores}, or give the job more cores "
+            "(taskset, SLURM --cpus-per-task)"
+        )
+    return TrainDevice("cpu", processes)

@@ -11,6 +11,12 @@ are one step ahead of the step count the trainer holds. The trainer entry applie
   step count agree in what is saved. Everywhere else speculators' handler raises at once, as before. Signals
   after the first are ignored before speculators' handler takes its lock (it ignores them inside it, where a
   re-send that interrupts the first signal's handler waits forever);
+- with several ranks (torchrun: GPUs, or CPU ranks through gloo), a stop signal inside ``train_epoch`` waits for the
+  end of the step on every rank, where the ranks agree (one all-reduce of a flag, MAX, at each step's end): if any
+  rank holds a signal, every rank stops there, a rank that got none as if it had. A rank that raised at once
+  (in its forward, say) while another waited inside that step's gradient all-reduce left the two waiting for each
+  other in mismatched collectives until torchrun killed them 30 s later, with nothing saved (measured: the stage
+  stopped after 32 s, "the rerun starts training from scratch"). One process is unchanged: no agreement;
 - before the interrupt save, a stale ``interrupted/`` from an earlier launch is removed (a save cut short must not
   leave old and new files side by side); after it, ``interrupted/training_state.json`` is written, last and
   atomically, in speculators' own format (``epoch``, ``local_step``, ``global_step``; ``local_step`` 0 = that epoch
@@ -50,6 +56,7 @@ INTERRUPT_PATCH_POINTS: list[tuple[str, str]] = [
     ("speculators.train.trainer", "Trainer.maybe_save_checkpoint"),
     ("speculators.train.graceful_shutdown", "GracefulShutdownHandler._handler"),
     ("speculators.train.graceful_shutdown", "GracefulShutdownHandler.restore"),
+    ("speculators.train.graceful_shutdown", "GracefulShutdownHandler.install"),
 ]
 # attributes of speculators' shutdown handler the wrappers read
 HANDLER_ATTRIBUTES = ("_interrupted", "_owner_pid")
@@ -112,9 +119,28 @@ class _Progress:
     epoch_done: bool = False
     in_step: bool = False
     pending: Callable[[], None] | None = None
+    ranks_agree: bool = False  # several ranks, inside train_epoch: a stop signal waits for the ranks' agreement
 
 
 _current: list[_Progress] = []  # the progress of the trainer in this process (at most one)
+_handlers: list[Any] = []  # speculators' shutdown handler installed in this process (the last one)
+_speculators_handler: list[Callable[..., None]] = []  # its own signal handler, before the wrap
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _any_rank_stopping(stopping: bool, device: Any) -> bool:
+    """Whether any rank holds a stop signal: one all-reduce (MAX) of a flag, every rank at the same step's end."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if stopping else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def _progress_of(trainer: Any) -> _Progress:
@@ -144,13 +170,16 @@ def _wrap_train_epoch(original: Callable[..., Any]) -> Callable[..., Any]:
     def train_epoch(self: Any, epoch: int, *, step_callback: Callable[[], None] | None = None) -> Any:
         # a resumed epoch starts with the steps speculators skips (mid-epoch resume) already done
         skipped = int(getattr(self, "_resume_local_step", 0)) if epoch == getattr(self, "current_epoch", epoch) else 0
-        progress = _Progress(epoch, int(self.global_step) - skipped)
+        progress = _Progress(epoch, int(self.global_step) - skipped, ranks_agree=_world_size() > 1)
         _current[:] = [progress]
 
         def at_step_end() -> None:
             progress.in_step = False
             if step_callback is not None:
                 step_callback()
+            if progress.ranks_agree and _any_rank_stopping(progress.pending is not None, self.local_rank):
+                if progress.pending is None:  # another rank was signalled (this one's signal may be on its way)
+                    progress.pending = _stop_with_the_other_ranks()
             if progress.pending is not None:
                 act, progress.pending = progress.pending, None
                 act()  # speculators' handler: logs "Received SIGTERM", raises TrainingInterruptedError
@@ -159,6 +188,10 @@ def _wrap_train_epoch(original: Callable[..., Any]) -> Callable[..., Any]:
             result = original(self, epoch, step_callback=at_step_end)
         finally:
             progress.in_step = False
+            progress.ranks_agree = False  # outside the steps a signal acts at once, as with one process
+        if progress.pending is not None:  # came after the last step's agreement
+            act, progress.pending = progress.pending, None
+            act()
         progress.epoch_done = True
         return result
 
@@ -186,13 +219,28 @@ def _wrap_handler(original: Callable[..., Any]) -> Callable[..., Any]:
             return
         setattr(self, _STOPPING, True)
         progress = _current[-1] if _current else None
-        if progress is not None and progress.in_step:
+        if progress is not None and (progress.in_step or progress.ranks_agree):
             # no I/O here: a signal handler may interrupt a write to the same stream
             progress.pending = lambda: original(self, signum, frame)
             return
         original(self, signum, frame)
 
     return handler
+
+
+def _stop_with_the_other_ranks() -> Callable[[], None]:
+    """What a rank that got no stop signal does when another rank got one: what the signal would have done."""
+    handler, act = _handlers[-1], _speculators_handler[0]
+    setattr(handler, _STOPPING, True)  # its own signal, when it comes, is a re-send
+    return lambda: act(handler, signal.SIGTERM, None)
+
+
+def _wrap_install(original: Callable[..., Any]) -> Callable[..., Any]:
+    def install(self: Any) -> None:
+        original(self)
+        _handlers[:] = [self]
+
+    return install
 
 
 def _wrap_maybe_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -210,7 +258,9 @@ def _wrap_maybe_save_checkpoint(original: Callable[..., Any]) -> Callable[..., A
         )
         if rank0 and folder.exists():
             shutil.rmtree(folder)  # an earlier launch's: never mix its files with this save's
-        result = original(self, epoch, local_step)
+        result = original(self, epoch, local_step)  # several ranks: rank 0 writes, every rank passes its barrier
+        # on every rank (speculators' own log lines are rank 0's only): which ranks took part in the save
+        log.info("rank %d: interrupt save done", int(getattr(self, "rank", 0)), extra={"override_rank0_filter": True})
         if rank0:
             _write_state(folder / STATE_FILE, record)
             log.info("interrupt checkpoint %s records %s", folder, record)
@@ -236,6 +286,8 @@ def apply_interrupt_patches() -> None:
     cls._optimizers_step = _wrap_optimizers_step(cls._optimizers_step)
     cls.maybe_save_checkpoint = _wrap_maybe_save_checkpoint(cls.maybe_save_checkpoint)
     handler_cls = graceful_shutdown.GracefulShutdownHandler
+    _speculators_handler[:] = [handler_cls._handler]
     handler_cls._handler = _wrap_handler(handler_cls._handler)
+    handler_cls.install = _wrap_install(handler_cls.install)
     handler_cls.restore = _wrap_restore(handler_cls.restore)
     setattr(cls, _PATCHED_MARKER, True)

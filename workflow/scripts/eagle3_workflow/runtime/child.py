@@ -410,6 +410,18 @@ class ChildProcess:
             return False
         return True
 
+    def _continue_tree(self) -> None:
+        """SIGCONT to the launcher's group and to every process below it: torchrun starts its ranks in sessions of
+        their own, out of the group's reach."""
+        from eagle3_workflow.runtime.launcher import descendants
+
+        self._signal_group(signal.SIGCONT)
+        for pid in descendants(self.pid):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                continue
+
     def _end_watch(self) -> None:
         """Close the stage's end of the launcher's pipe: a live launcher then kills its whole tree at once."""
         if self._watch_fd is not None:
@@ -424,7 +436,7 @@ class ChildProcess:
         grace = self.stop_grace_s if grace_s is None else grace_s
         if process.poll() is None and grace > 0:
             process.send_signal(signal.SIGTERM)  # the launcher passes it to the command, which stops its children
-            self._signal_group(signal.SIGCONT)  # a stopped (SIGSTOP) process acts on SIGTERM only once resumed
+            self._continue_tree()  # a stopped (SIGSTOP) process acts on SIGTERM only once resumed
             try:
                 process.wait(timeout=grace)
             except subprocess.TimeoutExpired:

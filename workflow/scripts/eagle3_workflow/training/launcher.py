@@ -127,7 +127,8 @@ def trainer_env(device: TrainDevice, cpu_threads: int | None) -> dict[str, str]:
     if device.kind == "cpu":
         env[DEVICE_ENV] = "cpu"  # the trainer entry applies the CPU shim
         if cpu_threads and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(cpu_threads)
+            # the job's threads shared among its ranks (torchrun would set 1 a rank): ranks x threads = the job's
+            env["OMP_NUM_THREADS"] = str(max(1, cpu_threads // device.processes))
         # OpenMP threads that spin at every barrier take the cores from whatever else runs there: the tiny run's
         # training took 116.6 s with GNU OpenMP's default waiting against 31.2 s passive beside two busy processes on
         # 2 cores, 23.2 s against 27.3 s alone (bench/suite/bench_omp_wait.py, 2026-12-04). vLLM's CPU engines wait

@@ -99,10 +99,13 @@ def _check_inputs(
     return target_layer_ids, "warn" if tolerated else "raise", rows
 
 
-def _visible_device(gpus: int) -> TrainDevice:
+def _visible_device(settings: TrainSettings) -> TrainDevice:
+    import os
+
     import torch
 
-    return resolve_device(gpus, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return resolve_device(settings.gpus, cuda, settings.cpu_processes, len(os.sched_getaffinity(0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +298,7 @@ def train_draft(
                          if online is None else "an online server was given to offline training")  # fmt: skip
     started = time.monotonic()
     sources = _Sources(*(Path(p) for p in (target, prepared, token_freq, validation, files_dir, work_dir)))
-    device = device if device is not None else _visible_device(settings.gpus)
+    device = device if device is not None else _visible_device(settings)
     layer_ids, on_missing, rows = _check_inputs(
         settings,
         prepared=sources.prepared,
