@@ -184,3 +184,19 @@ def test_killed_controller_recovers_with_unlock_and_rerun_incomplete(run_without
     manifest = replica_manifest(run_dir)
     assert manifest["samples_reused"] >= written - 1, (manifest, written)
     assert json.loads((run_dir / "hidden_states" / "validation.json").read_text())["passed"] is True
+
+
+def test_the_rule_retrains_with_two_cpu_ranks(completed_run):
+    """train.cpu_processes through the real rule: the key reruns training only, and the job launches torchrun with
+    two gloo ranks (tests/integration/test_training_ranks.py checks the ranks' stop, kill and failure paths)."""
+    workdir, config = completed_run
+    run_dir = workdir / "results" / config["run"]
+    files_before = hidden_state_files(run_dir)
+    config["train"]["cpu_processes"] = 2
+    proc = snakemake(workdir, config, "--until", "train_draft")
+    assert planned_rules(proc) == {"train_draft"}, planned_rules(proc)
+    assert hidden_state_files(run_dir) == files_before
+    summary = json.loads((run_dir / "draft" / "training.json").read_text())
+    assert (summary["device"], summary["processes"], summary["attempts"]) == ("cpu", 2, 1), summary
+    assert "torch.distributed.run" in " ".join(summary["command"]), summary["command"]
+    assert (run_dir / "draft" / "metrics.csv").read_text().strip(), "no metrics from rank 0"
