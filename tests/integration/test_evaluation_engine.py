@@ -185,7 +185,9 @@ def _ngram_measurement(prepared, tiny_tokenizer, work_dir):
     reference, run = result.runs
     mismatches = compare_greedy((reference.outputs, reference.top_logits), (run.outputs, run.top_logits),
                                 origins=[p.origin for p in prompt_set.prompts], dtype="bfloat16", tie_steps=0)  # fmt: skip
-    wrong = non_argmax_steps(run.outputs, run.top_logits) + non_argmax_steps(reference.outputs, reference.top_logits)
+    wrong = non_argmax_steps(run.outputs, run.top_logits, "bfloat16") + non_argmax_steps(
+        reference.outputs, reference.top_logits, "bfloat16"
+    )
     accepted = acceptance_result(run, run, draft_path=Path("ngram"), num_speculative_tokens=3,
                                  reference_timing=reference, mismatches=mismatches, non_argmax=wrong)  # fmt: skip
     return reference, accepted
