@@ -24,6 +24,7 @@ from eagle3_workflow.artefacts import load  # noqa: E402
 from eagle3_workflow.evaluation.launch import measurement_environment, run_measurement_process  # noqa: E402
 from eagle3_workflow.evaluation.lossless import compare_greedy, non_argmax_gaps, non_argmax_steps  # noqa: E402
 from eagle3_workflow.evaluation.protocol import MeasurementSpec, RunResult  # noqa: E402
+from eagle3_workflow.vllm_server import cpu_engine_environment  # noqa: E402
 
 
 def lossless_spec(work: Path) -> MeasurementSpec:
@@ -73,9 +74,10 @@ def main() -> int:
     plugins = str(REPO / "tests" / "fault_plugins")
     os.environ["EAGLE3_FAULT"] = "accept_any_draft"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [plugins, os.environ.get("PYTHONPATH")]))
-    env = measurement_environment(device=args.device, cpu_threads=None, in_process=True)
+    tensor_parallel = int(spec.engine.get("tensor_parallel_size", 1))
+    env = measurement_environment(device=args.device, cpu_threads=None, in_process=tensor_parallel == 1)
     if args.device == "cpu":  # as the stage's CPU lossless pass runs (stage.plan_environment)
-        env["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+        env |= cpu_engine_environment("cpu", tensor_parallel, None) | {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
     result, wall_s = run_measurement_process(spec, fault_dir, "fault", env=env, log_path=fault_dir / "fault.log",
                                              timeout_s=900)  # fmt: skip
     faulty = result.runs[0]
