@@ -342,10 +342,13 @@ def test_a_wrong_acceptance_fails_both_ways_with_its_margin():
     ]
     assert [m.position for m in results["trained"].mismatches] == [1]
     # with no reference the argmax check alone fails them all the same
-    _, results = _judge(
-        {"no_speculation": NO_SPECULATION, "trained": trained, "untrained": untrained}, reference="none"
-    )
+    verdict, results = _judge({"no_speculation": NO_SPECULATION, "trained": trained, "untrained": untrained},
+                              reference="none")  # fmt: skip
     assert not results["trained"].lossless and results["trained"].non_argmax_min_gap_steps == pytest.approx(8.0)
+    message = lossless_failure(verdict.judged(), verdict.non_argmax, num_prompts=2, tie_steps=0,
+                               numerics="production", reference="none")  # fmt: skip
+    assert "judged by the argmax check alone): 0/2 prompts with the trained draft" in message
+    assert "8.00 bfloat16 steps below it" in message
 
 
 def test_the_reference_follows_the_device_and_refuses_a_tie_allowance_it_cannot_use():

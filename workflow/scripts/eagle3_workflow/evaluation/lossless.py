@@ -167,9 +167,11 @@ def lossless_failure(
     counts = ", ".join(
         f"{sum(not m.tie for m in ms)}/{num_prompts} prompts with the {lbl} draft" for lbl, ms in results.items()
     )
+    against = (
+        "judged by the argmax check alone" if reference == "none" else f"against the run {REFERENCE_TEXT[reference]}"
+    )
     parts.append(
-        f"speculative decoding changed the greedy output (not lossless, {numerics} kernels, against the run "
-        f"{REFERENCE_TEXT.get(reference, reference)}): {counts}."
+        f"speculative decoding changed the greedy output (not lossless, {numerics} kernels, {against}): {counts}."
     )
     for label, examples in non_argmax.items():
         if examples:
@@ -190,7 +192,13 @@ def lossless_failure(
     if rows:
         headers = ["draft", "prompt", "origin", "token", "expected", "found", "gap (ref)", "gap (spec)", "tie"]
         parts.append(f"All first divergences (gaps in steps of the logits' dtype):\n{render_table(headers, rows)}")
-    if reference == "untrained":
+    if reference == "none":
+        parts.append(
+            "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
+            "points at the spec-decode path of this vLLM (or the draft config). With evaluate.lossless_reference: "
+            "none no other run is compared: see docs/faults.md, 'The lossless verdict'."
+        )
+    elif reference == "untrained":
         parts.append(
             "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
             "points at the spec-decode path of this vLLM (or the draft config). Both speculative runs generated "
