@@ -72,8 +72,8 @@ def summarise(reference: RunResult, candidate: RunResult, dtype: str) -> dict:
         ),
         "worst_gap_in_steps": worst,
         "non_argmax_tokens": {
-            reference.label: len(non_argmax_steps(reference.outputs, reference.top_logits)),
-            candidate.label: len(non_argmax_steps(candidate.outputs, candidate.top_logits)),
+            reference.label: len(non_argmax_steps(reference.outputs, reference.top_logits, "bfloat16")),
+            candidate.label: len(non_argmax_steps(candidate.outputs, candidate.top_logits, "bfloat16")),
         },
         "steps_before_divergence": steps,
         "steps_with_bitwise_equal_top_logits": equal,

@@ -22,8 +22,9 @@ sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import load  # noqa: E402
 from eagle3_workflow.evaluation.launch import measurement_environment, run_measurement_process  # noqa: E402
-from eagle3_workflow.evaluation.lossless import compare_greedy, non_argmax_steps  # noqa: E402
+from eagle3_workflow.evaluation.lossless import compare_greedy, non_argmax_gaps, non_argmax_steps  # noqa: E402
 from eagle3_workflow.evaluation.protocol import MeasurementSpec, RunResult  # noqa: E402
+from eagle3_workflow.vllm_server import cpu_engine_environment  # noqa: E402
 
 
 def lossless_spec(work: Path) -> MeasurementSpec:
@@ -66,13 +67,17 @@ def main() -> int:
     spec = absolute_paths(lossless_spec(work), workdir=run_dir.parents[1])
     fault_dir = work / "fault"
     trained = next(r for r in spec.runs if r.label == "trained" and r.lossless_pass)
-    run = trained.model_copy(update={"result_path": str(fault_dir / "trained.accept_any_draft.json"), "key": ""})
+    run = trained.model_copy(update={"result_path": str(fault_dir / "trained.accept_any_draft.json"), "key": "",
+                                     "timing_pass": False})  # fmt: skip
     # the lossless kernels of the stage's own run on CUDA (the spec of an older run may lack the field)
     spec = spec.model_copy(update={"runs": [run], "batch_invariant": args.device == "cuda"})
     plugins = str(REPO / "tests" / "fault_plugins")
     os.environ["EAGLE3_FAULT"] = "accept_any_draft"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [plugins, os.environ.get("PYTHONPATH")]))
-    env = measurement_environment(device=args.device, cpu_threads=None, in_process=True)
+    tensor_parallel = int(spec.engine["tensor_parallel_size"])  # every engine spec holds it (offline_engine_kwargs)
+    env = measurement_environment(device=args.device, cpu_threads=None, in_process=tensor_parallel == 1)
+    if args.device == "cpu":  # as the stage's CPU lossless pass runs (stage.plan_environment)
+        env |= cpu_engine_environment("cpu", tensor_parallel, None) | {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
     result, wall_s = run_measurement_process(spec, fault_dir, "fault", env=env, log_path=fault_dir / "fault.log",
                                              timeout_s=900)  # fmt: skip
     faulty = result.runs[0]
@@ -83,14 +88,28 @@ def main() -> int:
     mismatches = compare_greedy((reference.outputs, reference.top_logits), (faulty.outputs, faulty.top_logits),
                                 origins=[str(i) for i in range(len(reference.outputs))], dtype="bfloat16",
                                 tie_steps=0)  # fmt: skip
-    wrong = non_argmax_steps(faulty.outputs, faulty.top_logits)
+    wrong = non_argmax_steps(faulty.outputs, faulty.top_logits, "bfloat16")
+    # the margin: how far below its step's argmax the worst-placed wrongly accepted token lies, in bf16 steps
+    gaps = [gap[-1] for gap in non_argmax_gaps(faulty.outputs, faulty.top_logits, "bfloat16")]
+    # the stage's reference on CPU: the untrained draft's run (both one prompt at a time), where it exists
+    untrained_path = next((p for p in (runs / "untrained.lossless.json", runs / "untrained.both.json") if p.exists()),
+                          None)  # fmt: skip
+    from_untrained = None
+    if untrained_path is not None:
+        untrained = load(RunResult, untrained_path)
+        from_untrained = len(compare_greedy((untrained.outputs, untrained.top_logits),
+                                            (faulty.outputs, faulty.top_logits),
+                                            origins=[str(i) for i in range(len(untrained.outputs))], dtype="bfloat16",
+                                            tie_steps=0))  # fmt: skip
     caught = bool(wrong) or bool(mismatches)
     summary = {
         "fault": "accept_any_draft",
         "kernels": faulty.numerics,
         "prompts": len(reference.outputs),
         "prompts_diverging": len(mismatches),
+        "prompts_diverging_from_untrained": from_untrained,
         "non_argmax_tokens": len(wrong),
+        "non_argmax_min_gap_steps": min(gaps, default=None),
         "non_argmax_examples": wrong[:5],
         "caught": caught,
         "wall_s": round(wall_s, 1),

@@ -185,7 +185,9 @@ def _ngram_measurement(prepared, tiny_tokenizer, work_dir):
     reference, run = result.runs
     mismatches = compare_greedy((reference.outputs, reference.top_logits), (run.outputs, run.top_logits),
                                 origins=[p.origin for p in prompt_set.prompts], dtype="bfloat16", tie_steps=0)  # fmt: skip
-    wrong = non_argmax_steps(run.outputs, run.top_logits) + non_argmax_steps(reference.outputs, reference.top_logits)
+    wrong = non_argmax_steps(run.outputs, run.top_logits, "bfloat16") + non_argmax_steps(
+        reference.outputs, reference.top_logits, "bfloat16"
+    )
     accepted = acceptance_result(run, run, draft_path=Path("ngram"), num_speculative_tokens=3,
                                  reference_timing=reference, mismatches=mismatches, non_argmax=wrong)  # fmt: skip
     return reference, accepted
@@ -226,3 +228,60 @@ def test_a_wrongly_accepted_draft_token_fails_the_lossless_check(prepared, tiny_
     assert "argmax" in accepted.non_argmax_steps[0]
     assert accepted.mismatches, "accepting every n-gram guess changes the greedy output"
     assert not any(m.tie for m in accepted.mismatches)
+
+
+@pytest.mark.slow
+def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
+    scratch_draft, prepared, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """Fault injection through the stage's own CPU lossless plan and verdict (reference: the untrained draft's run,
+    both speculative passes one prompt at a time, vLLM's KV split off): with EAGLE3_FAULT=accept_any_draft vLLM
+    accepts every EAGLE-3 draft token. Both checks fail it, with their margins in the AcceptanceResult: the
+    emitted draft tokens lie steps below their step's argmax, and the two drafts' outputs differ."""
+    from eagle3_workflow.evaluation.baseline import build_untrained_draft
+    from eagle3_workflow.evaluation.protocol import eagle3_run
+    from eagle3_workflow.evaluation.stage import (
+        Measured,
+        draft_results,
+        lossless_verdict,
+        plan_environment,
+        plan_measurements,
+    )
+
+    monkeypatch.setenv("EAGLE3_FAULT", "accept_any_draft")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAULT_PLUGINS, os.environ.get("PYTHONPATH")])))
+    settings = evaluation(prompts="heldout", num_prompts=4, max_tokens=24)
+    prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
+                              max_model_len=512)  # fmt: skip
+    # another seed than the scratch draft's: two drafts that propose different tokens, as trained and untrained do
+    untrained = build_untrained_draft(scratch_draft, prepared["target"], tmp_path / "untrained", 1)
+    labelled = [MeasurementRun(label="no_speculation", speculative_config=None), eagle3_run("trained", scratch_draft, 3),
+                eagle3_run("untrained", untrained.path, 3)]  # fmt: skip
+    plan = plan_measurements(labelled, settings=settings, vllm_settings=VLLM_SETTINGS, device="cpu",
+                             numerics="production", reference="untrained")  # fmt: skip
+    runs = [run.model_copy(update={"timing_pass": False}) for run in plan[0].runs]
+    assert [run.lossless_alone for run in runs] == [False, True, True]
+    engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16",
+                                       trust_remote_code=False, seed=0, device="cpu", tensor_parallel_size=1,
+                                       in_process=True)  # fmt: skip
+    env = plan_environment(plan, engine, settings, VLLM_SETTINGS, "cpu", reference="untrained")
+    assert env["VLLM_CPU_ATTN_SPLIT_KV"] == "0" and env["EAGLE3_FAULT"] == "accept_any_draft"
+    spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=24,
+                           timing_repeats=1, runs=runs)  # fmt: skip
+    result, _ = run_measurement_process(spec, tmp_path, "fault", env=env, log_path=tmp_path / "log", timeout_s=600)
+    lossless = {run.label: run for run in result.runs}
+    verdict = lossless_verdict(lossless, prompt_set, logit_dtype="bfloat16", tie_steps=0, numerics="production",
+                               decode=tiny_tokenizer.decode, reference="untrained")  # fmt: skip
+    results = draft_results(Measured(lossless=lossless, timing=dict(lossless), processes=[]), verdict,
+                            {"trained": scratch_draft, "untrained": untrained.path}, 3)  # fmt: skip
+    trained = results["trained"]
+    margins = {label: (r.non_argmax_min_gap_steps, len(r.non_argmax_steps), len(r.mismatches))
+               for label, r in results.items()}  # fmt: skip
+    print(f"accept_any_draft (min gap below the argmax in bf16 steps, non-argmax tokens, prompts differing from the "
+          f"untrained run): {margins}; {trained.non_argmax_steps[:2]}", file=sys.stderr)  # fmt: skip
+    assert not trained.lossless and not results["untrained"].lossless
+    assert trained.non_argmax_min_gap_steps is not None and trained.non_argmax_min_gap_steps > 0
+    assert "bfloat16 steps below it" in trained.non_argmax_steps[0]
+    assert trained.mismatches, "two drafts accepted wholesale give two outputs: the exact comparison sees it too"
+    assert not any(m.tie for m in trained.mismatches)
+    assert trained.accepted_tokens == trained.draft_tokens  # every proposed token accepted: the fault is in force

@@ -227,8 +227,9 @@ def test_a_tie_passes_only_within_the_stated_steps_in_both_runs():
 def test_a_token_that_is_not_its_runs_argmax_is_named():
     outputs = [[3, 4], [5]]
     top_logits = [[{3: 2.0, 8: 1.0}, {4: 1.0, 7: 1.5}], [{5: 0.5, 6: 0.5}]]  # an exact tie passes
-    assert non_argmax_steps(outputs, top_logits) == [
-        "prompt 0 token 1: emitted 4 (logit 1.0000), argmax 7 (logit 1.5000)"
+    # the margin: 0.5 below the argmax at a magnitude of 1.5, where a bf16 step is 2**-7
+    assert non_argmax_steps(outputs, top_logits, "bfloat16") == [
+        "prompt 0 token 1: emitted 4 (logit 1.0000), argmax 7 (logit 1.5000), 64.00 bfloat16 steps below it"
     ]
 
 
@@ -249,6 +250,125 @@ def test_lossless_failure_shows_the_first_real_divergence_and_wrong_acceptances_
     assert "token 99" in message
     assert "256.00" in message  # 4.0 apart at magnitude 2 (bf16 step 2**-6)
     assert describe_mismatch("trained", mismatches[0]) in message
+
+
+def _lossless_run(label: str, outputs: list[list[int]], top_logits: list[list[dict[int, float]]]):
+    from eagle3_workflow.evaluation.protocol import RunResult
+
+    metrics = [counter("num_drafts", 10), counter("num_draft_tokens", 30), counter("num_accepted_tokens", 3),
+               per_position([2, 1, 0])] if label != "no_speculation" else []  # fmt: skip
+    return RunResult(label=label, engine_start_s=1.0, generate_s=1.0, generated_tokens=sum(map(len, outputs)),
+                     outputs=outputs, finish_reasons=["stop"] * len(outputs), top_logits=top_logits,
+                     metrics_before=[], metrics_after=metrics, load_1m=0.0)  # fmt: skip
+
+
+def _judge(runs: dict[str, tuple[list[list[int]], list[list[dict[int, float]]]]], reference: str, tie_steps: int = 0):
+    """lossless_verdict and draft_results on hand-made runs of 2 prompts: each draft's AcceptanceResult."""
+    from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
+    from eagle3_workflow.evaluation.stage import Measured, draft_results, lossless_verdict
+
+    lossless = {label: _lossless_run(label, *run) for label, run in runs.items()}
+    prompt_set = PromptSet(prompts=[EvalPrompt(token_ids=[1], origin=f"row {i}") for i in range(2)], source="heldout",
+                           requested=2, detail="test", notes=[])  # fmt: skip
+    verdict = lossless_verdict(lossless, prompt_set, logit_dtype="bfloat16", tie_steps=tie_steps,
+                               numerics="production", decode=str, reference=reference)  # fmt: skip
+    measured = Measured(lossless=lossless, timing=dict(lossless), processes=[])
+    return verdict, draft_results(measured, verdict, {"trained": Path("t"), "untrained": Path("u")}, 3)
+
+
+# each step's top logits: the emitted token one bf16 step (0.125 at ~20) above the other of a near-tie pair
+A, B = {7: 20.125, 8: 20.0}, {8: 20.125, 7: 20.0}
+SPECULATIVE = ([[1, 2, 7, 3], [4, 5]], [[{1: 9.0}, {2: 9.0}, A, {3: 9.0}], [{4: 9.0}, {5: 9.0}]])
+# the run without speculation (one row a step) flipped the near-tie of prompt 0 at token 2, its own argmax
+NO_SPECULATION = ([[1, 2, 8, 3], [4, 5]], [[{1: 9.0}, {2: 9.0}, B, {3: 9.0}], [{4: 9.0}, {5: 9.0}]])
+
+
+def test_the_untrained_reference_is_exact_and_records_the_run_without_speculation_unjudged():
+    """Trained equal to untrained token for token: lossless, whatever the run without speculation did at a near-tie
+    (recorded with its gaps, not judged); one token apart where both are their run's argmax: fails (no tie
+    allowance there)."""
+    verdict, results = _judge({"no_speculation": NO_SPECULATION, "trained": SPECULATIVE, "untrained": SPECULATIVE},
+                              reference="untrained")  # fmt: skip
+    assert verdict.reference == "untrained"
+    assert verdict.judged() == {"trained": []}
+    assert results["trained"].lossless and results["untrained"].lossless
+    assert results["trained"].mismatches == []
+    recorded = results["trained"].no_speculation_divergences
+    assert [(m.prompt_index, m.position, m.expected_token, m.found_token) for m in recorded] == [(0, 2, 8, 7)]
+    assert recorded[0].reference_gap_steps == pytest.approx(1.0) and recorded[0].candidate_gap_steps == pytest.approx(
+        1.0
+    )
+    assert results["untrained"].no_speculation_divergences == recorded
+    assert results["trained"].non_argmax_min_gap_steps is None
+    assert verdict.criterion.startswith("exact") and "one prompt at a time" in verdict.criterion
+
+    # the same near-tie flipped between the two speculative runs: exact, so it fails, with both gaps shown
+    flipped = ([[1, 2, 8, 3], [4, 5]], [[{1: 9.0}, {2: 9.0}, B, {3: 9.0}], [{4: 9.0}, {5: 9.0}]])
+    verdict, results = _judge({"no_speculation": NO_SPECULATION, "trained": flipped, "untrained": SPECULATIVE},
+                              reference="untrained")  # fmt: skip
+    assert not results["trained"].lossless and results["untrained"].lossless
+    (found,) = results["trained"].mismatches
+    assert (found.position, found.expected_token, found.found_token, found.tie) == (2, 7, 8, False)
+    message = lossless_failure(verdict.judged(), verdict.non_argmax, num_prompts=2, tie_steps=0,
+                               numerics="production", reference="untrained")  # fmt: skip
+    assert "against the run with the untrained draft): 1/2 prompts with the trained draft." in message
+    assert "  with the untrained draft: '[7, 3]' (token 7)" in message and "with the trained draft: '[8, 3]'" in message
+    assert "1.00 with the untrained draft, 1.00 with the trained draft" in message
+    # no reference (MLA targets on CPU): the same flip recorded, not judged; the argmax check still judges
+    verdict, results = _judge({"no_speculation": NO_SPECULATION, "trained": flipped, "untrained": SPECULATIVE},
+                              reference="none")  # fmt: skip
+    assert results["trained"].lossless and results["trained"].mismatches == []
+    assert [(m.position, m.expected_token, m.found_token) for m in results["trained"].untrained_divergences] == [
+        (2, 7, 8)]  # fmt: skip
+    assert verdict.criterion.startswith("every emitted token of every run is its own argmax")
+    # against no speculation with the same tie allowance the same runs would pass: the reference decides
+    _, results = _judge({"no_speculation": SPECULATIVE, "trained": flipped, "untrained": SPECULATIVE},
+                        reference="no_speculation", tie_steps=1)  # fmt: skip
+    assert results["trained"].lossless and results["trained"].mismatches[0].tie
+
+
+def test_a_wrong_acceptance_fails_both_ways_with_its_margin():
+    """accept_any_draft's signature: the speculative runs emit draft tokens the verifier ranked lower. The argmax
+    check fails them with the margin (dtype steps below the argmax), and the two drafts' outputs differ."""
+    trained = ([[1, 9, 7, 3], [4, 5]], [[{1: 9.0}, {2: 9.0, 9: 8.5}, A, {3: 9.0}], [{4: 9.0}, {5: 9.0}]])
+    untrained = ([[1, 6, 7, 3], [4, 5]], [[{1: 9.0}, {2: 9.0, 6: 4.0}, A, {3: 9.0}], [{4: 9.0}, {5: 9.0}]])
+    verdict, results = _judge({"no_speculation": NO_SPECULATION, "trained": trained, "untrained": untrained},
+                              reference="untrained")  # fmt: skip
+    assert not results["trained"].lossless and not results["untrained"].lossless
+    assert results["trained"].non_argmax_min_gap_steps == pytest.approx(0.5 / 2**-4)  # 0.5 at ~9: 8 steps
+    assert results["untrained"].non_argmax_min_gap_steps == pytest.approx(5.0 / 2**-4)
+    assert verdict.non_argmax["trained"] == [
+        "prompt 0 token 1: emitted 9 (logit 8.5000), argmax 2 (logit 9.0000), 8.00 bfloat16 steps below it"
+    ]
+    assert [m.position for m in results["trained"].mismatches] == [1]
+    # with no reference the argmax check alone fails them all the same
+    verdict, results = _judge({"no_speculation": NO_SPECULATION, "trained": trained, "untrained": untrained},
+                              reference="none")  # fmt: skip
+    assert not results["trained"].lossless and results["trained"].non_argmax_min_gap_steps == pytest.approx(8.0)
+    message = lossless_failure(verdict.judged(), verdict.non_argmax, num_prompts=2, tie_steps=0,
+                               numerics="production", reference="none")  # fmt: skip
+    assert "judged by the argmax check alone): 0/2 prompts with the trained draft" in message
+    assert "8.00 bfloat16 steps below it" in message
+
+
+def test_the_reference_follows_the_device_and_refuses_a_tie_allowance_it_cannot_use():
+    from eagle3_workflow.evaluation.stage import lossless_reference, plan_measurements
+
+    assert lossless_reference("auto", "cpu", tie_steps=0) == "untrained"
+    assert lossless_reference("auto", "cuda", tie_steps=3) == "no_speculation"
+    assert lossless_reference("no_speculation", "cpu", tie_steps=1) == "no_speculation"
+    with pytest.raises(StageError, match="lossless_tie_steps is 1, but the lossless reference is the untrained"):
+        lossless_reference("auto", "cpu", tie_steps=1)
+    assert lossless_reference("none", "cuda", tie_steps=0) == "none"
+    with pytest.raises(StageError, match="lossless_tie_steps is 2"):
+        lossless_reference("none", "cpu", tie_steps=2)
+    plan = plan_measurements(_labelled(), settings=evaluation(), vllm_settings=VLLM_SETTINGS, device="cpu",
+                             numerics="production", reference="untrained")  # fmt: skip
+    assert [(r.label, r.lossless_alone) for r in plan[0].runs] == [
+        ("no_speculation", False), ("trained", True), ("untrained", True)]  # fmt: skip
+    plan = plan_measurements(_labelled(), settings=evaluation(), vllm_settings=VLLM_SETTINGS, device="cuda",
+                             numerics="batch_invariant", reference="no_speculation")  # fmt: skip
+    assert not any(r.lossless_alone for p in plan for r in p.runs)
 
 
 # ---------------------------------------------------------------- engine settings and the measurement process

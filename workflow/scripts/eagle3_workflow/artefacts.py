@@ -474,16 +474,17 @@ class DraftConfig(Artefact):
 
 
 class LosslessMismatch(Artefact):
-    """The first generated token where a speculative run's greedy output differs from the run without
-    speculation (one per prompt that differs)."""
+    """The first generated token where a speculative run's greedy output differs from its reference run (the
+    untrained draft's or the one without speculation: AcceptanceReport.lossless_reference), one per prompt that
+    differs. `expected` and `reference` name the reference run's side."""
 
     prompt_index: int
     origin: str
     position: int  # index into the generated tokens
     expected_token: int | None  # None: the run without speculation stopped here
     found_token: int | None  # None: the speculative run stopped here
-    # logit(expected) - logit(found) in steps of the logits' dtype at that magnitude, in the run without
-    # speculation; and logit(found) - logit(expected) in the speculative run. None: a token not in the top-k.
+    # logit(expected) - logit(found) in steps of the logits' dtype at that magnitude, in the reference run; and
+    # logit(found) - logit(expected) in the speculative run. None: a token not in the top-k.
     reference_gap_steps: float | None
     candidate_gap_steps: float | None
     tie: bool  # both gaps within evaluate.lossless_tie_steps (never with 0: exact)
@@ -524,6 +525,15 @@ class AcceptanceResult(Artefact):
     lossless: bool
     mismatches: list[LosslessMismatch]
     non_argmax_steps: list[str] = Field(default_factory=list)  # emitted tokens that are not the run's own argmax
+    # the margin of the argmax check: the smallest gap, in steps of the logits' dtype, by which an emitted token of
+    # this run (or of the reference runs) lies below its step's argmax; None: every emitted token is its argmax
+    non_argmax_min_gap_steps: float | None = None
+    # with the untrained draft as the reference (AcceptanceReport.lossless_reference): this run's first divergences
+    # from the run without speculation, recorded and not judged (that run's steps have other batch shapes)
+    no_speculation_divergences: list[LosslessMismatch] = Field(default_factory=list)
+    # with no reference (lossless_reference none): the trained draft's first divergences from the untrained draft's
+    # run, recorded and not judged
+    untrained_divergences: list[LosslessMismatch] = Field(default_factory=list)
     # tokens/s at each evaluate.timing_concurrency (production settings); tokens_per_s and speedup are the first's
     throughput: list[Throughput] = Field(default_factory=list)
 
@@ -617,7 +627,7 @@ class AcceptanceReport(Artefact):
     no_speculation_generate_s: float
     no_speculation_engine_start_s: float
     lossless_numerics: str  # batch_invariant | production: the kernels of the lossless pass
-    lossless_tie_steps: int  # 0 = exact
+    lossless_tie_steps: int  # 0 = exact (always with the untrained reference)
     lossless_criterion: str  # the criterion in words, as applied
     untrained_baseline: str  # how the untrained draft was built, and whether its frozen tensors match
     processes: list[MeasurementProcess]
@@ -628,6 +638,9 @@ class AcceptanceReport(Artefact):
     logit_dtype: str = "bfloat16"
     consistency: TrainServeConsistency | None = None  # None: written before the check existed
     parity: DraftParity | None = None  # None: written before the check existed
+    # what the trained draft's greedy output was compared with: untrained (the untrained draft's run, both
+    # speculative lossless passes one prompt at a time) or no_speculation (evaluate.lossless_reference)
+    lossless_reference: str = "no_speculation"
 
 
 # ---------------------------------------------------------------------------------------------------- provenance

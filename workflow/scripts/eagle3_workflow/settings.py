@@ -309,6 +309,7 @@ class EvaluationSettings(View):
     timing_concurrency: tuple[int, ...]
     timing_prompts: int
     lossless_numerics: Literal["auto", "batch_invariant", "production"]
+    lossless_reference: Literal["auto", "untrained", "no_speculation", "none"]
     lossless_tie_steps: int
     consistency_min_ratio: Number
     consistency_min_predicted: Number

@@ -1,13 +1,17 @@
-"""The lossless check (pure): the first token where a speculative run differs from the reference, per prompt,
+"""The lossless check (pure): the first token where a speculative run differs from its reference, per prompt,
 judged by both runs' own raw logits, and the StageError message that spells them out.
 
-The criterion (``evaluate.lossless_tie_steps``):
-- every token either run emitted is the argmax of that run's own logits at that step (a wrong acceptance, a
-  draft token the verifier did not choose, fails here whatever the setting);
+The criterion:
+- every token any run emitted is the argmax of that run's own logits at that step (a wrong acceptance, a draft
+  token the verifier did not choose, fails here whatever the setting); the margin of a failure is how many dtype
+  steps the emitted token lies below the argmax (non_argmax_gaps);
+- the reference (``evaluate.lossless_reference``, stage.lossless_reference): the untrained draft's run, both
+  speculative passes one prompt at a time so that every verification has the same 1 + k rows, compared exactly;
+  or the run without speculation, where ``evaluate.lossless_tie_steps`` applies:
 - with 0 steps (the default) no prompt may differ at all;
 - with N > 0 steps a first divergence passes only as a tie: in both runs the two tokens' logits are within N steps
   of the logits' dtype at that magnitude (bf16 has 8 significant bits: at a logit of 20 one step is 0.125).
-Every divergence is recorded, tie or not."""
+Every divergence is recorded, tie or not. docs/faults.md ("The lossless verdict") gives the reasoning."""
 
 from __future__ import annotations
 
@@ -48,18 +52,30 @@ def gap_in_steps(top: dict[int, float], winner: int | None, loser: int | None, d
     return (a - b) / dtype_step(max(abs(a), abs(b)), dtype)
 
 
-def non_argmax_steps(outputs: Sequence[Sequence[int]], top_logits: Sequence[Sequence[dict[int, float]]]) -> list[str]:
-    """Every (prompt, step) whose emitted token is not the highest logit of that step (ties pass), as text."""
+def non_argmax_gaps(
+    outputs: Sequence[Sequence[int]], top_logits: Sequence[Sequence[dict[int, float]]], dtype: str
+) -> list[tuple[int, int, int, int, float, float, float]]:
+    """Every (prompt, step) whose emitted token is not the highest logit of that step (exact ties pass): (prompt,
+    position, emitted, argmax, emitted logit, argmax logit, gap in dtype steps at the argmax's magnitude)."""
     found = []
     for prompt, (tokens, steps) in enumerate(zip(outputs, top_logits, strict=True)):
         for position, (token, top) in enumerate(zip(tokens, steps, strict=False)):
             if top and token in top and top[token] < max(top.values()):
                 best = max(top, key=top.__getitem__)
-                found.append(
-                    f"prompt {prompt} token {position}: emitted {token} (logit {top[token]:.4f}), argmax {best} "
-                    f"(logit {top[best]:.4f})"
-                )
+                gap = gap_in_steps(top, best, token, dtype) or 0.0
+                found.append((prompt, position, token, best, top[token], top[best], gap))
     return found
+
+
+def non_argmax_steps(
+    outputs: Sequence[Sequence[int]], top_logits: Sequence[Sequence[dict[int, float]]], dtype: str
+) -> list[str]:
+    """Every (prompt, step) whose emitted token is not the highest logit of that step (ties pass), as text."""
+    return [
+        f"prompt {prompt} token {position}: emitted {token} (logit {logit:.4f}), argmax {best} (logit {top:.4f}), "
+        f"{gap:.2f} {dtype} steps below it"
+        for prompt, position, token, best, logit, top, gap in non_argmax_gaps(outputs, top_logits, dtype)
+    ]
 
 
 def compare_greedy(
@@ -121,14 +137,18 @@ def _steps_text(gap: float | None) -> str:
     return "not in the top-k" if gap is None else f"{gap:.2f}"
 
 
-def describe_mismatch(label: str, mismatch: LosslessMismatch) -> str:
+REFERENCE_TEXT = {"no_speculation": "without speculation", "untrained": "with the untrained draft"}
+
+
+def describe_mismatch(label: str, mismatch: LosslessMismatch, reference: str = "no_speculation") -> str:
+    against = REFERENCE_TEXT.get(reference, reference)
     return (
         f"prompt {mismatch.prompt_index} ({mismatch.origin}), generated token {mismatch.position}:\n"
         f"  context:                 ...{mismatch.context!r}\n"
-        f"  without speculation:     {mismatch.expected_text!r} (token {mismatch.expected_token})\n"
+        f"  {against + ':':<24} {mismatch.expected_text!r} (token {mismatch.expected_token})\n"
         f"  with the {label} draft: {mismatch.found_text!r} (token {mismatch.found_token})\n"
-        f"  logit gap in dtype steps: {_steps_text(mismatch.reference_gap_steps)} without speculation, "
-        f"{_steps_text(mismatch.candidate_gap_steps)} with it"
+        f"  logit gap in dtype steps: {_steps_text(mismatch.reference_gap_steps)} {against}, "
+        f"{_steps_text(mismatch.candidate_gap_steps)} with the {label} draft"
     )
 
 
@@ -139,13 +159,20 @@ def lossless_failure(
     num_prompts: int,
     tie_steps: int,
     numerics: str,
+    reference: str = "no_speculation",
 ) -> str:
-    """The StageError message: counts, the first real failure spelled out, then a table of every divergence."""
+    """The StageError message: counts, the first real failure spelled out, then a table of every divergence.
+    `results` holds each judged draft's first divergences from `reference`'s run."""
     parts = []
     counts = ", ".join(
         f"{sum(not m.tie for m in ms)}/{num_prompts} prompts with the {lbl} draft" for lbl, ms in results.items()
     )
-    parts.append(f"speculative decoding changed the greedy output (not lossless, {numerics} kernels): {counts}.")
+    against = (
+        "judged by the argmax check alone" if reference == "none" else f"against the run {REFERENCE_TEXT[reference]}"
+    )
+    parts.append(
+        f"speculative decoding changed the greedy output (not lossless, {numerics} kernels, {against}): {counts}."
+    )
     for label, examples in non_argmax.items():
         if examples:
             shown = "\n  ".join(examples[:MAX_ARGMAX_EXAMPLES])
@@ -155,7 +182,7 @@ def lossless_failure(
             )
     first = next(((lbl, m) for lbl, ms in results.items() for m in ms if not m.tie), None)
     if first is not None:
-        parts.append(f"First divergence that is not a tie:\n{describe_mismatch(*first)}")
+        parts.append(f"First divergence that is not a tie:\n{describe_mismatch(*first, reference=reference)}")
     rows = [
         (label, m.prompt_index, m.origin, m.position, m.expected_token, m.found_token,
          _steps_text(m.reference_gap_steps), _steps_text(m.candidate_gap_steps), "yes" if m.tie else "NO")
@@ -165,11 +192,31 @@ def lossless_failure(
     if rows:
         headers = ["draft", "prompt", "origin", "token", "expected", "found", "gap (ref)", "gap (spec)", "tie"]
         parts.append(f"All first divergences (gaps in steps of the logits' dtype):\n{render_table(headers, rows)}")
-    parts.append(
-        "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
-        "points at the spec-decode path of this vLLM (or the draft config). Divergences where both runs emitted "
-        f"their own argmax are numerics: evaluate.lossless_numerics: batch_invariant (CUDA) removes batch-"
-        f"composition effects; evaluate.lossless_tie_steps (now {tie_steps}) accepts ties within that many "
-        "dtype steps after you have read them."
-    )
+    if reference == "none":
+        parts.append(
+            "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
+            "points at the spec-decode path of this vLLM (or the draft config). With evaluate.lossless_reference: "
+            "none no other run is compared: see docs/faults.md, 'The lossless verdict'."
+        )
+    elif reference == "untrained":
+        parts.append(
+            "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
+            "points at the spec-decode path of this vLLM (or the draft config). Both speculative runs generated "
+            "one prompt at a time, so each of their verification steps had the same 1 + k rows: the verifier's "
+            "numerics were the same, and the only difference between the runs is which draft tokens it was "
+            "shown. A verifier whose output depends on them (a wrong acceptance, a draft token leaking into the "
+            "verified rows through the attention mask, positions or KV cache) is what this finds. One known "
+            "exception is numerics: a target with multi-head latent attention (DeepSeek-V3, Kimi) is verified on "
+            "CPU through vLLM's MLA prefill path, which splits each row's attention where its step starts, so "
+            "acceptance changes the rounding; there evaluate.lossless_reference: none judges by the argmax check "
+            "alone. See docs/faults.md, 'The lossless verdict'."
+        )
+    else:
+        parts.append(
+            "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
+            "points at the spec-decode path of this vLLM (or the draft config). Divergences where both runs "
+            f"emitted their own argmax are numerics: evaluate.lossless_numerics: batch_invariant (CUDA) removes "
+            f"batch-composition effects; evaluate.lossless_tie_steps (now {tie_steps}) accepts ties within that "
+            "many dtype steps after you have read them."
+        )
     return "\n\n".join(parts)

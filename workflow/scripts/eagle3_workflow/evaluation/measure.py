@@ -201,7 +201,8 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
         llm.generate(prompts[:1], warm_up, use_tqdm=progress_bar)
         if run.lossless_pass:
             gate.hold("lossless")
-            lossless = lossless_pass(llm, prompts, SamplingParams(**measured_sampling(spec)), progress_bar)
+            lossless = lossless_pass(llm, prompts, SamplingParams(**measured_sampling(spec)), progress_bar,
+                                     alone=run.lossless_alone)  # fmt: skip
         if run.parity_prompts and run.speculative_config and (run.lossless_pass or not run.timing_pass):
             parity = parity_pass(llm, spec.prompts[: run.parity_prompts], spec)
         if run.timing_pass:
@@ -303,11 +304,17 @@ class LosslessPass:
     after: list[dict[str, Any]]
 
 
-def lossless_pass(llm: Any, prompts: list[dict[str, Any]], sampling: Any, progress_bar: Any) -> LosslessPass:
-    """Every prompt at once, greedily, with the top-k raw logits of each step; the counters around it."""
+def lossless_pass(
+    llm: Any, prompts: list[dict[str, Any]], sampling: Any, progress_bar: Any, *, alone: bool = False
+) -> LosslessPass:
+    """Every prompt at once (or, `alone`, each prompt by itself, in order), greedily, with the top-k raw logits of
+    each step; the counters around it."""
     before = _spec_metrics(llm)
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, sampling, use_tqdm=progress_bar)
+    if alone:
+        outputs = [output for prompt in prompts for output in llm.generate([prompt], sampling, use_tqdm=progress_bar)]
+    else:
+        outputs = llm.generate(prompts, sampling, use_tqdm=progress_bar)
     generate_s = time.perf_counter() - t0
     return LosslessPass(outputs=outputs, generate_s=generate_s, before=before, after=_spec_metrics(llm))
 

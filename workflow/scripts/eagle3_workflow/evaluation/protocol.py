@@ -38,6 +38,10 @@ class MeasurementRun(Artefact):
     speculative_config: dict[str, Any] | None  # None: no speculation (the reference)
     lossless_pass: bool = True
     timing_pass: bool = True
+    # the lossless pass generates each prompt alone (one request in flight), so every step of a speculative engine
+    # verifies exactly 1 + k rows whatever its draft proposes or how soon its other requests end: two speculative
+    # runs then put the same batch shapes through the verifier (stage.lossless_reference, docs/faults.md)
+    lossless_alone: bool = False
     engine_overrides: dict[str, Any] = Field(default_factory=dict)
     # the draft parity pass (evaluation/parity.py): the first N prompts one at a time, each engine step's tokens
     parity_prompts: int = 0

@@ -55,7 +55,7 @@ from eagle3_workflow.evaluation.launch import (
     run_measurement_process,
     run_measurement_processes,
 )
-from eagle3_workflow.evaluation.lossless import compare_greedy, lossless_failure, non_argmax_steps
+from eagle3_workflow.evaluation.lossless import compare_greedy, lossless_failure, non_argmax_gaps, non_argmax_steps
 from eagle3_workflow.evaluation.metrics import acceptance_result, summary_table, throughput
 from eagle3_workflow.evaluation.parity import draft_parity, parity_failure
 from eagle3_workflow.evaluation.prompts import PromptSet, load_prompts
@@ -126,6 +126,7 @@ def evaluate_draft(
     check_eagle3_draft(draft)
     device = resolve_device(vllm_settings.device)
     numerics = lossless_numerics(settings.lossless_numerics, device)
+    reference = lossless_reference(settings.lossless_reference, device, tie_steps=settings.lossless_tie_steps)
     untrained_dir = work_dir / "untrained_draft"  # built below, once the first process is importing vLLM
 
     k = settings.num_speculative_tokens
@@ -137,7 +138,8 @@ def evaluate_draft(
     engine = measurement_engine_kwargs(vllm_settings, target=str(target), dtype=dtype, trust_remote_code=trust_remote_code,
                            seed=settings.seed, device=device, tensor_parallel_size=settings.tensor_parallel_size,
                            in_process=settings.tensor_parallel_size == 1)  # fmt: skip
-    plan = plan_measurements(labelled, settings=settings, vllm_settings=vllm_settings, device=device, numerics=numerics)
+    plan = plan_measurements(labelled, settings=settings, vllm_settings=vllm_settings, device=device, numerics=numerics,
+                             reference=reference)  # fmt: skip
     concurrent = concurrent_processes(settings, vllm_settings, device) and len(plan) > 1
     # the share of each engine comes from the plan, not from what a cut attempt left to measure: the engine's
     # kwargs are part of each result's key
@@ -146,7 +148,7 @@ def evaluate_draft(
              "all at once, each timing pass alone (lock file)" if concurrent else "one after another")  # fmt: skip
     # the processes' environment, taken once, now: what runs in this process meanwhile may set variables of its own
     # (torch's inductor sets TORCHINDUCTOR_CACHE_DIR when asked for its cache folder)
-    env = plan_environment(plan, engine, settings, vllm_settings, device)
+    env = plan_environment(plan, engine, settings, vllm_settings, device, reference=reference)
     with contextlib.ExitStack() as early:
         first = None
         if not concurrent:  # the first process imports vLLM while this one loads the prompts and the baseline
@@ -163,10 +165,12 @@ def evaluate_draft(
         untrained = build_untrained_draft(draft, target, untrained_dir, settings.seed)
         log.info("untrained baseline: %s", untrained.description)
         evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir, concurrent=concurrent)
-        measured = measure_runs(plan, engine, evaluation, log_path=log_path, env=env, first=first)
+        measured = measure_runs(plan, engine, evaluation, log_path=log_path, env=env, first=first,
+                                reference=reference)  # fmt: skip
     logit_dtype = resolved_dtype(dtype, target)
     verdict = lossless_verdict(measured.lossless, prompt_set, logit_dtype=logit_dtype, numerics=numerics,
-                               tie_steps=settings.lossless_tie_steps, decode=tokenizer.decode)  # fmt: skip
+                               tie_steps=settings.lossless_tie_steps, decode=tokenizer.decode,
+                               reference=reference)  # fmt: skip
     results = draft_results(measured, verdict, {"trained": draft, "untrained": untrained.path}, k)
     notes = prompt_set.notes + report_notes(results, verdict, measured, evaluation)
     report = build_report(results, verdict, measured, evaluation, untrained_baseline=untrained.description, notes=notes)
@@ -180,8 +184,9 @@ def evaluate_draft(
     )
     if not report.lossless:
         write(work_dir / "acceptance_failed.json", report)
-        raise StageError(lossless_failure(verdict.mismatches, verdict.non_argmax, num_prompts=len(prompt_set.prompts),
-                                          tie_steps=settings.lossless_tie_steps, numerics=numerics))  # fmt: skip
+        raise StageError(lossless_failure(verdict.judged(), verdict.non_argmax, num_prompts=len(prompt_set.prompts),
+                                          tie_steps=settings.lossless_tie_steps, numerics=numerics,
+                                          reference=reference))  # fmt: skip
     if parity.verdict == "failed":  # the exact check first: it names the step and the cause
         write(work_dir / "acceptance_failed.json", report)
         raise StageError(parity_failure(parity, draft=str(draft)))
@@ -216,6 +221,22 @@ def lossless_numerics(setting: str, device: str) -> str:
     return setting
 
 
+def lossless_reference(setting: str, device: str, *, tie_steps: int) -> str:
+    """What the trained draft's greedy output must equal (evaluate.lossless_reference): the untrained draft's run
+    (auto on CPU, where no batch-invariant kernels exist) or the run without speculation (auto on CUDA). The
+    untrained reference is exact by construction, so a tie allowance there is refused, not ignored."""
+    resolved = setting if setting != "auto" else "no_speculation" if device == "cuda" else "untrained"
+    if resolved != "no_speculation" and tie_steps:
+        raise StageError(
+            f"evaluate.lossless_tie_steps is {tie_steps}, but the lossless reference is the untrained draft's run "
+            f"(evaluate.lossless_reference: {setting}, device {device}), which is compared exactly: both speculative "
+            "runs verify the same 1 + k rows at every step, so their verifier numerics are equal and no tie can "
+            "arise (docs/faults.md, 'The lossless verdict'). Remove evaluate.lossless_tie_steps (0), or set "
+            "evaluate.lossless_reference: no_speculation to judge against the run without speculation with ties."
+        )
+    return resolved
+
+
 def resolved_dtype(dtype: str, target: Path) -> str:
     """The dtype the target's logits come in: the config's, or the checkpoint's own for 'auto'."""
     if dtype != "auto":
@@ -238,13 +259,19 @@ def plan_measurements(
     vllm_settings: VllmSettings,
     device: str,
     numerics: str,
+    reference: str = "no_speculation",
 ) -> list[PlannedProcess]:
     """Which engines run in which process. Production numerics: one engine per label runs the lossless pass and
     the timing passes. Batch-invariant: each label gets a timing engine (production settings) and a lossless
     engine in batch-invariant processes. Engines share a process unless evaluate.isolate_runs. Without
     evaluate.time_untrained the untrained baseline has no timing pass (its acceptance and lossless verdict come
-    from its lossless pass either way)."""
+    from its lossless pass either way). With the untrained draft as the lossless reference, the speculative
+    engines' lossless passes generate one prompt at a time (MeasurementRun.lossless_alone)."""
     lossless_kwargs = {"logprobs_mode": "raw_logits"}
+    alone = reference != NO_SPECULATION
+    labelled = [
+        run.model_copy(update={"lossless_alone": alone and run.speculative_config is not None}) for run in labelled
+    ]
     timing_kwargs: dict[str, Any] = {"max_num_seqs": max(settings.timing_concurrency)} if device == "cuda" else {}
     if generation_cuda_graphs(vllm_settings, device):
         timing_kwargs["enforce_eager"] = False
@@ -334,6 +361,7 @@ def measure_runs(
     log_path: str | Path | None,
     env: dict[str, str] | None = None,
     first: FirstProcess | None = None,
+    reference: str = NO_SPECULATION,
 ) -> Measured:
     """Run the planned processes: one after another, or all at once (evaluation.concurrent) with a lock file that
     keeps each timing pass alone. An engine whose result a cut run left in work_dir/runs with the same key
@@ -363,7 +391,8 @@ def measure_runs(
             pending.append((i, process, todo))
     if not pending:
         return measured
-    env = env if env is not None else plan_environment(plan, engine, settings, vllm_settings, device)
+    env = env if env is not None else plan_environment(plan, engine, settings, vllm_settings, device,
+                                                       reference=reference)  # fmt: skip
     together = evaluation.concurrent and len(pending) > 1
     measured.concurrent = together
     launches = []
@@ -404,12 +433,20 @@ def plan_environment(
     settings: EvaluationSettings,
     vllm_settings: VllmSettings,
     device: str,
+    *,
+    reference: str = NO_SPECULATION,
 ) -> dict[str, str]:
     """The environment of every measurement process of the plan: eager (runtime.child_environment) when every engine
-    the plan starts has enforce_eager, whether or not an earlier attempt's results spare some of them."""
+    the plan starts has enforce_eager, whether or not an earlier attempt's results spare some of them. With a
+    speculative reference on CPU, vLLM's CPU attention does not split a request's KV cache across threads
+    (VLLM_CPU_ATTN_SPLIT_KV=0): a split is planned from the step's sequence length, which acceptance decides, so a
+    verified row's reduction order could differ between two runs that reach the same position by other steps;
+    unsplit, each query reduces its context block by block from position 0, whatever step it is in."""
     eager = all_eager(engine, [run for process in plan for run in process.runs])
     env = measurement_environment(device=device, cpu_threads=vllm_settings.cpu_threads,
                                   in_process=settings.tensor_parallel_size == 1, eager=eager)  # fmt: skip
+    if device == "cpu" and reference != NO_SPECULATION:
+        env["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
     # TP > 1 on CPU: a worker per core list (refused, with the fix, when the CPUs cannot give one)
     return env | cpu_engine_environment(device, settings.tensor_parallel_size, vllm_settings.cpu_threads)
 
@@ -588,6 +625,17 @@ class LosslessVerdict:
     criterion: str
     numerics: str  # the kernels of the lossless pass: batch_invariant | production
     logit_dtype: str  # the dtype whose steps measure a tie
+    reference: str = NO_SPECULATION  # the run each judged draft is compared with: untrained | no_speculation
+    # each label's smallest gap (dtype steps) of an emitted token below its step's argmax: the argmax check's margin
+    non_argmax_min_gap: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    # with the untrained reference: each draft's first divergences from the run without speculation (not judged)
+    against_no_speculation: dict[str, list[LosslessMismatch]] = dataclasses.field(default_factory=dict)
+    # with no reference (none): the trained draft's first divergences from the untrained draft's run (not judged)
+    against_untrained: list[LosslessMismatch] = dataclasses.field(default_factory=list)
+
+    def judged(self) -> dict[str, list[LosslessMismatch]]:
+        """The drafts compared with the reference (not the reference itself)."""
+        return {label: ms for label, ms in self.mismatches.items() if label != self.reference}
 
 
 def lossless_verdict(
@@ -598,31 +646,55 @@ def lossless_verdict(
     tie_steps: int,
     numerics: str,
     decode: Callable[[Sequence[int]], str],
+    reference: str = NO_SPECULATION,
 ) -> LosslessVerdict:
-    """The lossless pass judged: each draft's greedy output against the reference's, by both runs' logits."""
-    reference = lossless[NO_SPECULATION]
+    """The lossless pass judged: every run's emitted tokens against its own argmax, and the trained draft's greedy
+    output against the reference's (`reference`: untrained, exactly; no_speculation, with `tie_steps`; with the
+    run without speculation as the reference the untrained draft is judged against it too). With the untrained
+    reference each draft's divergences from the run without speculation are recorded, not judged."""
     origins = [p.origin for p in prompt_set.prompts]
-    mismatches = {
-        label: compare_greedy(
-            (reference.outputs, reference.top_logits),
-            (lossless[label].outputs, lossless[label].top_logits),
-            origins=origins,
-            dtype=logit_dtype,
-            tie_steps=tie_steps,
-            decode=decode,
-        )  # fmt: skip
-        for label in DRAFTS
-    }
-    non_argmax = {label: non_argmax_steps(run.outputs, run.top_logits) for label, run in lossless.items()}
-    if tie_steps == 0:
-        criterion = "exact: every prompt's speculative greedy output equals the output without speculation"
-    else:
+
+    def against(base: str, label: str, ties: int) -> list[LosslessMismatch]:
+        return compare_greedy((lossless[base].outputs, lossless[base].top_logits),
+                              (lossless[label].outputs, lossless[label].top_logits),
+                              origins=origins, dtype=logit_dtype, tie_steps=ties, decode=decode)  # fmt: skip
+
+    recorded_untrained: list[LosslessMismatch] = []
+    if reference == "none":
+        mismatches = {"trained": [], "untrained": []}
+        report_only = {label: against(NO_SPECULATION, label, 0) for label in DRAFTS}
+        recorded_untrained = against("untrained", "trained", 0)
         criterion = (
-            f"every emitted token is its run's own argmax, and a first divergence passes only as a tie within "
-            f"{tie_steps} {logit_dtype} step(s) at the logits' magnitude in both runs"
+            "every emitted token of every run is its own argmax; the trained draft's divergences from the untrained "
+            "draft's run (both one prompt at a time) and from the run without speculation are recorded, not judged "
+            "(evaluate.lossless_reference: none)"
         )
+    elif reference == "untrained":
+        mismatches = {"trained": against("untrained", "trained", 0), "untrained": []}
+        report_only = {label: against(NO_SPECULATION, label, 0) for label in DRAFTS}
+        criterion = (
+            "exact: every prompt's greedy output with the trained draft equals the untrained draft's, both "
+            "generated one prompt at a time (the same 1 + k verified rows at every step); every emitted token of "
+            "every run is its own argmax; divergences from the run without speculation are recorded, not judged"
+        )
+    else:
+        mismatches = {label: against(NO_SPECULATION, label, tie_steps) for label in DRAFTS}
+        report_only = {}
+        if tie_steps == 0:
+            criterion = "exact: every prompt's speculative greedy output equals the output without speculation"
+        else:
+            criterion = (
+                f"every emitted token is its run's own argmax, and a first divergence passes only as a tie within "
+                f"{tie_steps} {logit_dtype} step(s) at the logits' magnitude in both runs"
+            )
+    non_argmax = {label: non_argmax_steps(run.outputs, run.top_logits, logit_dtype) for label, run in lossless.items()}
+    min_gap = {
+        label: min((gap[-1] for gap in non_argmax_gaps(run.outputs, run.top_logits, logit_dtype)), default=None)
+        for label, run in lossless.items()
+    }
     return LosslessVerdict(mismatches=mismatches, non_argmax=non_argmax, criterion=criterion, numerics=numerics,
-                           logit_dtype=logit_dtype)  # fmt: skip
+                           logit_dtype=logit_dtype, reference=reference, non_argmax_min_gap=min_gap,
+                           against_no_speculation=report_only, against_untrained=recorded_untrained)  # fmt: skip
 
 
 def draft_results(
@@ -631,8 +703,9 @@ def draft_results(
     draft_paths: dict[str, Path],
     num_speculative_tokens: int,
 ) -> dict[str, AcceptanceResult]:
-    """Each draft's acceptance, speed-up over the reference and lossless verdict."""
-    return {
+    """Each draft's acceptance, speed-up over the reference and lossless verdict (with the argmax check's margin
+    and, under the untrained reference, its divergences from the run without speculation)."""
+    results = {
         label: acceptance_result(
             measured.lossless[label],
             measured.timing.get(label),  # None: not timed (evaluate.time_untrained false)
@@ -644,6 +717,15 @@ def draft_results(
         )
         for label, path in draft_paths.items()
     }
+    for label, result in results.items():
+        gaps = [g for g in (verdict.non_argmax_min_gap.get(label), verdict.non_argmax_min_gap.get(NO_SPECULATION))
+                if g is not None]  # fmt: skip
+        results[label] = result.model_copy(update={
+            "non_argmax_min_gap_steps": round(min(gaps), 3) if gaps else None,
+            "no_speculation_divergences": verdict.against_no_speculation.get(label, []),
+            "untrained_divergences": verdict.against_untrained if label == "trained" else [],
+        })  # fmt: skip
+    return results
 
 
 def build_report(
@@ -669,7 +751,8 @@ def build_report(
         no_speculation_tokens_per_s=reference_throughput[0].tokens_per_s if reference_throughput else 0.0,
         no_speculation_throughput=reference_throughput,
         lossless=all(r.lossless for r in results.values()),
-        lossless_mismatches=sum(len(ms) for ms in verdict.mismatches.values()),
+        lossless_mismatches=sum(len(ms) for ms in verdict.judged().values()),
+        lossless_reference=verdict.reference,
         num_prompts_requested=prompt_set.requested,
         prompt_detail=prompt_set.detail,
         device=evaluation.device,
@@ -699,6 +782,18 @@ def report_notes(
     ties = sum(m.tie for ms in verdict.mismatches.values() for m in ms)
     if ties:
         notes.append(f"{ties} first divergence(s) passed as ties within {settings.lossless_tie_steps} dtype step(s)")
+    total = len(evaluation.prompt_set.prompts)
+    if verdict.reference != NO_SPECULATION:
+        recorded = {label: len(ms) for label, ms in verdict.against_no_speculation.items()}
+        what = ("the untrained draft's run, compared exactly" if verdict.reference == "untrained"
+                else f"none: the argmax check alone ({len(verdict.against_untrained)}/{total} prompts differ from the "
+                     "untrained draft's run, in trained.untrained_divergences)")  # fmt: skip
+        notes.append(
+            f"lossless reference: {what}; both speculative lossless passes ran one prompt at a time (the same 1 + k "
+            "verified rows at every step); against the run without speculation (one row a step) "
+            + ", ".join(f"{n}/{total} prompts differ with the {label} draft" for label, n in recorded.items())
+            + " (<draft>.no_speculation_divergences, recorded, not judged: docs/faults.md, 'The lossless verdict')"
+        )
     if results["trained"].mean_acceptance_length <= results["untrained"].mean_acceptance_length:
         notes.append(
             f"the trained draft does not beat the untrained baseline (mean acceptance length "
