@@ -382,7 +382,7 @@ def reference_stats(target: Path) -> tuple[dict[int, torch.Tensor], dict[int, fl
 
 def test_trained_like_weights_have_outlier_channels_and_the_real_routers_near_ties(reduced_real_width, tmp_path):
     """The two things the gates are sensitive to, measured as the gates measure: after layer 0 the same few channels
-    are 50 to hundreds of times the median (random weights: none); the real router (384 experts, top-8) meets a near-tie
+    are tens to hundreds of times the median (random weights: none); the real router (384 experts, top-8) meets a near-tie
     at most tokens of every MoE layer, several times the toy stand-in's rate (8 experts, top-2) at the same width."""
     from eagle3_workflow.target_build.kimi import OUTLIER_CHANNELS, TrainedLike, build_kimi_k25_target
 
@@ -395,11 +395,13 @@ def test_trained_like_weights_have_outlier_channels_and_the_real_routers_near_ti
     for layer in (1, 2, 3, 4):
         top = ratios[layer].topk(OUTLIER_CHANNELS)
         assert sorted(top.indices.tolist()) == channels, layer
-        # written at ~580x (layer 1); the random layers' growth brings them to ~85x by layer 4 (measured)
-        assert float(top.values.min()) >= 50, (layer, top.values)
+        # measured at this width: 145x at layer 1, 20x by layer 4 (the random layers' growth; ~300x flat through 8
+        # layers at hidden 7168: bench/gpu/results/2026-12-06-kimi-k25-real-width-cpu-study/)
+        assert float(top.values.min()) >= (100 if layer == 1 else 12), (layer, top.values.tolist())
     assert float(ratios[0].max()) < 10  # the embedding: no outliers before layer 0 writes them
     plain, _ = reference_stats(built("random", weights="random"))
-    assert max(float(plain[layer].max()) for layer in (1, 2, 3, 4)) < 20
+    assert max(float(plain[layer].max()) for layer in (1, 2, 3, 4)) < 8  # measured: 5 at most
+    # measured: 0.75-0.84 of the tokens at each MoE layer with 384 experts top-8, 0.17-0.20 with 8 top-2
     assert set(near_ties) == {1, 2, 3} and min(near_ties.values()) >= 0.4, near_ties
     _, toy = reference_stats(built("toy", routed_experts=8, experts_per_token=2))
     assert sum(near_ties.values()) >= 3 * sum(toy.values()), (near_ties, toy)

@@ -108,7 +108,7 @@ SHARD_BYTES = 2 * 1024**3
 EXPERT_STACK_BYTES = 256 * 1024**2
 # weights: trained_like (TrainedLike): what the gates are sensitive to, shaped as trained LLMs have it
 OUTLIER_CHANNELS = 4  # hidden dimensions carrying the large activations
-OUTLIER_RATIO = 1000.0  # their size as layer 0 writes them, in typical channels of its MLP output
+OUTLIER_RATIO = 300.0  # their size as layer 0 writes them, in typical channels of its MLP output
 OUTLIER_UNITS = 16  # dense-MLP units of layer 0 that write them (their mean keeps the sign fixed for every token)
 OUTLIER_UNIT_LOGIT = 4.0  # those units' pre-activation spread on a unit-RMS input
 CALIBRATION_TOKENS = 64  # unit-RMS inputs on which layer 0's typical MLP output is measured
@@ -569,7 +569,7 @@ def write_weights(
     import torch
 
     generator = torch.Generator(device=device).manual_seed(seed)
-    hidden = shapes["language_model.model.embed_tokens.weight"][1]
+    hidden = shapes["language_model.model.norm.weight"][0]
     realism = TrainedLike(hidden, seed) if weights == "trained_like" else None
     writer = ShardWriter(out_dir, shard_plan(shapes, quantized=quantized))
     for group in groups_in_order(shapes):
