@@ -390,8 +390,8 @@ class TrainedLike:
         """Reshape, in place, the tensors of one group (one decoder layer, or one tensor outside the layers)."""
         for name in list(tensors):
             match = LAYER_PREFIX.match(name)
-            layer = int(match.group(1)) if match else None
-            if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) and layer:
+            after_layer_0 = match is not None and int(match.group(1)) > 0  # layer 0's MLP writes the outliers
+            if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) and after_layer_0:
                 tensors[name] = self.norm(tensors[name])
             elif name == "language_model.model.norm.weight":
                 tensors[name] = self.norm(tensors[name])
