@@ -405,3 +405,24 @@ def test_trained_like_weights_have_outlier_channels_and_the_real_routers_near_ti
     assert set(near_ties) == {1, 2, 3} and min(near_ties.values()) >= 0.4, near_ties
     _, toy = reference_stats(built("toy", routed_experts=8, experts_per_token=2))
     assert sum(near_ties.values()) >= 3 * sum(toy.values()), (near_ties, toy)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (
+            {"moe_intermediate_size": 48},
+            "target.build.moe_intermediate_size is 48; the kimi_k25 stand-in needs a multiple of 32",
+        ),
+        ({"routed_experts": 8, "experts_per_token": 8}, "target.build.experts_per_token is 8 of 8 routed experts"),
+        ({"padded_vocab_size": 300}, "target.build.padded_vocab_size is 300, fewer rows than the tokenizer's"),
+    ],
+)
+def test_a_build_the_stand_in_cannot_take_is_stopped_with_the_key_to_set(tmp_path, change, says):
+    from eagle3_workflow.errors import StageError
+    from eagle3_workflow.target_build.kimi import build_kimi_k25_target
+
+    with pytest.raises(StageError, match="Fix: set") as stopped:
+        build_kimi_k25_target(tmp_path / "t", [TINY_DATA, SEED_PROMPTS], kimi_shape(**(REDUCED | change)))
+    assert says in str(stopped.value)
+    assert not list((tmp_path / "t").glob("*.safetensors"))

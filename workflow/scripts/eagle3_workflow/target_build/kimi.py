@@ -618,18 +618,13 @@ def check_shape(shape: KimiShape) -> None:
             f"(its experts' width hidden/2 is packed in int4 groups of {GROUP_SIZE}). Fix: set it to "
             f"{shape.hidden_size // 64 * 64 or MIN_HIDDEN}"
         )
-    widths = {
-        "moe_intermediate_size": shape.moe_intermediate_size,
-        "intermediate_size": shape.intermediate_size,
-        "q_lora_rank": shape.q_lora_rank,
-    }
-    for key, width in widths.items():
-        if width is not None and width % GROUP_SIZE:
-            raise StageError(
-                f"target.build.{key} is {width}; the kimi_k25 stand-in needs a multiple of {GROUP_SIZE} (int4 groups "
-                f"of {GROUP_SIZE} along it; Marlin's MoE kernels on the GPU want a multiple of 64). Fix: set it to "
-                f"{max(64, width // 64 * 64)}"
-            )
+    width = shape.moe_intermediate_size
+    if width is not None and width % GROUP_SIZE:
+        raise StageError(
+            f"target.build.moe_intermediate_size is {width}; the kimi_k25 stand-in needs a multiple of {GROUP_SIZE} "
+            f"(each expert's down projection is packed in int4 groups of {GROUP_SIZE} along it; Marlin's MoE kernels "
+            f"on the GPU want a multiple of 64). Fix: set it to {max(64, width // 64 * 64)}"
+        )
     if shape.experts_per_token >= shape.routed_experts:
         raise StageError(
             f"target.build.experts_per_token is {shape.experts_per_token} of {shape.routed_experts} routed experts: "
