@@ -17,6 +17,8 @@
 #   bash bench/gpu/device_run.sh restore    RESTORE=<bundle folder>: build the target in $WORK, then put an earlier
 #                                           lease's check_target and regenerate_responses outputs into the run
 #                                           (bench/gpu/restore_run.py checks target, settings and sha256 first)
+#   bash bench/gpu/device_run.sh shm        SHM=canary|run: the canary's slice (or the whole run) in /dev/shm, for
+#                                           the real-width Kimi stand-in (docs/gpu.md); before pipeline
 #   bash bench/gpu/device_run.sh collect    logs and small artefacts into $OUT
 # Several steps in one call: bash bench/gpu/device_run.sh copy install pipeline collect
 set -uo pipefail
@@ -199,9 +201,27 @@ step_faultcheck() {
   return "${PIPESTATUS[0]}"
 }
 
+# the real-width Kimi-K2.5 stand-in (docs/gpu.md): its 54 GB checkpoint and the canary's ~11 GB slice do not both
+# fit the 64 GiB disk. SHM=canary (the default): the canary's scratch folder, where it writes its slice, in /dev/shm
+# (memory) through a link; SHM=run: the whole run folder there (when the disk has less than ~60 GiB free). Before
+# the pipeline step; /dev/shm goes with the machine
+step_shm() {
+  df -h "$WORK" /dev/shm 2>/dev/null || df -h / /dev/shm
+  local dest="/dev/shm/$RUN"
+  if [ "${SHM:-canary}" = run ]; then
+    mkdir -p "$WORK/results" "$dest"
+    [ -L "$WORK/results/$RUN" ] || { [ -d "$WORK/results/$RUN" ] && cp -a "$WORK/results/$RUN/." "$dest/" && rm -rf "$WORK/results/$RUN"; ln -s "$dest" "$WORK/results/$RUN"; }
+  else
+    mkdir -p "$WORK/results/$RUN/checks" "$dest-canary_work"
+    ln -sfn "$dest-canary_work" "$WORK/results/$RUN/checks/canary_work"
+  fi
+  stamp "in /dev/shm (${SHM:-canary}): $(ls -l "$WORK/results/$RUN" "$WORK/results/$RUN/checks/canary_work" 2>/dev/null | grep -- '->' | sed 's/.* \([^ ]* -> [^ ]*\)$/\1/' | tr '\n' ' ')"
+}
+
 step_collect() {
   [ -d "$WORK/results/$RUN" ] || return 0
-  tar -czf "$OUT/results-$RUN.tar.gz" --exclude='hidden_states/files' --exclude='*.safetensors' \
+  # -h: a run folder linked into /dev/shm (step_shm) is archived by its contents
+  tar -h -czf "$OUT/results-$RUN.tar.gz" --exclude='hidden_states/files' --exclude='*.safetensors' \
     --exclude='train_work/checkpoints' --exclude='*.pt' --exclude='*.npy' --exclude='canary_work/model' \
     --exclude='scratch_replica_*' --exclude='*.arrow' --exclude='measure_*.result.json' -C "$WORK/results" "$RUN" 2>/dev/null
   # a file over 16 MiB does not come back from the device (the prepared data's .arrow files are left out above:

@@ -76,9 +76,18 @@ class TinyShape(BuildShape):
 
 
 class KimiShape(BuildShape):
-    """target.build as build_kimi_k25_target reads it: the stand-in's shape and whether its experts are INT4."""
+    """target.build as build_kimi_k25_target reads it: the stand-in's shape and widths (None: derived from
+    hidden_size), whether its experts are INT4, and how its weights are drawn."""
 
     quantization: Literal["none", "int4"]
+    num_heads: int | None
+    q_lora_rank: int | None
+    intermediate_size: int | None
+    moe_intermediate_size: int | None
+    routed_experts: int
+    experts_per_token: int
+    padded_vocab_size: int | None
+    weights: Literal["random", "trained_like"]
 
 
 class TargetBuild(TinyShape, KimiShape):

@@ -1,4 +1,5 @@
-"""Stage `build_kimi_k25_target`: a tiny Kimi-K2.5 stand-in, in the exact layout of the real checkpoint.
+"""Stage `build_kimi_k25_target`: a Kimi-K2.5 stand-in (tiny, or at the release's widths) in the real checkpoint's
+exact layout.
 
 Kimi-K2.5 (the target of the failure this workflow exists to prevent) is a DeepSeek-V3-style MoE with MLA wrapped in
 a vision-language model, its routed experts stored in INT4. A target built by transformers' ``save_pretrained`` does
@@ -28,16 +29,50 @@ weight list; vLLM's ``kimi_k25.py`` / ``kimi_k25_vit.py`` / ``deepseek_v2.py`` l
   tokens, so ``<|media_pad|>`` is the image token) and chat template; ``generation_config.json``.
 
 No remote code: vLLM 0.32 and transformers 5.x read ``kimi_k25`` natively (``Kimi_K25Config``), so the release's
-``auto_map`` entries (which name remote-code files the stand-in does not ship) are left out. Random weights,
-deterministic for a given seed and corpus.
+``auto_map`` entries (which name remote-code files the stand-in does not ship) are left out.
+
+Sizes: target.build's widths (``num_heads``, ``q_lora_rank``, ``intermediate_size``, ``moe_intermediate_size``,
+``routed_experts``, ``experts_per_token``, ``padded_vocab_size``) left null give the tiny stand-in (8 experts top-2,
+widths from hidden_size); set to the release's they give the real width (bench/gpu/kimi-k25-real-width.yaml: every
+size of Kimi-K2.5's text_config but the routed experts' width). The vision tower stays tiny at every width.
+
+Weights: one generator on `device`, tensors drawn in name order, deterministic for a seed and a device type (a CUDA
+generator draws other numbers than the CPU one; on CPU the draws are those this module has always made). Written
+as it goes (ShardWriter): each decoder layer drawn, its routed experts packed in stacks, each file saved once
+complete, so memory holds one file's tensors plus the embedding and lm_head (whose file closes with the final norm).
+
+``weights: random``: normal(0, 0.02) linears, norms 1, correction bias uniform [0, 0.05), lm_head 8x: nothing of a
+trained model. ``weights: trained_like`` (TrainedLike) reshapes, from the same draws, what the gates are sensitive to:
+
+- Large-magnitude activation channels, as trained LLMs have (outlier features, "massive activations"): layer 0's
+  dense MLP writes OUTLIER_CHANNELS hidden dimensions, OUTLIER_RATIO times a typical channel of its output, with a
+  fixed sign for every token (units whose gate and up rows are equal output z^2 sigmoid(z) >= 0); the residual
+  stream carries them; every later norm (both of each layer, the final one) weights them 1/OUTLIER_RATIO, as
+  trained models' norm weights at such channels are small, so the norms' outputs are not swamped. Realistic: a few
+  channels (4 of 7168), hundreds of times the median after the first layer, the same channels and signs for every
+  token, the norms' RMS dominated by them. Not realistic: they are written once, not maintained; no token (BOS,
+  delimiters) is special. Measured (bench/gpu/results/2026-12-06-kimi-k25-real-width-cpu-study/): at hidden 7168,
+  316x the median channel at layer 1 and 313x at layer 8; at hidden 256 (the unit tests) 145x falling to 20x by
+  layer 4, as the random layers' own output grows there relative to layer 0's MLP.
+- Router rows rescaled so that the logits spread ROUTER_LOGIT_STD over the experts on a unit-RMS input at every
+  width (random rows spread 0.02 sqrt(H)). Realistic: the release's routing itself (384 experts top-8, sigmoid
+  scores plus the fp32 correction bias, one group, scaling 2.827), which sets how close the 8th and 9th scores come:
+  the near-tie rate follows from that geometry and barely from the spread (gap and bound both scale with it;
+  measured at hidden 7168: 0.75-0.81 of the tokens at each MoE layer trained_like, 0.75-0.79 random). Not
+  measured on a trained router (none can be had here): the spread is an assumption, the bias is random rather than
+  load-balancing, and experts have no content specialization.
+
+Nothing else is trained-like: attention, experts and embeddings stay random.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,25 +91,40 @@ ARCHITECTURE = "KimiK25ForConditionalGeneration"
 MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"]
 VIDEO_PLACEHOLDER = "<|kimi_k25_video_placeholder|>"
 GROUP_SIZE = 32
+PACKED_PARTS = ("weight_packed", "weight_scale", "weight_shape")
 # the release's ignore list, verbatim: the vision tower and projector are not named (vLLM builds them unquantized
 # for compressed-tensors checkpoints: KimiK25ForConditionalGeneration._maybe_ignore_quant_config)
 QUANT_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
 MIN_HIDDEN = 128
-# the stand-in's MoE: the release routes each token to 8 of 384 experts; 8 of 8 would be no routing at all
-ROUTED_EXPERTS = 8
-EXPERTS_PER_TOKEN = 2
 # vLLM's CPU MLA kernels need the release's latent sizes
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 # the tiny MoonViT: 2 blocks of width 64 (2 heads of 32), 14-pixel patches merged 2 x 2
 VISION = {"hidden": 64, "heads": 2, "intermediate": 128, "layers": 2, "pos_emb": 8, "patch": 14, "merge": 2}
 EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
-SHARDS = ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors")
+LAYER_PREFIX = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
+# written as it goes: consecutive decoder layers share a file up to this size (a layer is never split), so at most
+# one file's tensors are held (and the embedding and lm_head, whose file closes with the final norm)
+SHARD_BYTES = 2 * 1024**3
+# routed experts are packed to INT4 in stacks of about this many bf16 bytes (packing works row by row: exact)
+EXPERT_STACK_BYTES = 256 * 1024**2
+# weights: trained_like (TrainedLike): what the gates are sensitive to, shaped as trained LLMs have it
+OUTLIER_CHANNELS = 4  # hidden dimensions carrying the large activations
+OUTLIER_RATIO = 300.0  # their size as layer 0 writes them, in typical channels of its MLP output
+OUTLIER_UNITS = 16  # dense-MLP units of layer 0 that write them (their mean keeps the sign fixed for every token)
+OUTLIER_UNIT_LOGIT = 4.0  # those units' pre-activation spread on a unit-RMS input
+CALIBRATION_TOKENS = 64  # unit-RMS inputs on which layer 0's typical MLP output is measured
+ROUTER_LOGIT_STD = 1.0  # the router logits' spread over experts on a unit-RMS input (an assumption: see docstring)
+REALISM_SEED = 0x4B32  # added to target.build.seed: TrainedLike's own draws leave the random ones unchanged
 
 
 def text_config(shape: KimiShape, *, vocab_size: int, bos: int, eos: int, pad: int, quantized: bool) -> dict[str, Any]:
-    """config.json's ``text_config``: the release's keys (DeepSeek-V3 read as ``kimi_k2``), tiny sizes."""
+    """config.json's ``text_config``: the release's keys (DeepSeek-V3 read as ``kimi_k2``), the sizes of `shape`
+    (target.build; widths left null derive from hidden_size: the tiny stand-in). `vocab_size`: the embedding's rows.
+    Everything not a size is the release's value: sigmoid scoring, noaux_tc, one group (n_group = topk_group = 1),
+    routed_scaling_factor 2.827, the YaRN rope, rms_norm_eps."""
     hidden, head_dim = shape.hidden_size, shape.head_dim
+    heads = shape.num_heads or hidden // head_dim
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "attention_bias": False,
@@ -88,24 +138,24 @@ def text_config(shape: KimiShape, *, vocab_size: int, bos: int, eos: int, pad: i
         "hidden_act": "silu",
         "hidden_size": hidden,
         "initializer_range": 0.02,
-        "intermediate_size": 2 * hidden,
+        "intermediate_size": shape.intermediate_size or 2 * hidden,
         "kv_lora_rank": KV_LORA_RANK,
         "max_position_embeddings": 262144,
         "model_type": "kimi_k2",
-        "moe_intermediate_size": hidden // 2,
+        "moe_intermediate_size": shape.moe_intermediate_size or hidden // 2,
         "moe_layer_freq": 1,
         "n_group": 1,
-        "n_routed_experts": ROUTED_EXPERTS,
+        "n_routed_experts": shape.routed_experts,
         "n_shared_experts": 1,
         "norm_topk_prob": True,
-        "num_attention_heads": hidden // head_dim,
-        "num_experts_per_tok": EXPERTS_PER_TOKEN,
+        "num_attention_heads": heads,
+        "num_experts_per_tok": shape.experts_per_token,
         "num_hidden_layers": shape.num_layers,
-        "num_key_value_heads": hidden // head_dim,
+        "num_key_value_heads": heads,
         "num_nextn_predict_layers": 0,
         "pad_token_id": pad,
         "pretraining_tp": 1,
-        "q_lora_rank": hidden // 2,
+        "q_lora_rank": shape.q_lora_rank or hidden // 2,
         "qk_nope_head_dim": head_dim,
         "qk_rope_head_dim": QK_ROPE_HEAD_DIM,
         "rms_norm_eps": 1e-05,
@@ -309,16 +359,85 @@ def vision_shapes(vision: Mapping[str, Any], text_hidden: int) -> dict[str, tupl
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """A tensor as a freshly initialized model has it: norms 1 (biases 0), the router's correction bias small and fp32
     (as released), linear weights normal(0, 0.02); lm_head 8x larger, so that the target has confident, learnable
-    preferences (as tiny.py's targets do)."""
+    preferences (as tiny.py's targets do). Drawn on the generator's device (the same draws on CPU as ever)."""
     import torch
 
+    device = generator.device
     if name.endswith("e_score_correction_bias"):
-        return (torch.rand(shape, generator=generator) * 0.05).float()
+        return (torch.rand(shape, generator=generator, device=device) * 0.05).float()
     if "norm" in name.rpartition(".")[0].rpartition(".")[2]:  # input_layernorm, norm0, pre_norm, ...
         fill = 0.0 if name.endswith(".bias") else 1.0
-        return torch.full(shape, fill, dtype=torch.bfloat16)
+        return torch.full(shape, fill, dtype=torch.bfloat16, device=device)
     std = 0.16 if name.endswith("lm_head.weight") else 0.02
-    return (torch.randn(shape, generator=generator) * std).to(torch.bfloat16)
+    return (torch.randn(shape, generator=generator, device=device) * std).to(torch.bfloat16)
+
+
+class TrainedLike:
+    """``weights: trained_like``: the random tensors reshaped where the gates are sensitive (module docstring). Its
+    own draws come from a CPU generator seeded apart (seed + REALISM_SEED), so the channels chosen do not depend on
+    the device and the random draws stay those of ``weights: random``."""
+
+    def __init__(self, hidden: int, seed: int) -> None:
+        import torch
+
+        self.hidden = hidden
+        self.generator = torch.Generator().manual_seed(seed + REALISM_SEED)
+        self.channels = sorted(torch.randperm(hidden, generator=self.generator)[:OUTLIER_CHANNELS].tolist())
+        signs = torch.randint(0, 2, (OUTLIER_CHANNELS,), generator=self.generator) * 2 - 1
+        self.signs = [float(sign) for sign in signs]
+
+    def shape(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Reshape, in place, the tensors of one group (one decoder layer, or one tensor outside the layers)."""
+        for name in list(tensors):
+            match = LAYER_PREFIX.match(name)
+            after_layer_0 = match is not None and int(match.group(1)) > 0  # layer 0's MLP writes the outliers
+            if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) and after_layer_0:
+                tensors[name] = self.norm(tensors[name])
+            elif name == "language_model.model.norm.weight":
+                tensors[name] = self.norm(tensors[name])
+            elif name.endswith("mlp.gate.weight"):
+                tensors[name] = self.router(tensors[name])
+        prefix = "language_model.model.layers.0.mlp."
+        if prefix + "down_proj.weight" in tensors:
+            self.write_outliers(tensors, prefix)
+
+    def norm(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm after the outliers appear: its outlier channels weighted 1/R, so that they come out of it no larger
+        than the rest (trained models' norm weights there are small); the other channels keep weight 1, so the norm
+        shrinks them by the outliers' share of the RMS, as it does in a trained model."""
+        out = weight.clone()
+        out[self.channels] = 1 / OUTLIER_RATIO
+        return out
+
+    def router(self, weight: torch.Tensor) -> torch.Tensor:
+        """Router rows rescaled (the same draws) so that the logits spread ROUTER_LOGIT_STD over the experts on a
+        unit-RMS input, at any width (normal(0, 0.02) rows spread 0.02 sqrt(H): 1.7 at 7168, 0.23 at 128)."""
+        return (weight.float() * (ROUTER_LOGIT_STD / (0.02 * math.sqrt(weight.shape[1])))).to(weight.dtype)
+
+    def write_outliers(self, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        """Layer 0's dense MLP writes the outlier channels: OUTLIER_UNITS of its units get the same gate and up row
+        (their output z^2 sigmoid(z) >= 0 for every token), and their down-projection columns write only the outlier
+        channels, scaled so that these come out OUTLIER_RATIO times the median channel of the other units' output
+        (measured on CALIBRATION_TOKENS unit-RMS inputs: what post_attention_layernorm hands the MLP)."""
+        import torch
+
+        gate, up, down = (tensors[prefix + f"{p}_proj.weight"] for p in ("gate", "up", "down"))
+        device, inner = down.device, down.shape[1]
+        units = torch.randperm(inner, generator=self.generator)[:OUTLIER_UNITS].to(device)
+        rows = torch.randn(OUTLIER_UNITS, self.hidden, generator=self.generator) * (
+            OUTLIER_UNIT_LOGIT / math.sqrt(self.hidden)
+        )
+        rows = rows.to(device=device, dtype=gate.dtype)
+        gate[units], up[units] = rows, rows
+        x = torch.randn(CALIBRATION_TOKENS, self.hidden, generator=self.generator).to(device)
+        act = torch.nn.functional.silu(x @ gate.float().T) * (x @ up.float().T)  # [T, inner]
+        others = torch.ones(inner, dtype=torch.bool, device=device)
+        others[units] = False
+        typical = (act[:, others] @ down.float()[:, others].T).abs().median()
+        drive = act[:, units].sum(dim=-1).mean()
+        column = torch.zeros(self.hidden, device=device)
+        column[self.channels] = torch.tensor(self.signs, device=device) * (OUTLIER_RATIO * typical / drive)
+        down[:, units] = column[:, None].to(down.dtype)
 
 
 def quantized_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -354,38 +473,139 @@ def _expert_order(name: str) -> tuple[str, int]:
     return (EXPERT_NUMBER.sub(".experts.*.", name), int(match.group(1)) if match else -1)
 
 
-def shard_of(name: str) -> str:
-    """The release's arrangement, in three files: decoder layers, then embeddings/norm/head, then the vision part."""
-    if name.startswith(("vision_tower.", "mm_projector.")):
-        return SHARDS[2]
-    return SHARDS[0] if ".layers." in name else SHARDS[1]
+def stored_bytes(name: str, shape: tuple[int, ...], *, quantized: bool) -> int:
+    """Bytes `name` takes in the checkpoint (a routed expert packed: int4 values, bf16 scales, its int32 shape)."""
+    count = math.prod(shape)
+    if quantized and is_routed_expert(name):
+        return count // 2 + count // GROUP_SIZE * 2 + 8
+    return count * (4 if name.endswith("e_score_correction_bias") else 2)
 
 
-def write_weights(out_dir: Path, shapes: Mapping[str, tuple[int, ...]], *, seed: int, quantized: bool) -> int:
-    """Random tensors of `shapes` (one generator, name order: deterministic), the routed experts packed when
-    `quantized`, saved in SHARDS with model.safetensors.index.json; returns the number of tensors written."""
+def groups_in_order(names: Iterable[str]) -> list[list[str]]:
+    """The names in sorted order (the order of the random draws), cut into groups: one decoder layer's names (they
+    are contiguous in that order), or one name outside the layers."""
+    groups: list[list[str]] = []
+    last: str | None = None
+    for name in sorted(names):
+        match = LAYER_PREFIX.match(name)
+        key = match.group(0) if match else name
+        if key != last or not match:
+            groups.append([])
+        groups[-1].append(name)
+        last = key
+    return groups
+
+
+def shard_plan(shapes: Mapping[str, tuple[int, ...]], *, quantized: bool) -> dict[str, str]:
+    """name -> file, the release's arrangement: decoder layers first (consecutive layers, in draw order, share a file
+    up to SHARD_BYTES), then the embedding, final norm and lm_head, then the vision tower and projector."""
+    layers: list[list[str]] = [[]]
+    size = 0
+    rest, vision = [], []
+    for group in groups_in_order(shapes):
+        if not LAYER_PREFIX.match(group[0]):
+            (vision if group[0].startswith(("vision_tower.", "mm_projector.")) else rest).extend(group)
+            continue
+        nbytes = sum(stored_bytes(name, shapes[name], quantized=quantized) for name in group)
+        if layers[-1] and size + nbytes > SHARD_BYTES:
+            layers.append([])
+            size = 0
+        layers[-1].extend(group)
+        size += nbytes
+    files = [names for names in [*layers, rest, vision] if names]
+    return {
+        name: f"model-{number:05d}-of-{len(files):05d}.safetensors"
+        for number, names in enumerate(files, start=1)
+        for name in names
+    }
+
+
+class ShardWriter:
+    """Saves each file of a shard plan as soon as every tensor planned for it has come (tensors on the CPU), then
+    drops them; finish() writes model.safetensors.index.json."""
+
+    def __init__(self, out_dir: Path, plan: Mapping[str, str]) -> None:
+        self.out_dir, self.plan = out_dir, plan
+        self.waiting: dict[str, set[str]] = {}
+        for name, file in plan.items():
+            self.waiting.setdefault(file, set()).add(name)
+        self.held: dict[str, dict[str, torch.Tensor]] = {}
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+
+    def add(self, source: str, stored: Mapping[str, torch.Tensor]) -> None:
+        """The tensors stored for the planned name `source` (itself, or a routed expert's packed triple)."""
+        from safetensors.torch import save_file
+
+        file = self.plan[source]
+        self.held.setdefault(file, {}).update({name: t.cpu().contiguous() for name, t in stored.items()})
+        self.waiting[file].discard(source)
+        if self.waiting[file]:
+            return
+        tensors = self.held.pop(file)
+        save_file(tensors, str(self.out_dir / file), metadata={"format": "pt"})
+        self.weight_map |= dict.fromkeys(tensors, file)
+        self.total += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def finish(self) -> int:
+        unwritten = sorted(file for file, names in self.waiting.items() if names)
+        if unwritten:
+            raise RuntimeError(f"shards never completed: {unwritten}")
+        write_weight_index(self.out_dir, self.weight_map, self.total)
+        return len(self.weight_map)
+
+
+def write_weights(
+    out_dir: Path,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    seed: int,
+    quantized: bool,
+    weights: str,
+    device: str = "cpu",
+) -> int:
+    """Random tensors of `shapes` (one generator on `device`, name order: deterministic for a seed and a device
+    type), reshaped by TrainedLike when `weights` is trained_like, the routed experts packed when `quantized` (in
+    stacks, on `device`), written shard by shard as each completes (shard_plan) with model.safetensors.index.json:
+    never the whole model in memory. Returns the number of tensors written."""
     import torch
-    from safetensors.torch import save_file
 
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {name: random_tensor(name, shapes[name], generator) for name in sorted(shapes)}
-    if quantized:
-        experts = {name: tensors.pop(name) for name in list(tensors) if is_routed_expert(name)}
-        tensors |= quantized_experts(experts)
-    shards: dict[str, dict[str, torch.Tensor]] = {shard: {} for shard in SHARDS}
-    for name in sorted(tensors):
-        shards[shard_of(name)][name] = tensors[name]
-    weight_map, total = {}, 0
-    for shard, tensors in shards.items():
-        save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, shard)
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    write_weight_index(out_dir, weight_map, total)
-    return len(weight_map)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    hidden = shapes["language_model.model.norm.weight"][0]
+    realism = TrainedLike(hidden, seed) if weights == "trained_like" else None
+    writer = ShardWriter(out_dir, shard_plan(shapes, quantized=quantized))
+    for group in groups_in_order(shapes):
+        plain: dict[str, torch.Tensor] = {}
+        experts: dict[str, torch.Tensor] = {}
+        for name in group:
+            tensor = random_tensor(name, shapes[name], generator)
+            if not (quantized and is_routed_expert(name)):
+                plain[name] = tensor
+                continue
+            experts[name] = tensor
+            if sum(t.numel() * 2 for t in experts.values()) >= EXPERT_STACK_BYTES:
+                _write_packed(writer, experts)
+        _write_packed(writer, experts)
+        if realism is not None:
+            realism.shape(plain)
+        for name, tensor in plain.items():
+            writer.add(name, {name: tensor})
+    return writer.finish()
 
 
-def build_kimi_k25_target(out_dir: Path, corpus_files: list[Path], shape: KimiShape) -> Path:
-    """The stand-in of `shape` (target.build) in `out_dir`, with a tokenizer trained on `corpus_files`."""
+def _write_packed(writer: ShardWriter, experts: dict[str, torch.Tensor]) -> None:
+    """Pack the buffered routed experts and hand them to the writer; the buffer is emptied."""
+    if not experts:
+        return
+    packed = quantized_experts(experts)
+    for name in experts:
+        module = name.removesuffix(".weight")
+        writer.add(name, {f"{module}.{part}": packed[f"{module}.{part}"] for part in PACKED_PARTS})
+    experts.clear()
+
+
+def check_shape(shape: KimiShape) -> None:
+    """Stop a target.build the stand-in cannot be built from, saying which key to set to what."""
     if shape.hidden_size < MIN_HIDDEN:
         raise StageError(
             f"target.build.hidden_size is {shape.hidden_size}; the kimi_k25 stand-in needs at least {MIN_HIDDEN} "
@@ -398,13 +618,37 @@ def build_kimi_k25_target(out_dir: Path, corpus_files: list[Path], shape: KimiSh
             f"(its experts' width hidden/2 is packed in int4 groups of {GROUP_SIZE}). Fix: set it to "
             f"{shape.hidden_size // 64 * 64 or MIN_HIDDEN}"
         )
+    width = shape.moe_intermediate_size
+    if width is not None and width % GROUP_SIZE:
+        raise StageError(
+            f"target.build.moe_intermediate_size is {width}; the kimi_k25 stand-in needs a multiple of {GROUP_SIZE} "
+            f"(each expert's down projection is packed in int4 groups of {GROUP_SIZE} along it; Marlin's MoE kernels "
+            f"on the GPU want a multiple of 64). Fix: set it to {max(64, width // 64 * 64)}"
+        )
+    if shape.experts_per_token >= shape.routed_experts:
+        raise StageError(
+            f"target.build.experts_per_token is {shape.experts_per_token} of {shape.routed_experts} routed experts: "
+            f"that is no routing. Fix: set experts_per_token below routed_experts (Kimi-K2.5: 8 of 384)"
+        )
+
+
+def build_kimi_k25_target(out_dir: Path, corpus_files: list[Path], shape: KimiShape, *, device: str = "cpu") -> Path:
+    """The stand-in of `shape` (target.build) in `out_dir`, with a tokenizer trained on `corpus_files`; its weights
+    drawn (and its experts packed) on `device` ("cuda" on a GPU machine: the real width in minutes)."""
+    check_shape(shape)
     quantized = shape.quantization == "int4"
     tokenizer = build_tokenizer(corpus_files, shape.vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": [*MEDIA_TOKENS, VIDEO_PLACEHOLDER]})
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|begin_of_text|>", "<|im_end|>", "<|pad|>")}
+    rows = shape.padded_vocab_size or len(tokenizer)
+    if rows < len(tokenizer):
+        raise StageError(
+            f"target.build.padded_vocab_size is {rows}, fewer rows than the tokenizer's {len(tokenizer)} tokens. Fix: "
+            f"set it to at least {len(tokenizer)}, or null"
+        )
     text = text_config(
         shape,
-        vocab_size=len(tokenizer),
+        vocab_size=rows,
         bos=ids["<|begin_of_text|>"],
         eos=ids["<|im_end|>"],
         pad=ids["<|pad|>"],
@@ -413,7 +657,8 @@ def build_kimi_k25_target(out_dir: Path, corpus_files: list[Path], shape: KimiSh
     config = model_config(text, media_pad=tokenizer.convert_tokens_to_ids("<|media_pad|>"))
     out_dir.mkdir(parents=True, exist_ok=True)
     shapes = text_shapes(text) | vision_shapes(config["vision_config"], text["hidden_size"])
-    count = write_weights(out_dir, shapes, seed=shape.seed, quantized=quantized)
+    started = time.monotonic()
+    count = write_weights(out_dir, shapes, seed=shape.seed, quantized=quantized, weights=shape.weights, device=device)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
     generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
@@ -422,17 +667,25 @@ def build_kimi_k25_target(out_dir: Path, corpus_files: list[Path], shape: KimiSh
     tokenizer.save_pretrained(out_dir)
     share_as_umask_allows(out_dir)
     log.info(
-        "built the Kimi-K2.5 stand-in (%s): %d layers, hidden %d, %d routed experts (top %d) + 1 shared, vocab %d, "
-        "vision %d x %d, %d tensors -> %s",
+        "built the Kimi-K2.5 stand-in (%s, %s weights, drawn on %s): %d layers, hidden %d, %d heads, %d routed "
+        "experts of width %d (top %d) + 1 shared, vocab %d (tokenizer %d), vision %d x %d, %d tensors, %.1f GB in "
+        "%.0f s -> %s",
         "INT4 routed experts" if quantized else "bf16",
+        shape.weights,
+        device,
         text["num_hidden_layers"],
         text["hidden_size"],
-        ROUTED_EXPERTS,
-        EXPERTS_PER_TOKEN,
+        text["num_attention_heads"],
+        text["n_routed_experts"],
+        text["moe_intermediate_size"],
+        text["num_experts_per_tok"],
+        rows,
         len(tokenizer),
         VISION["layers"],
         VISION["hidden"],
         count,
+        sum(stored_bytes(n, shapes[n], quantized=quantized) for n in shapes) / 1e9,
+        time.monotonic() - started,
         out_dir,
     )
     return out_dir

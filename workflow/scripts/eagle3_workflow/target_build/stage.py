@@ -63,8 +63,14 @@ def kimi_main(snakemake: Any) -> None:
     def body(log: logging.Logger) -> None:
         out_dir = Path(snakemake.output.target)
         settings = stage_settings(BuildKimiK25TargetStage, snakemake.params.settings)
+        import torch
+
+        # drawn on the GPU where there is one: the real-width stand-in (tens of GB) in minutes (docs/gpu.md)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
-            build_kimi_k25_target(out_dir, [Path(p) for p in snakemake.input.corpus], settings.target.build)
+            build_kimi_k25_target(
+                out_dir, [Path(p) for p in snakemake.input.corpus], settings.target.build, device=device
+            )
         except BaseException:
             shutil.rmtree(out_dir, ignore_errors=True)  # a half-written checkpoint must not look like a target
             raise
