@@ -113,3 +113,17 @@ def test_nested_report_command_reads_the_same_workflow_without_the_lock():
     assert ["--configfile", "/w/cfg.json"] == cmd[cmd.index("--configfile") : cmd.index("--configfile") + 2]
     assert "--nolock" in cmd
     assert cmd[-2:] == ["--report", "results/t/report.html"]
+
+
+def test_the_acceptance_page_shows_the_draft_parity_and_the_lossless_reference():
+    from eagle3_workflow.artefacts import DraftParity
+
+    parity = DraftParity(verdict="passed", prompts=[0, 1, 2, 3], steps_compared=149, agreeing_steps=147,
+                         ties_excused=2, differing_steps=0, proposals_compared=420, dtype="bfloat16",
+                         roundings=[5, 6, 7], tie_sigmas=4.0, reference="speculators Eagle3DraftModel, fp32",
+                         independent=True)  # fmt: skip
+    report = acceptance_report().model_copy(update={"parity": parity, "lossless_reference": "untrained"})
+    page = acceptance_page(report)
+    assert "passed: 147 of 149 served steps agree, 2 near-ties excused, 0 differ" in page
+    assert "lossless reference" in page and "untrained" in page
+    assert "not recorded" in acceptance_page(acceptance_report())  # an acceptance.json from before the check

@@ -240,9 +240,23 @@ def _acceptance_setup(report: AcceptanceReport) -> str:
             ("lossless", report.lossless),
             ("lossless criterion", report.lossless_criterion),
             ("lossless pass kernels", report.lossless_numerics),
+            ("lossless reference", report.lossless_reference),
             ("first divergences (ties included)", report.lossless_mismatches),
             ("untrained baseline", report.untrained_baseline),
+            ("draft parity", _parity_summary(report)),
         ]
+    )
+
+
+def _parity_summary(report: AcceptanceReport) -> str:
+    """One line for the draft parity check (acceptance.json's `parity`)."""
+    parity = report.parity
+    if parity is None:
+        return "not recorded (acceptance.json written before the check existed)"
+    return (
+        f"{parity.verdict}: {parity.agreeing_steps} of {parity.steps_compared} served steps agree, "
+        f"{parity.ties_excused} near-ties excused, {parity.differing_steps} differ "
+        f"({len(parity.prompts)} prompts, {parity.proposals_compared} proposals compared; reference {parity.reference})"
     )
 
 
