@@ -2,8 +2,9 @@
 wrapper and tensor names, a DeepSeek-V3-style MoE under text_config) built by the workflow and served at tensor
 parallelism 2 on CPU, through every gate to a trained draft: check_api, the canary (streamed fp32 reference, MoE rule)
 and the full-depth proof at every production id, the id equal to the layer count included (vLLM once dropped it on
-DeepSeek/Kimi: issue 46788), then speculators' trainer on the stand-in. Evaluation of EAGLE-3 on it (vLLM serving
-target + draft at TP 2) ran by hand on CPU and on the H200 (docs/gpu.md); the suite stops at the draft to stay in time.
+DeepSeek/Kimi: issue 46788), then speculators' trainer on the stand-in, then the preset's own evaluation (vLLM
+serving target + draft at TP 2, the preset's evaluate section unchanged) and its lossless verdict: the argmax check
+alone (evaluate.lossless_reference: none, the preset says why), with both comparisons recorded.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ IDS = [2, 4, 5, 8]  # [2, N//2, N-3, N] of the stand-in's 8 layers
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
-def test_kimi_stand_in_at_tp2_through_every_gate_to_a_draft(tmp_path):
+def test_kimi_stand_in_at_tp2_through_every_gate_to_a_lossless_evaluation(tmp_path):
     config = yaml.safe_load(PRESET.read_text())
     config["data"] |= {"sources": [{"path": str(TINY_DATA), "format": "sharegpt"}], "max_samples": 48}
     config["train"] |= {"epochs": 1}
     run = tmp_path / "results" / config["run"]
-    proc = run_workflow(tmp_path, config, targets=[f"results/{config['run']}/draft"], timeout=2700)
+    proc = run_workflow(tmp_path, config, targets=[f"results/{config['run']}/eval/acceptance.json"], timeout=2700)
     assert {"build_kimi_k25_target", "check_api", "canary", "extract_hidden_states", "validate_hidden_states",
-            "train_draft"} <= set(rules_run(proc))  # fmt: skip
+            "train_draft", "evaluate_draft"} <= set(rules_run(proc))  # fmt: skip
 
     target = json.loads((run / "target" / "config.json").read_text())
     assert target["architectures"] == ["KimiK25ForConditionalGeneration"]
@@ -55,3 +56,13 @@ def test_kimi_stand_in_at_tp2_through_every_gate_to_a_draft(tmp_path):
     assert draft["speculators_model_type"] == "eagle3"
     training = json.loads((run / "draft" / "training.json").read_text())
     assert training["steps"] > 0
+
+    acceptance = json.loads((run / "eval" / "acceptance.json").read_text())
+    assert acceptance["lossless"] and acceptance["lossless_reference"] == "none"
+    assert acceptance["lossless_criterion"].startswith("every emitted token of every run is its own argmax")
+    for label in ("trained", "untrained"):
+        assert acceptance[label]["non_argmax_steps"] == [] and acceptance[label]["non_argmax_min_gap_steps"] is None
+    assert any("lossless reference: none" in note for note in acceptance["notes"])
+    assert acceptance["processes"][0]["runs"] == [f"{label} (production)" for label in ("no_speculation", "trained",
+                                                                                         "untrained")]  # fmt: skip
+    assert "(Worker_TP1 pid=" in (run / "logs" / "evaluate_draft.log").read_text(), "the evaluation was not TP 2"

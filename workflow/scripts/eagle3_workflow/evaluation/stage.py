@@ -215,8 +215,8 @@ def lossless_numerics(setting: str, device: str) -> str:
     if setting == "batch_invariant" and device != "cuda":
         raise StageError(
             f"evaluate.lossless_numerics is batch_invariant but the device is {device}: vLLM's batch-invariant "
-            "kernels exist for CUDA only. Use auto or production on this device (the CPU kernels do not depend on "
-            "batch composition: their lossless pass is exact with production settings)."
+            "kernels exist for CUDA only. Use auto or production on this device (on CPU the verdict compares the "
+            "two speculative runs at equal verifier numerics instead: evaluate.lossless_reference)."
         )
     return setting
 
