@@ -74,7 +74,7 @@ def main() -> int:
     plugins = str(REPO / "tests" / "fault_plugins")
     os.environ["EAGLE3_FAULT"] = "accept_any_draft"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [plugins, os.environ.get("PYTHONPATH")]))
-    tensor_parallel = int(spec.engine.get("tensor_parallel_size", 1))
+    tensor_parallel = int(spec.engine["tensor_parallel_size"])  # every engine spec names it (vllm_server)
     env = measurement_environment(device=args.device, cpu_threads=None, in_process=tensor_parallel == 1)
     if args.device == "cpu":  # as the stage's CPU lossless pass runs (stage.plan_environment)
         env |= cpu_engine_environment("cpu", tensor_parallel, None) | {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
