@@ -79,8 +79,22 @@ READS: dict[str, set[str]] = {
 # rule -> keys inside what READS names that its stage does not read: they size the job (its resources) or decide
 # whether the job exists and what its inputs are
 NOT_READ: dict[str, set[str]] = {
-    # kind picks the build rule; quantization is the Kimi stand-in's, arch the tiny target's
-    "build_tiny_target": {"target/build/kind", "target/build/quantization"},
+    # kind picks the build rule; quantization, the widths and the weights' kind are the Kimi stand-in's, arch the
+    # tiny target's
+    "build_tiny_target": {"target/build/kind", "target/build/quantization"}
+    | {
+        f"target/build/{key}"
+        for key in (
+            "num_heads",
+            "q_lora_rank",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "routed_experts",
+            "experts_per_token",
+            "padded_vocab_size",
+            "weights",
+        )
+    },  # fmt: skip
     "build_kimi_k25_target": {"target/build/kind", "target/build/arch"},
     "prepare_data": {"data/sources"},  # the rule's inputs (and params.formats)
     "check_target": {"target_check/enabled"},  # whether the rule runs

@@ -1,7 +1,7 @@
 """The draft parity check's pure parts (evaluation/parity.py): the judge of served steps against the reference's
 prediction (proposals and accepted counts), the near-tie rule, the served files against the trainer's checkpoint,
 where the reference comes from, the failure message, the stage's wiring. The check for real, with vLLM serving the
-tiny pipeline's trained draft and four injected faults: tests/e2e/test_draft_parity.py."""
+tiny pipeline's trained draft and four injected faults: tests/e2e/test_served_draft_parity.py."""
 
 from __future__ import annotations
 
