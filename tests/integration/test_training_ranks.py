@@ -205,6 +205,22 @@ def test_kill_9_of_the_stage_leaves_no_rank_worker_or_agent(train_inputs, tmp_pa
     print(f"killed: the agent, ranks {sorted(ranks)}, their DataLoader workers {workers}, {len(tree)} processes in all")
 
 
+def stopped_at_step_1(proc: subprocess.Popen, stderr_path: Path, save: Path) -> None:
+    """SIGTERM to the stage, then its log: exit 143 and the stop line of a save at epoch 0 step 1."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    text = stderr_path.read_text(encoding="utf-8")
+    assert proc.returncode == 143, text[-3000:]
+    assert (
+        f"stage train_draft stopped by SIGTERM; training was at epoch 0 step 1 (global step 1); speculators saved "
+        f"{save}/interrupted; the rerun resumes from epoch 0 step 1 (global step 1)"
+    ) in text, text[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # SIGTERM and the rerun
 
@@ -221,17 +237,10 @@ def test_sigterm_in_epoch_0_saves_on_every_rank_and_the_rerun_resumes_from_it(tr
         wait_until(lambda: ranks.update(all_stopped(proc, 2)) or ranks, 600, "both ranks to stop in their first step")
         for process in ranks.values():
             process.send_signal(signal.SIGTERM)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    text = stderr_path.read_text(encoding="utf-8")
-    assert proc.returncode == 143, text[-3000:]
-    assert (
-        f"stage train_draft stopped by SIGTERM; training was at epoch 0 step 1 (global step 1); speculators saved "
-        f"{save}/interrupted; the rerun resumes from epoch 0 step 1 (global step 1)"
-    ) in text, text[-3000:]
+    except BaseException:
+        kill_tree(proc)
+        raise
+    stopped_at_step_1(proc, stderr_path, save)
     first = (tmp_path / "train_work" / "logs" / "trainer-attempt-01.log").read_text()
     assert "rank 0: interrupt save done" in first and "rank 1: interrupt save done" in first, first[-3000:]
     assert not [p.name for p in save.iterdir() if p.name.isdigit()]  # nothing else to resume from
@@ -288,17 +297,10 @@ def test_a_sigterm_that_reaches_one_rank_mid_step_stops_every_rank_at_that_steps
     proc, stderr_path = start_stage(train_inputs, tmp_path, RANKS, "sigterm_rank_at_forward:1:1")
     try:
         wait_until(lambda: log.exists() and "signals itself" in log.read_text(), 600, "rank 1 to signal itself")
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    text = stderr_path.read_text(encoding="utf-8")
-    assert proc.returncode == 143, text[-3000:]
-    assert (
-        f"stage train_draft stopped by SIGTERM; training was at epoch 0 step 1 (global step 1); speculators saved "
-        f"{save}/interrupted; the rerun resumes from epoch 0 step 1 (global step 1)"
-    ) in text, text[-3000:]
+    except BaseException:
+        kill_tree(proc)
+        raise
+    stopped_at_step_1(proc, stderr_path, save)
     first = log.read_text()
     assert "rank 0: interrupt save done" in first and "rank 1: interrupt save done" in first, first[-3000:]
     assert saved_step_counts(save / "interrupted") == (1, {1.0})
