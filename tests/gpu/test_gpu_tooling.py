@@ -397,3 +397,14 @@ def test_train_only_reuses_an_earlier_calls_files_or_says_how_to_make_them(tmp_p
         bench.earlier_extraction_files(args)
     (tmp_path / "workflow-files-0").mkdir()
     assert bench.earlier_extraction_files(args) == tmp_path / "workflow-files-0"
+
+
+def test_the_tracked_tree_leaves_room_for_a_wheel_chunk_in_one_device_call():
+    """A device call carries the working tree plus one wheel chunk (bench/gpu/fetch_wheels.sh, CHUNK_MIB) and
+    refuses more than 64 MiB in all: a tree grown past 64 MiB less a chunk stops every chunk call of the next
+    lease ("the working tree is larger than 64 MiB"). Commit run results small (docs/gpu.md)."""
+    chunk_mib = int(re.search(r"chunk_mib=\$\{CHUNK_MIB:-(\d+)\}", (GPU / "fetch_wheels.sh").read_text()).group(1))
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, check=True).stdout
+    tracked = sum((REPO / name).stat().st_size for name in listed.decode().split("\0") if (REPO / name).is_file())
+    room = 64 * 2**20 - chunk_mib * 2**20
+    assert tracked <= room, f"tracked files {tracked:,} bytes > {room:,} (64 MiB less a {chunk_mib} MiB chunk)"
