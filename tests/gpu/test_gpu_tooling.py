@@ -402,9 +402,16 @@ def test_train_only_reuses_an_earlier_calls_files_or_says_how_to_make_them(tmp_p
 def test_the_tracked_tree_leaves_room_for_a_wheel_chunk_in_one_device_call():
     """A device call carries the working tree plus one wheel chunk (bench/gpu/fetch_wheels.sh, CHUNK_MIB) and
     refuses more than 64 MiB in all: a tree grown past 64 MiB less a chunk stops every chunk call of the next
-    lease ("the working tree is larger than 64 MiB"). Commit run results small (docs/gpu.md)."""
+    lease ("the working tree is larger than 64 MiB"). Commit run results small (docs/gpu.md). The tool counts more
+    than the files' bytes: on 2026-12-06 it refused 8,119,966 bytes in 487 files beside a 58,720,256-byte chunk,
+    268,642 bytes under 64 MiB by the bytes alone; so each file is counted here with 1 KiB more (a tar header and
+    its padding are at most that), which that refused call exceeds."""
     chunk_mib = int(re.search(r"chunk_mib=\$\{CHUNK_MIB:-(\d+)\}", (GPU / "fetch_wheels.sh").read_text()).group(1))
     listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, check=True).stdout
-    tracked = sum((REPO / name).stat().st_size for name in listed.decode().split("\0") if (REPO / name).is_file())
+    files = [REPO / name for name in listed.decode().split("\0") if (REPO / name).is_file()]
+    counted = sum(path.stat().st_size + 1024 for path in files)
     room = 64 * 2**20 - chunk_mib * 2**20
-    assert tracked <= room, f"tracked files {tracked:,} bytes > {room:,} (64 MiB less a {chunk_mib} MiB chunk)"
+    assert counted <= room, (
+        f"tracked files {counted:,} bytes with 1 KiB per file ({len(files)} files) > {room:,} (64 MiB less a "
+        f"{chunk_mib} MiB chunk)"
+    )

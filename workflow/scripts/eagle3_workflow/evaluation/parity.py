@@ -203,7 +203,9 @@ def predict(model: Any, aux: Any, trajectory: Sequence[int], k: int) -> Predicte
     hook = model.lm_head.register_forward_hook(keep)
     ids = torch.tensor([list(trajectory)])
     try:
-        with torch.inference_mode():
+        # force_eager: speculators compiles its forward; torch 2.11's CPU inductor (the GPU machine's image) fails
+        # to build it (CppCompileError, 2026-12-06), and a 4-prompt fp32 reference needs no compiled kernels
+        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             model(hidden_states=aux[None, :-1].float(), input_ids=ids[:, 1:], document_ids=torch.zeros_like(ids[:, 1:]),
                   ttt_steps=k)  # fmt: skip
     finally:
