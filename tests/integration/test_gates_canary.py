@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, preparation, run_workflow, tiny_config, tiny_settings
+from conftest import REPO, TINY_DATA, preparation, rules_run, run_workflow, tiny_config, tiny_settings
 from safetensors.torch import load_file, save_file
 
 from eagle3_workflow.canary.check import CanaryRequest, client_settings, run_canary
@@ -238,19 +238,6 @@ def assert_extraction_never_ran(workdir: Path, run: str):
     assert not (workdir / "results" / run / "logs" / "extract_hidden_states_replica_0.log").exists()
 
 
-@pytest.mark.slow
-def test_workflow_stops_at_check_api_on_bad_layer_ids(tmp_path):
-    config = tiny_config(run="badids", hidden_states={"layer_ids": [2, 3, 99]})
-    proc = run_workflow(tmp_path, config, check=False)
-    assert proc.returncode != 0
-    log = (tmp_path / "results" / "badids" / "logs" / "check_api.log").read_text()
-    assert "FAIL" in log
-    assert "outside 1..8" in log
-    assert not (tmp_path / "results" / "badids" / "checks" / "api_compat.json").exists()
-    assert not (tmp_path / "results" / "badids" / "checks" / "canary.json").exists()
-    assert_extraction_never_ran(tmp_path, "badids")
-
-
 def dag_edges(dot: str) -> set[tuple[str, str]]:
     """(upstream rule, downstream rule) for every edge of `snakemake --dag`'s dot output."""
     labels = {node: label.split("\\n")[0] for node, label in re.findall(r'^\s*(\d+)\[label = "([^"]+)"', dot, re.M)}
@@ -270,22 +257,39 @@ def test_training_needs_the_canary_and_the_validated_hidden_states_in_both_modes
 
 
 @pytest.mark.slow
-def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
-    """No extraction, no trainer, no server (online training waits for the same canary: the test above)."""
-    config = tiny_config(run="shifted")
+def test_workflow_stops_at_check_api_on_bad_layer_ids_then_at_the_canary_on_shifted_layers(tmp_path):
+    """Two gates through Snakemake, in one working directory (the target and the data are built once): layer ids
+    outside the target stop the run at check_api; with the ids fixed, captures shifted by one layer (fault plugin)
+    stop it at the canary. No extraction, no trainer, no server after either (online training waits for the same
+    canary: the test above)."""
+    run = tmp_path / "results" / "gates"
+    config = tiny_config(run="gates", hidden_states={"layer_ids": [2, 3, 99]})
+    proc = run_workflow(tmp_path, config, check=False)
+    assert proc.returncode != 0
+    log = (run / "logs" / "check_api.log").read_text()
+    assert "FAIL" in log
+    assert "outside 1..8" in log
+    assert not (run / "checks" / "api_compat.json").exists()
+    assert not (run / "checks" / "canary.json").exists()
+    assert not (run / "logs" / "canary.log").exists()
+    assert_extraction_never_ran(tmp_path, "gates")
+
+    config = tiny_config(run="gates")  # the preset's ids
     env = {
         "EAGLE3_FAULT": "shift_layers",
         "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
     }
     proc = run_workflow(tmp_path, config, check=False, env=env)
     assert proc.returncode != 0
-    log = (tmp_path / "results" / "shifted" / "logs" / "canary.log").read_text()
+    assert not {"build_tiny_target", "prepare_data"} & set(rules_run(proc)), "layer_ids replans from check_api"
+    assert (run / "checks" / "api_compat.json").exists(), "check_api passed the preset's ids"
+    log = (run / "logs" / "canary.log").read_text()
     assert "canary FAILED" in log
     assert "layer-id convention" in log
-    assert not (tmp_path / "results" / "shifted" / "checks" / "canary.json").exists()
-    assert_extraction_never_ran(tmp_path, "shifted")
-    assert not (tmp_path / "results" / "shifted" / "logs" / "train_draft.log").exists()
-    assert not (tmp_path / "results" / "shifted" / "train_work").exists()
+    assert not (run / "checks" / "canary.json").exists()
+    assert_extraction_never_ran(tmp_path, "gates")
+    assert not (run / "logs" / "train_draft.log").exists()
+    assert not (run / "train_work").exists()
 
 
 # ---------------------------------------------------------------- past the canary's slice: the full-depth check
