@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -298,15 +297,25 @@ DEEP_BUILD = {"kind": "tiny", "arch": "llama", "num_layers": 32, "hidden_size": 
               "seed": 0}  # fmt: skip
 
 
+def full_depth_rows(log: str) -> dict[int, tuple[str, str]]:
+    """id -> (nearest layer, first word of the verdict) from the full-depth check's table in a validation log."""
+    rows = {}
+    for line in log.splitlines():
+        cells = [cell.strip() for cell in line.split(" | ")]
+        if len(cells) == 7 and cells[0].isdigit():
+            rows[int(cells[0])] = (cells[1].split(" ")[0], cells[6].split(":")[0].split(" ")[0])
+    return rows
+
+
 @pytest.mark.slow
 def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_path):
     """A 32-layer target, production ids [2, 16, 29, 32]; the fault moves every id above 8 but the last one layer
     deeper (16 -> 17, 29 -> 30), keeping the count. The canary's 8-layer slice ([2, 4, 6, 8]) cannot see it and
     id 32 is right (the greedy cross-check passes): only the full-depth check of validate_hidden_states stops it,
-    naming both slots, and train_draft never starts; online training's check set is stopped the same way. The same
-    run without the fault passes."""
-    from eagle3_workflow.artefacts import ValidationReport, load
-
+    naming both slots, and train_draft never starts; online training's check set is stopped the same way. The
+    control is in the same check: on the same target, samples and reference, ids 2 and 32 hold their own layers
+    (the check fails only the ids the fault moved). A healthy full-depth check through the rules passes at every
+    production id in tests/e2e/test_kimi.py, and on every tiny run (tests/e2e/test_e2e.py)."""
     config = tiny_config(run="deep", target={"build": DEEP_BUILD}, data={"max_samples": 24})
     env = {
         "EAGLE3_FAULT": "remap:deep_off_by_one",
@@ -322,6 +331,7 @@ def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_pat
     assert "full-depth check FAILED: 2 of 4 captured ids" in log
     assert "WRONG LAYER: id 16 is layer 17" in log
     assert "WRONG LAYER: id 29 is layer 30" in log
+    assert full_depth_rows(log) == {2: ("2", "ok"), 16: ("17", "WRONG"), 29: ("30", "WRONG"), 32: ("32", "ok")}, log
     assert not (run / "hidden_states" / "validation.json").exists()
     assert not (run / "logs" / "train_draft.log").exists()
     assert not (run / "draft").exists()
@@ -336,11 +346,3 @@ def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_pat
     assert "validated 4/4 samples" in log
     assert "full-depth check FAILED: 2 of 4 captured ids" in log
     assert not (run / "logs" / "train_draft.log").exists() and not (run / "train_work").exists()
-
-    shutil.rmtree(run / "hidden_states")  # the faulty capture; extraction and validation run again, without the fault
-    validation = run / "hidden_states" / "validation.json"
-    run_workflow(tmp_path, config, targets=[str(validation.relative_to(tmp_path))])
-    report = load(ValidationReport, validation).full_depth
-    assert report is not None and report.enabled and report.passed
-    assert report.num_layers == 32 and report.layer_ids == [2, 16, 29, 32]
-    assert [s.best for s in report.slots] == ["2", "16", "29", "32"]
