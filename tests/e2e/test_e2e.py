@@ -46,6 +46,28 @@ def test_every_stage_leaves_its_artefact(tiny_run):
 
 
 @pytest.mark.slow
+def test_the_canary_passes_on_the_tiny_target_and_matches_hf(tiny_run):
+    """The healthy llama case of tests/integration/test_gates_canary.py::test_canary_passes_and_matches_hf, read
+    from the tiny pipeline's own canary (the rule, canary.num_samples prompts) instead of a server of its own:
+    every slot nearest its own layer, within tolerance, against the fp32 reference; the slice is scratch. The
+    full-depth check of the same run passes at every production id (the healthy side of the full-depth fault
+    test there)."""
+    run, _ = tiny_run
+    canary = json.loads((run / "checks" / "canary.json").read_text())
+    assert canary["passed"], canary["checks"]
+    assert canary["proof"] == "hf_fp32" and canary["reference"].startswith("HF transformers")
+    assert max(canary["per_layer_max_rel_error"].values()) < 0.05
+    assert canary["canary_layer_ids"] == [2, 4, 6, 8]  # production's shape on the 8-layer tiny target
+    assert set(canary["layer_matches"]) == {"2", "4", "6", "8"}
+    assert all(match["best"] == k for k, match in canary["layer_matches"].items())
+    assert not (run / "checks" / "canary_work" / "model").exists(), "the slice is scratch"
+    assert not (run / "checks" / "canary_work" / "scratch").exists(), "the slice is scratch"
+    full_depth = json.loads((run / "hidden_states" / "validation.json").read_text())["full_depth"]
+    assert full_depth["passed"] and full_depth["layer_ids"] == [2, 4, 5, 8]
+    assert all(slot["ok"] and slot["best"] == str(slot["claimed"]) for slot in full_depth["slots"])
+
+
+@pytest.mark.slow
 def test_trained_draft_beats_the_untrained_one_and_stays_lossless(tiny_run):
     run, _ = tiny_run
     acceptance = json.loads((run / "eval" / "acceptance.json").read_text())

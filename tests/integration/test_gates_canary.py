@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, preparation, run_workflow, tiny_config, tiny_settings
+from conftest import REPO, TINY_DATA, preparation, rules_run, run_workflow, tiny_config, tiny_settings
 from safetensors.torch import load_file, save_file
 
 from eagle3_workflow.canary.check import CanaryRequest, client_settings, run_canary
@@ -24,7 +23,6 @@ from eagle3_workflow.vllm_server import hidden_states_server_spec
 CANARY = tiny_settings(CanaryStage)  # the canary's settings in a tiny run (CPU)
 
 
-ARCHS = ["llama", "qwen3", "deepseek_v3"]
 FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")
 VLLM_SETTINGS = tiny_config()["vllm"] | {"gpu_memory_utilization": 0.85, "extra_args": []}
 
@@ -85,12 +83,13 @@ HEALTHY_SHAPES = {"deepseek_v3": {"hidden_size": 128, "head_dim": 64}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])  # llama: the tiny pipeline's canary.json, test_e2e.py
 def test_canary_passes_and_matches_hf(tiny_targets, tmp_path, arch):
-    """Healthy targets pass, every slot nearest its own layer. The MoE target (DeepSeek-V3, hidden 128, 8 experts,
-    top-2): bf16 serving routes a few near-tied tokens to the other expert (measured: 5 of 173 tokens up to 0.079
-    max rel error, every one back to <= 0.008 with that routing swapped), which the per-token maximum called a
-    failure. Those tokens are excused, counted (at most 10% of them); the rest still hold 0.05."""
+    """Healthy targets pass, every slot nearest its own layer (the tiny llama target: the tiny pipeline's own
+    canary, tests/e2e/test_e2e.py::test_the_canary_passes_on_the_tiny_target_and_matches_hf). The MoE target
+    (DeepSeek-V3, hidden 128, 8 experts, top-2): bf16 serving routes a few near-tied tokens to the other expert
+    (measured: 5 of 173 tokens up to 0.079 max rel error, every one back to <= 0.008 with that routing swapped),
+    which the per-token maximum called a failure. Those tokens are excused, counted (at most 10% of them); the rest still hold 0.05."""
     target = tiny_targets(arch, **HEALTHY_SHAPES.get(arch, {}))
     report = canary(target, tmp_path)
     assert report.passed, report.checks
@@ -238,19 +237,6 @@ def assert_extraction_never_ran(workdir: Path, run: str):
     assert not (workdir / "results" / run / "logs" / "extract_hidden_states_replica_0.log").exists()
 
 
-@pytest.mark.slow
-def test_workflow_stops_at_check_api_on_bad_layer_ids(tmp_path):
-    config = tiny_config(run="badids", hidden_states={"layer_ids": [2, 3, 99]})
-    proc = run_workflow(tmp_path, config, check=False)
-    assert proc.returncode != 0
-    log = (tmp_path / "results" / "badids" / "logs" / "check_api.log").read_text()
-    assert "FAIL" in log
-    assert "outside 1..8" in log
-    assert not (tmp_path / "results" / "badids" / "checks" / "api_compat.json").exists()
-    assert not (tmp_path / "results" / "badids" / "checks" / "canary.json").exists()
-    assert_extraction_never_ran(tmp_path, "badids")
-
-
 def dag_edges(dot: str) -> set[tuple[str, str]]:
     """(upstream rule, downstream rule) for every edge of `snakemake --dag`'s dot output."""
     labels = {node: label.split("\\n")[0] for node, label in re.findall(r'^\s*(\d+)\[label = "([^"]+)"', dot, re.M)}
@@ -270,22 +256,39 @@ def test_training_needs_the_canary_and_the_validated_hidden_states_in_both_modes
 
 
 @pytest.mark.slow
-def test_workflow_stops_at_canary_on_shifted_layers(tmp_path):
-    """No extraction, no trainer, no server (online training waits for the same canary: the test above)."""
-    config = tiny_config(run="shifted")
+def test_workflow_stops_at_check_api_on_bad_layer_ids_then_at_the_canary_on_shifted_layers(tmp_path):
+    """Two gates through Snakemake, in one working directory (the target and the data are built once): layer ids
+    outside the target stop the run at check_api; with the ids fixed, captures shifted by one layer (fault plugin)
+    stop it at the canary. No extraction, no trainer, no server after either (online training waits for the same
+    canary: the test above)."""
+    run = tmp_path / "results" / "gates"
+    config = tiny_config(run="gates", hidden_states={"layer_ids": [2, 3, 99]})
+    proc = run_workflow(tmp_path, config, check=False)
+    assert proc.returncode != 0
+    log = (run / "logs" / "check_api.log").read_text()
+    assert "FAIL" in log
+    assert "outside 1..8" in log
+    assert not (run / "checks" / "api_compat.json").exists()
+    assert not (run / "checks" / "canary.json").exists()
+    assert not (run / "logs" / "canary.log").exists()
+    assert_extraction_never_ran(tmp_path, "gates")
+
+    config = tiny_config(run="gates")  # the preset's ids
     env = {
         "EAGLE3_FAULT": "shift_layers",
         "PYTHONPATH": os.pathsep.join([FAULT_PLUGINS, os.environ.get("PYTHONPATH", "")]),
     }
     proc = run_workflow(tmp_path, config, check=False, env=env)
     assert proc.returncode != 0
-    log = (tmp_path / "results" / "shifted" / "logs" / "canary.log").read_text()
+    assert not {"build_tiny_target", "prepare_data"} & set(rules_run(proc)), "layer_ids replans from check_api"
+    assert (run / "checks" / "api_compat.json").exists(), "check_api passed the preset's ids"
+    log = (run / "logs" / "canary.log").read_text()
     assert "canary FAILED" in log
     assert "layer-id convention" in log
-    assert not (tmp_path / "results" / "shifted" / "checks" / "canary.json").exists()
-    assert_extraction_never_ran(tmp_path, "shifted")
-    assert not (tmp_path / "results" / "shifted" / "logs" / "train_draft.log").exists()
-    assert not (tmp_path / "results" / "shifted" / "train_work").exists()
+    assert not (run / "checks" / "canary.json").exists()
+    assert_extraction_never_ran(tmp_path, "gates")
+    assert not (run / "logs" / "train_draft.log").exists()
+    assert not (run / "train_work").exists()
 
 
 # ---------------------------------------------------------------- past the canary's slice: the full-depth check
@@ -294,15 +297,25 @@ DEEP_BUILD = {"kind": "tiny", "arch": "llama", "num_layers": 32, "hidden_size": 
               "seed": 0}  # fmt: skip
 
 
+def full_depth_rows(log: str) -> dict[int, tuple[str, str]]:
+    """id -> (nearest layer, first word of the verdict) from the full-depth check's table in a validation log."""
+    rows = {}
+    for line in log.splitlines():
+        cells = [cell.strip() for cell in line.split(" | ")]
+        if len(cells) == 7 and cells[0].isdigit():
+            rows[int(cells[0])] = (cells[1].split(" ")[0], cells[6].split(":")[0].split(" ")[0])
+    return rows
+
+
 @pytest.mark.slow
 def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_path):
     """A 32-layer target, production ids [2, 16, 29, 32]; the fault moves every id above 8 but the last one layer
     deeper (16 -> 17, 29 -> 30), keeping the count. The canary's 8-layer slice ([2, 4, 6, 8]) cannot see it and
     id 32 is right (the greedy cross-check passes): only the full-depth check of validate_hidden_states stops it,
-    naming both slots, and train_draft never starts; online training's check set is stopped the same way. The same
-    run without the fault passes."""
-    from eagle3_workflow.artefacts import ValidationReport, load
-
+    naming both slots, and train_draft never starts; online training's check set is stopped the same way. The
+    control is in the same check: on the same target, samples and reference, ids 2 and 32 hold their own layers
+    (the check fails only the ids the fault moved). A healthy full-depth check through the rules passes at every
+    production id in tests/e2e/test_kimi.py, and on every tiny run (tests/e2e/test_e2e.py)."""
     config = tiny_config(run="deep", target={"build": DEEP_BUILD}, data={"max_samples": 24})
     env = {
         "EAGLE3_FAULT": "remap:deep_off_by_one",
@@ -318,6 +331,7 @@ def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_pat
     assert "full-depth check FAILED: 2 of 4 captured ids" in log
     assert "WRONG LAYER: id 16 is layer 17" in log
     assert "WRONG LAYER: id 29 is layer 30" in log
+    assert full_depth_rows(log) == {2: ("2", "ok"), 16: ("17", "WRONG"), 29: ("30", "WRONG"), 32: ("32", "ok")}, log
     assert not (run / "hidden_states" / "validation.json").exists()
     assert not (run / "logs" / "train_draft.log").exists()
     assert not (run / "draft").exists()
@@ -332,11 +346,3 @@ def test_a_capture_wrong_only_past_the_canary_is_stopped_before_training(tmp_pat
     assert "validated 4/4 samples" in log
     assert "full-depth check FAILED: 2 of 4 captured ids" in log
     assert not (run / "logs" / "train_draft.log").exists() and not (run / "train_work").exists()
-
-    shutil.rmtree(run / "hidden_states")  # the faulty capture; extraction and validation run again, without the fault
-    validation = run / "hidden_states" / "validation.json"
-    run_workflow(tmp_path, config, targets=[str(validation.relative_to(tmp_path))])
-    report = load(ValidationReport, validation).full_depth
-    assert report is not None and report.enabled and report.passed
-    assert report.num_layers == 32 and report.layer_ids == [2, 16, 29, 32]
-    assert [s.best for s in report.slots] == ["2", "16", "29", "32"]

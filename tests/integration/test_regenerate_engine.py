@@ -8,43 +8,18 @@ import copy
 import json
 
 import pytest
-from conftest import REGENERATE_SETTINGS, SEED_PROMPTS, preparation, run_workflow, tiny_config, tiny_settings
+from conftest import REGENERATE_SETTINGS, SEED_PROMPTS, rules_run, run_workflow, tiny_config, tiny_settings
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.prepare.conversations import prepare_conversations
 from eagle3_workflow.regenerate.stage import run_subprocess
 from eagle3_workflow.settings import RegenerateResponsesStage
+from eagle3_workflow.target_check.sanity import SANITY_PROMPTS
 
 
 def _cpu_config(**regenerate_overrides) -> RegenerateResponsesStage:
     """The stage's settings on the tiny preset (CPU), regenerating with REGENERATE_SETTINGS and `regenerate_overrides`."""
     regenerate = {**REGENERATE_SETTINGS, "max_tokens": 24, "magpie_max_tokens": 24, **regenerate_overrides}
     return tiny_settings(RegenerateResponsesStage, regenerate=regenerate)
-
-
-@pytest.mark.slow
-def test_real_regeneration_on_the_tiny_target(tiny_targets, tmp_path, caplog):
-    import logging
-
-    from transformers import AutoTokenizer
-
-    target = tiny_targets("llama")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(SEED_PROMPTS.read_text().splitlines()[:12]) + "\n")
-    out, stats_path = tmp_path / "data" / "regenerated.jsonl", tmp_path / "data" / "regenerated.stats.json"
-    logger = logging.getLogger("eagle3.test_regenerate")
-    with caplog.at_level(logging.INFO, logger="eagle3.test_regenerate"):
-        run_subprocess(target, [prompts], _cpu_config(magpie_prompts=4), logger, output=out, stats_path=stats_path)
-    assert any("vLLM ready" in r.getMessage() for r in caplog.records), "the subprocess output reaches the log"
-    stats = json.loads(stats_path.read_text())
-    assert stats["prompts_read"] == {str(prompts): 12}
-    assert stats["magpie_requested"] == 4
-    assert stats["conversations_written"] == len(out.read_text().splitlines()) > 0
-    assert stats["generated_tokens"] > 0
-    assert stats["engine_ready_s"] > 0
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    result = prepare_conversations([(out, "sharegpt")], tokenizer, preparation(max_seq_len=256))
-    assert len(result.samples) == stats["conversations_written"]
 
 
 @pytest.mark.slow
@@ -69,6 +44,13 @@ def test_a_failing_subprocess_is_a_stage_error_with_its_last_lines(tmp_path):
 
 @pytest.mark.slow
 def test_workflow_regenerates_then_prepares(tmp_path):
+    """The rules of the data path, as a run that regenerates takes them: check_target asks the served tiny target
+    through its chat template (a plain vLLM server, /v1/chat/completions, the report written), then the rule's
+    engine process regenerates (prompt files and magpie prompts) with its statistics and its output in the rule's
+    log, then prepare_data reads what it wrote. (check_target gates regeneration unless disabled, in Snakemake's
+    plan: tests/integration/test_target_check_rule.py.)"""
+    from transformers import AutoTokenizer
+
     config = tiny_config(
         "regen",
         regenerate={
@@ -78,11 +60,31 @@ def test_workflow_regenerates_then_prepares(tmp_path):
             "max_tokens": 24,
             "max_prompts": 40,
         },
+        target_check={"enabled": True, "max_tokens": 16},
     )
-    run_workflow(tmp_path, copy.deepcopy(config), extra=["--until", "prepare_data"])
-    data = tmp_path / "results" / "regen" / "data"
+    proc = run_workflow(tmp_path, copy.deepcopy(config), extra=["--until", "prepare_data"])
+    assert rules_run(proc).index("check_target") < rules_run(proc).index("regenerate_responses")
+    run = tmp_path / "results" / "regen"
+    report = json.loads((run / "checks" / "target_sanity.json").read_text())
+    assert report["passed"]
+    assert len(report["answers"]) == len(SANITY_PROMPTS)
+    assert all(a["answer"].strip() for a in report["answers"])
+    assert all(a["problem"] is None for a in report["answers"])
+    assert all(a["finish_reason"] in ("stop", "length") for a in report["answers"])
+    tokenizer = AutoTokenizer.from_pretrained(run / "target")
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in report["stop_token_ids"]
+    assert (run / "logs" / "check_target.log").read_text().count("asked ") == len(SANITY_PROMPTS)
+
+    data = run / "data"
     stats = json.loads((data / "regenerated.stats.json").read_text())
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["sources"] == ["results/regen/data/regenerated.jsonl"]
     assert manifest["records_read"] == stats["conversations_written"] > 0
-    assert (tmp_path / "results" / "regen" / "logs" / "regenerate_responses.log").read_text().count("| ") > 10
+    assert stats["conversations_written"] == len((data / "regenerated.jsonl").read_text().splitlines())
+    assert list(stats["prompts_read"]) == [str(SEED_PROMPTS)]
+    assert stats["magpie_requested"] == 4
+    assert stats["generated_tokens"] > 0
+    assert stats["engine_ready_s"] > 0
+    log = (run / "logs" / "regenerate_responses.log").read_text()
+    assert "vLLM ready" in log, "the engine process's output reaches the rule's log"
+    assert log.count("| ") > 10
