@@ -90,9 +90,14 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
         rates = result.per_position_acceptance
         assert len(rates) == k
         assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
-        assert result.generated_tokens == report.no_speculation_generated_tokens  # same greedy text
         assert result.tokens_per_s > 0
         assert result.engine_start_s > 0
+    assert report.trained.generated_tokens == report.no_speculation_generated_tokens  # same greedy text
+    assert report.trained.acceptance_prompts is None and report.trained.no_speculation_divergences == []
+    # the trained draft's output equals the one without speculation on every prompt: the untrained draft (the CPU
+    # reference) generated only its first evaluate.untrained_prompts (4, its acceptance), no prompt more
+    assert report.lossless_reference == "untrained"
+    assert (report.untrained.acceptance_prompts, report.untrained.reference_prompts) == ([0, 1, 2, 3], [])
     assert len(report.processes) == 1
     assert report.processes[0].runs == [f"{label} (production)" for label in ("no_speculation", "trained", "untrained")]
     assert report.lossless_numerics == "production"
@@ -108,6 +113,7 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     )
     assert "started early, is not the process" not in log and "started early, got no spec" not in log
     assert log.count(" imported in ") == 1 and log.count("measurement process measure_0 done") == 1
+    assert "differs from the run without speculation on 0 of 8 prompt(s): no reference needed" in log
     print(report.model_dump_json(indent=1)[:3000], file=sys.stderr)
 
     # a rerun with nothing changed (as after a cut later in the stage) measures nothing again
@@ -234,23 +240,30 @@ def test_a_wrongly_accepted_draft_token_fails_the_lossless_check(prepared, tiny_
 def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
     scratch_draft, prepared, tiny_tokenizer, tmp_path, monkeypatch
 ):
-    """Fault injection through the stage's own CPU lossless plan and verdict (reference: the untrained draft's run,
-    both speculative passes one prompt at a time, vLLM's KV split off): with EAGLE3_FAULT=accept_any_draft vLLM
-    accepts every EAGLE-3 draft token. Both checks fail it, with their margins in the AcceptanceResult: the
-    emitted draft tokens lie steps below their step's argmax, and the two drafts' outputs differ."""
+    """Fault injection through the stage's own CPU lossless plan, processes and verdict (reference: the untrained
+    draft's run, both speculative passes one prompt at a time, vLLM's KV split off): with
+    EAGLE3_FAULT=accept_any_draft vLLM accepts every EAGLE-3 draft token. The trained draft's output then differs
+    from the run without speculation, so the untrained draft generates those prompts too, in a second process
+    (beyond its first evaluate.untrained_prompts, 1 here). Both checks fail it, with their margins in the
+    AcceptanceResult: the emitted draft tokens lie steps below their step's argmax, and the two drafts' outputs
+    differ."""
+    from eagle3_workflow.chat import assistant_stop_set
     from eagle3_workflow.evaluation.baseline import build_untrained_draft
     from eagle3_workflow.evaluation.protocol import eagle3_run
     from eagle3_workflow.evaluation.stage import (
-        Measured,
+        UNTRAINED_DIVERGENT,
+        Evaluation,
         draft_results,
         lossless_verdict,
+        measure_runs,
+        measure_untrained_reference,
         plan_environment,
         plan_measurements,
     )
 
     monkeypatch.setenv("EAGLE3_FAULT", "accept_any_draft")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAULT_PLUGINS, os.environ.get("PYTHONPATH")])))
-    settings = evaluation(prompts="heldout", num_prompts=4, max_tokens=24)
+    settings = evaluation(prompts="heldout", num_prompts=3, max_tokens=24, untrained_prompts=1)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
                               max_model_len=512)  # fmt: skip
     # another seed than the scratch draft's: two drafts that propose different tokens, as trained and untrained do
@@ -259,21 +272,25 @@ def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
                 eagle3_run("untrained", untrained.path, 3)]  # fmt: skip
     plan = plan_measurements(labelled, settings=settings, vllm_settings=VLLM_SETTINGS, device="cpu",
                              numerics="production", reference="untrained")  # fmt: skip
-    runs = [run.model_copy(update={"timing_pass": False}) for run in plan[0].runs]
-    assert [run.lossless_alone for run in runs] == [False, True, True]
+    plan[0].runs = [run.model_copy(update={"timing_pass": False}) for run in plan[0].runs]
+    assert [(run.lossless_alone, run.lossless_prompts) for run in plan[0].runs] == [
+        (False, None), (True, None), (True, [0])]  # fmt: skip
     engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16",
                                        trust_remote_code=False, seed=0, device="cpu", tensor_parallel_size=1,
                                        in_process=True)  # fmt: skip
     env = plan_environment(plan, engine, settings, VLLM_SETTINGS, "cpu", reference="untrained")
     assert env["VLLM_CPU_ATTN_SPLIT_KV"] == "0" and env["EAGLE3_FAULT"] == "accept_any_draft"
-    spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=24,
-                           timing_repeats=1, runs=runs)  # fmt: skip
-    result, _ = run_measurement_process(spec, tmp_path, "fault", env=env, log_path=tmp_path / "log", timeout_s=600)
-    lossless = {run.label: run for run in result.runs}
+    evaluation_ = Evaluation(settings, VLLM_SETTINGS, "cpu", prompt_set, assistant_stop_set(tiny_tokenizer), tmp_path)
+    measured = measure_runs(plan, engine, evaluation_, log_path=tmp_path / "log", env=env, reference="untrained")
+    measure_untrained_reference(measured, plan, engine, evaluation_, log_path=tmp_path / "log", env=env)
+    # every prompt the trained draft changed, beyond the untrained draft's first, in a second process
+    divergent = measured.lossless[UNTRAINED_DIVERGENT]
+    assert divergent.prompt_indices == [1, 2] and len(measured.processes) == 2
+    lossless = measured.lossless
     verdict = lossless_verdict(lossless, prompt_set, logit_dtype="bfloat16", tie_steps=0, numerics="production",
                                decode=tiny_tokenizer.decode, reference="untrained")  # fmt: skip
-    results = draft_results(Measured(lossless=lossless, timing=dict(lossless), processes=[]), verdict,
-                            {"trained": scratch_draft, "untrained": untrained.path}, 3)  # fmt: skip
+    measured.timing = {label: run for label, run in lossless.items() if label != UNTRAINED_DIVERGENT}
+    results = draft_results(measured, verdict, {"trained": scratch_draft, "untrained": untrained.path}, 3)
     trained = results["trained"]
     margins = {label: (r.non_argmax_min_gap_steps, len(r.non_argmax_steps), len(r.mismatches))
                for label, r in results.items()}  # fmt: skip
@@ -282,6 +299,9 @@ def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
     assert not trained.lossless and not results["untrained"].lossless
     assert trained.non_argmax_min_gap_steps is not None and trained.non_argmax_min_gap_steps > 0
     assert "bfloat16 steps below it" in trained.non_argmax_steps[0]
-    assert trained.mismatches, "two drafts accepted wholesale give two outputs: the exact comparison sees it too"
+    assert [m.prompt_index for m in trained.no_speculation_divergences] == [0, 1, 2]
+    # two drafts accepted wholesale give two outputs: the exact comparison sees it on every prompt
+    assert [m.prompt_index for m in trained.mismatches] == [0, 1, 2]
     assert not any(m.tie for m in trained.mismatches)
     assert trained.accepted_tokens == trained.draft_tokens  # every proposed token accepted: the fault is in force
+    assert (results["untrained"].acceptance_prompts, results["untrained"].reference_prompts) == ([0], [1, 2])

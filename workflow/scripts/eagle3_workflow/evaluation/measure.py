@@ -192,6 +192,7 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids in spec.prompts]
+    indices = lossless_indices(run, len(prompts))
     lossless = LosslessPass(outputs=[], generate_s=0.0, before=[], after=[])
     parity = ParityPass(outputs=[], steps=[], proposals=None)
     timings: list[ConcurrencyTiming] = []
@@ -201,8 +202,8 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
         llm.generate(prompts[:1], warm_up, use_tqdm=progress_bar)
         if run.lossless_pass:
             gate.hold("lossless")
-            lossless = lossless_pass(llm, prompts, SamplingParams(**measured_sampling(spec)), progress_bar,
-                                     alone=run.lossless_alone)  # fmt: skip
+            lossless = lossless_pass(llm, [prompts[i] for i in indices], SamplingParams(**measured_sampling(spec)),
+                                     progress_bar, alone=run.lossless_alone)  # fmt: skip
         if run.parity_prompts and run.speculative_config and (run.lossless_pass or not run.timing_pass):
             parity = parity_pass(llm, spec.prompts[: run.parity_prompts], spec)
         if run.timing_pass:
@@ -223,11 +224,20 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
         _release_engine()
     result = run_result(run, lossless, engine_start_s=engine_start_s, timings=timings, prefix=prefix)
     result = result.model_copy(
-        update={"parity_outputs": parity.outputs, "parity_steps": parity.steps, "parity_proposals": parity.proposals}
-    )
+        update={"parity_outputs": parity.outputs, "parity_steps": parity.steps, "parity_proposals": parity.proposals,
+                "prompt_indices": indices if run.lossless_prompts is not None else None}
+    )  # fmt: skip
     if run.result_path:
         write(run.result_path, result)
     return result
+
+
+def lossless_indices(run: MeasurementRun, num_prompts: int) -> list[int]:
+    """The prompts the run's lossless pass generates: its lossless_prompts that exist (the stage plans the untrained
+    draft's first N before it knows how many prompts there are), or every prompt."""
+    if run.lossless_prompts is None:
+        return list(range(num_prompts))
+    return [i for i in run.lossless_prompts if 0 <= i < num_prompts]
 
 
 def _release_engine() -> None:
