@@ -90,9 +90,16 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
         rates = result.per_position_acceptance
         assert len(rates) == k
         assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # needs the earlier
-        assert result.generated_tokens == report.no_speculation_generated_tokens  # same greedy text
         assert result.tokens_per_s > 0
         assert result.engine_start_s > 0
+    # same greedy text, every prompt counted
+    assert (report.trained.generated_tokens, report.trained.acceptance_prompts, report.trained.no_speculation_divergences) == (
+        report.no_speculation_generated_tokens, None, [])  # fmt: skip
+    # the trained draft's output equals the one without speculation on every prompt: the untrained draft (the CPU
+    # reference) generated only its first evaluate.untrained_prompts (4, its acceptance), no prompt more
+    untrained = report.untrained
+    assert (report.lossless_reference, untrained.acceptance_prompts, untrained.reference_prompts) == (
+        "untrained", [0, 1, 2, 3], [])  # fmt: skip
     assert len(report.processes) == 1
     assert report.processes[0].runs == [f"{label} (production)" for label in ("no_speculation", "trained", "untrained")]
     assert report.lossless_numerics == "production"
@@ -108,6 +115,12 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     )
     assert "started early, is not the process" not in log and "started early, got no spec" not in log
     assert log.count(" imported in ") == 1 and log.count("measurement process measure_0 done") == 1
+    assert "differs from the run without speculation on 0 of 8 prompt(s): no reference needed" in log
+    # the draft parity's steps came from the trained draft's lossless pass (its first 4 prompts, stepped through the
+    # engine), not from a second generation of them, and the check passed on them
+    assert "parity pass within the lossless pass: its first 4 prompt(s)" in log and "parity pass: " not in log
+    assert report.parity is not None and (report.parity.verdict, report.parity.prompts) == ("passed", [0, 1, 2, 3])
+    assert report.parity.steps_compared > 0 and report.parity.proposals_compared > 0
     print(report.model_dump_json(indent=1)[:3000], file=sys.stderr)
 
     # a rerun with nothing changed (as after a cut later in the stage) measures nothing again
@@ -231,26 +244,73 @@ def test_a_wrongly_accepted_draft_token_fails_the_lossless_check(prepared, tiny_
 
 
 @pytest.mark.slow
+def test_the_lossless_pass_gives_the_parity_pass_its_steps_as_a_pass_of_its_own_would(
+    scratch_draft, prepared, tiny_tokenizer, tmp_path
+):
+    """The trained draft's lossless pass (one prompt at a time) steps its first prompts through the engine and
+    records the parity pass's facts from them (measure.parity_in_lossless) instead of generating them again: the
+    same tokens, steps and proposals as a parity pass of its own (another engine, DELTA outputs, no logprobs), and
+    those prompts' lossless outputs are the stepped ones."""
+    from eagle3_workflow.chat import assistant_stop_set
+    from eagle3_workflow.evaluation.protocol import eagle3_run
+
+    settings = evaluation(prompts="heldout", num_prompts=3, max_tokens=24)
+    prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
+                              max_model_len=512)  # fmt: skip
+    stop = assistant_stop_set(tiny_tokenizer)
+    engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16",
+                                       trust_remote_code=False, seed=0, device="cpu", tensor_parallel_size=1,
+                                       in_process=True)  # fmt: skip
+    run = eagle3_run("trained", scratch_draft, 3).model_copy(update={"parity_prompts": 2, "timing_pass": False})
+    apart = run.model_copy(update={"label": "apart", "lossless_pass": False})
+    within = run.model_copy(update={"label": "within", "lossless_alone": True,
+                                    "engine_overrides": {"logprobs_mode": "raw_logits"}})  # fmt: skip
+    spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=24,
+                           timing_repeats=1, runs=[apart, within], stop_token_ids=stop.token_ids,
+                           stop=stop.strings)  # fmt: skip
+    assert not stop.strings  # the tiny target's answers end at token ids only: the parity pass's own stop
+    env = measurement_environment(device="cpu", cpu_threads=2, in_process=True) | {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
+    result, _ = run_measurement_process(spec, tmp_path, "parity", env=env, log_path=tmp_path / "log", timeout_s=600)
+    separate, stepped = result.runs
+    assert separate.outputs == [] and len(stepped.outputs) == 3
+    assert stepped.parity_outputs == separate.parity_outputs and len(stepped.parity_outputs) == 2
+    assert stepped.parity_steps == separate.parity_steps and sum(map(len, stepped.parity_steps)) > 10
+    assert stepped.parity_proposals == separate.parity_proposals and stepped.parity_proposals
+    assert stepped.outputs[:2] == stepped.parity_outputs
+    assert [len(steps) for steps in stepped.top_logits] == [len(ids) for ids in stepped.outputs]  # logits kept
+    log = (tmp_path / "log").read_text()
+    assert log.count("parity pass within the lossless pass: its first 2 prompt(s)") == 1
+    assert log.count("  parity pass: 2 prompt(s)") == 1  # the apart run's own
+
+
+@pytest.mark.slow
 def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
     scratch_draft, prepared, tiny_tokenizer, tmp_path, monkeypatch
 ):
-    """Fault injection through the stage's own CPU lossless plan and verdict (reference: the untrained draft's run,
-    both speculative passes one prompt at a time, vLLM's KV split off): with EAGLE3_FAULT=accept_any_draft vLLM
-    accepts every EAGLE-3 draft token. Both checks fail it, with their margins in the AcceptanceResult: the
-    emitted draft tokens lie steps below their step's argmax, and the two drafts' outputs differ."""
+    """Fault injection through the stage's own CPU lossless plan, processes and verdict (reference: the untrained
+    draft's run, both speculative passes one prompt at a time, vLLM's KV split off): with
+    EAGLE3_FAULT=accept_any_draft vLLM accepts every EAGLE-3 draft token. The trained draft's output then differs
+    from the run without speculation, so the untrained draft generates those prompts too, in a second process
+    (beyond its first evaluate.untrained_prompts, 1 here). Both checks fail it, with their margins in the
+    AcceptanceResult: the emitted draft tokens lie steps below their step's argmax, and the two drafts' outputs
+    differ."""
+    from eagle3_workflow.chat import assistant_stop_set
     from eagle3_workflow.evaluation.baseline import build_untrained_draft
     from eagle3_workflow.evaluation.protocol import eagle3_run
     from eagle3_workflow.evaluation.stage import (
-        Measured,
+        UNTRAINED_DIVERGENT,
+        Evaluation,
         draft_results,
         lossless_verdict,
+        measure_runs,
+        measure_untrained_reference,
         plan_environment,
         plan_measurements,
     )
 
     monkeypatch.setenv("EAGLE3_FAULT", "accept_any_draft")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAULT_PLUGINS, os.environ.get("PYTHONPATH")])))
-    settings = evaluation(prompts="heldout", num_prompts=4, max_tokens=24)
+    settings = evaluation(prompts="heldout", num_prompts=3, max_tokens=24, untrained_prompts=1)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
                               max_model_len=512)  # fmt: skip
     # another seed than the scratch draft's: two drafts that propose different tokens, as trained and untrained do
@@ -259,21 +319,25 @@ def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
                 eagle3_run("untrained", untrained.path, 3)]  # fmt: skip
     plan = plan_measurements(labelled, settings=settings, vllm_settings=VLLM_SETTINGS, device="cpu",
                              numerics="production", reference="untrained")  # fmt: skip
-    runs = [run.model_copy(update={"timing_pass": False}) for run in plan[0].runs]
-    assert [run.lossless_alone for run in runs] == [False, True, True]
+    plan[0].runs = [run.model_copy(update={"timing_pass": False}) for run in plan[0].runs]
+    assert [(run.lossless_alone, run.lossless_prompts) for run in plan[0].runs] == [
+        (False, None), (True, None), (True, [0])]  # fmt: skip
     engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16",
                                        trust_remote_code=False, seed=0, device="cpu", tensor_parallel_size=1,
                                        in_process=True)  # fmt: skip
     env = plan_environment(plan, engine, settings, VLLM_SETTINGS, "cpu", reference="untrained")
     assert env["VLLM_CPU_ATTN_SPLIT_KV"] == "0" and env["EAGLE3_FAULT"] == "accept_any_draft"
-    spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=24,
-                           timing_repeats=1, runs=runs)  # fmt: skip
-    result, _ = run_measurement_process(spec, tmp_path, "fault", env=env, log_path=tmp_path / "log", timeout_s=600)
-    lossless = {run.label: run for run in result.runs}
+    evaluation_ = Evaluation(settings, VLLM_SETTINGS, "cpu", prompt_set, assistant_stop_set(tiny_tokenizer), tmp_path)
+    measured = measure_runs(plan, engine, evaluation_, log_path=tmp_path / "log", env=env, reference="untrained")
+    measure_untrained_reference(measured, plan, engine, evaluation_, log_path=tmp_path / "log", env=env)
+    # every prompt the trained draft changed, beyond the untrained draft's first, in a second process
+    divergent = measured.lossless[UNTRAINED_DIVERGENT]
+    assert divergent.prompt_indices == [1, 2] and len(measured.processes) == 2
+    lossless = measured.lossless
     verdict = lossless_verdict(lossless, prompt_set, logit_dtype="bfloat16", tie_steps=0, numerics="production",
                                decode=tiny_tokenizer.decode, reference="untrained")  # fmt: skip
-    results = draft_results(Measured(lossless=lossless, timing=dict(lossless), processes=[]), verdict,
-                            {"trained": scratch_draft, "untrained": untrained.path}, 3)  # fmt: skip
+    measured.timing = {label: run for label, run in lossless.items() if label != UNTRAINED_DIVERGENT}
+    results = draft_results(measured, verdict, {"trained": scratch_draft, "untrained": untrained.path}, 3)
     trained = results["trained"]
     margins = {label: (r.non_argmax_min_gap_steps, len(r.non_argmax_steps), len(r.mismatches))
                for label, r in results.items()}  # fmt: skip
@@ -282,6 +346,9 @@ def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
     assert not trained.lossless and not results["untrained"].lossless
     assert trained.non_argmax_min_gap_steps is not None and trained.non_argmax_min_gap_steps > 0
     assert "bfloat16 steps below it" in trained.non_argmax_steps[0]
-    assert trained.mismatches, "two drafts accepted wholesale give two outputs: the exact comparison sees it too"
+    assert [m.prompt_index for m in trained.no_speculation_divergences] == [0, 1, 2]
+    # two drafts accepted wholesale give two outputs: the exact comparison sees it on every prompt
+    assert [m.prompt_index for m in trained.mismatches] == [0, 1, 2]
     assert not any(m.tie for m in trained.mismatches)
     assert trained.accepted_tokens == trained.draft_tokens  # every proposed token accepted: the fault is in force
+    assert (results["untrained"].acceptance_prompts, results["untrained"].reference_prompts) == ([0], [1, 2])

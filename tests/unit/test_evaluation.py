@@ -302,16 +302,24 @@ def test_the_untrained_reference_is_exact_and_records_the_run_without_speculatio
     assert results["trained"].non_argmax_min_gap_steps is None
     assert verdict.criterion.startswith("exact") and "one prompt at a time" in verdict.criterion
 
-    # the same near-tie flipped between the two speculative runs: exact, so it fails, with both gaps shown
+    # the trained draft's output equal to the one without speculation token for token: lossless by definition,
+    # whatever the untrained draft's run did there (it is the reference only where the two differ)
     flipped = ([[1, 2, 8, 3], [4, 5]], [[{1: 9.0}, {2: 9.0}, B, {3: 9.0}], [{4: 9.0}, {5: 9.0}]])
     verdict, results = _judge({"no_speculation": NO_SPECULATION, "trained": flipped, "untrained": SPECULATIVE},
+                              reference="untrained")  # fmt: skip
+    assert results["trained"].lossless and verdict.judged() == {"trained": []}
+    assert results["trained"].no_speculation_divergences == []
+    # a near-tie flipped between the two speculative runs where the output differs from the one without
+    # speculation: exact, so it fails, with both gaps shown
+    verdict, results = _judge({"no_speculation": SPECULATIVE, "trained": flipped, "untrained": SPECULATIVE},
                               reference="untrained")  # fmt: skip
     assert not results["trained"].lossless and results["untrained"].lossless
     (found,) = results["trained"].mismatches
     assert (found.position, found.expected_token, found.found_token, found.tie) == (2, 7, 8, False)
     message = lossless_failure(verdict.judged(), verdict.non_argmax, num_prompts=2, tie_steps=0,
                                numerics="production", reference="untrained")  # fmt: skip
-    assert "against the run with the untrained draft): 1/2 prompts with the trained draft." in message
+    assert ("against the run with the untrained draft, on the prompts where the output differs from the run "
+            "without speculation): 1/2 prompts with the trained draft.") in message  # fmt: skip
     assert "  with the untrained draft: '[7, 3]' (token 7)" in message and "with the trained draft: '[8, 3]'" in message
     assert "1.00 with the untrained draft, 1.00 with the trained draft" in message
     # no reference (MLA targets on CPU): the same flip recorded, not judged; the argmax check still judges
@@ -325,6 +333,77 @@ def test_the_untrained_reference_is_exact_and_records_the_run_without_speculatio
     _, results = _judge({"no_speculation": SPECULATIVE, "trained": flipped, "untrained": SPECULATIVE},
                         reference="no_speculation", tie_steps=1)  # fmt: skip
     assert results["trained"].lossless and results["trained"].mismatches[0].tie
+
+
+def test_the_untrained_reference_is_needed_only_where_the_output_differs_from_the_one_without_speculation():
+    """With the untrained reference the untrained draft generates its first prompts (its acceptance) and, in one more
+    pass, each prompt where the trained draft's output differs from the run without speculation: the verdict
+    judges the trained draft there against that pass, names the prompt by its index in the evaluation, and refuses
+    to judge a differing prompt the untrained draft did not generate."""
+    from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
+    from eagle3_workflow.evaluation.stage import (
+        UNTRAINED_DIVERGENT,
+        Evaluation,
+        Measured,
+        differing_prompts,
+        draft_results,
+        lossless_verdict,
+        report_notes,
+    )
+
+    plain = (
+        [[1, 2], [1, 2, 8, 3], [4, 5]],
+        [[{1: 9.0}, {2: 9.0}], [{1: 9.0}, {2: 9.0}, B, {3: 9.0}], [{4: 9.0}, {5: 9.0}]],
+    )
+    # the trained draft flipped prompt 1's near-tie (its own argmax: verification numerics, as on CPU)
+    trained = (
+        plain[0][:1] + [[1, 2, 7, 3]] + plain[0][2:],
+        plain[1][:1] + [[{1: 9.0}, {2: 9.0}, A, {3: 9.0}]] + plain[1][2:],
+    )
+    prompt_set = PromptSet(prompts=[EvalPrompt(token_ids=[1], origin=f"row {i}") for i in range(3)], source="heldout",
+                           requested=3, detail="test", notes=[])  # fmt: skip
+
+    def judge(divergent: tuple[list[list[int]], list[list[dict[int, float]]]] | None):
+        lossless = {"no_speculation": _lossless_run("no_speculation", *plain), "trained": _lossless_run("trained", *trained),
+                    "untrained": _lossless_run("untrained", plain[0][:1], plain[1][:1]).model_copy(
+                        update={"prompt_indices": [0]})}  # fmt: skip
+        if divergent is not None:
+            lossless[UNTRAINED_DIVERGENT] = _lossless_run("untrained", *divergent).model_copy(
+                update={"label": UNTRAINED_DIVERGENT, "prompt_indices": [1]}
+            )
+        verdict = lossless_verdict(lossless, prompt_set, logit_dtype="bfloat16", tie_steps=0, numerics="production",
+                                   decode=str, reference="untrained")  # fmt: skip
+        measured = Measured(lossless=lossless, timing=dict(lossless), processes=[])
+        return verdict, measured, draft_results(measured, verdict, {"trained": Path("t"), "untrained": Path("u")}, 3)
+
+    assert differing_prompts({"no_speculation": _lossless_run("no_speculation", *plain),
+                              "trained": _lossless_run("trained", *trained)}) == [1]  # fmt: skip
+    with pytest.raises(StageError, match=r"the untrained draft's run lacks prompt\(s\) \[1\]"):
+        judge(None)
+    # the untrained draft's run of prompt 1 flipped the same near-tie: the same numerics, so the trained draft passes
+    verdict, measured, results = judge(([trained[0][1]], [trained[1][1]]))
+    assert results["trained"].lossless and verdict.judged() == {"trained": []}
+    assert [m.prompt_index for m in results["trained"].no_speculation_divergences] == [1]
+    untrained = results["untrained"]
+    assert (untrained.acceptance_prompts, untrained.reference_prompts) == ([0], [1])
+    assert untrained.mean_acceptance_length == pytest.approx(1.3)  # the first pass's counters
+    assert [m.prompt_index for m in untrained.no_speculation_divergences] == [1]
+    evaluation_ = Evaluation(evaluation(), VLLM_SETTINGS, "cpu", prompt_set, None, Path("w"))  # type: ignore[arg-type]
+    note = next(n for n in report_notes(results, verdict, measured, evaluation_) if n.startswith("lossless reference"))
+    assert "(1/3 prompts: [1])" in note and "first 1 prompt(s)" in note and "prompts [1] as the reference" in note
+    # it emitted prompt 1's token 2 as the verifier ranked it (no flip): the two speculative runs differ there, and
+    # the failure names prompt 1, not the pass's first prompt
+    verdict, _, results = judge(([plain[0][1]], [plain[1][1]]))
+    (found,) = results["trained"].mismatches
+    assert (found.prompt_index, found.origin, found.position, found.expected_token, found.found_token) == (
+        1, "row 1", 2, 8, 7)  # fmt: skip
+    # a token that is not its own argmax in that pass is named by its prompt too
+    wrong = ([[1, 9, 8, 3]], [[{1: 9.0}, {2: 9.0, 9: 8.5}, B, {3: 9.0}]])
+    verdict, _, results = judge(wrong)
+    assert verdict.non_argmax["untrained"] == [
+        "prompt 1 token 1: emitted 9 (logit 8.5000), argmax 2 (logit 9.0000), 8.00 bfloat16 steps below it"
+    ]
+    assert not results["untrained"].lossless
 
 
 def test_a_wrong_acceptance_fails_both_ways_with_its_margin():
@@ -364,11 +443,11 @@ def test_the_reference_follows_the_device_and_refuses_a_tie_allowance_it_cannot_
         lossless_reference("none", "cpu", tie_steps=2)
     plan = plan_measurements(_labelled(), settings=evaluation(), vllm_settings=VLLM_SETTINGS, device="cpu",
                              numerics="production", reference="untrained")  # fmt: skip
-    assert [(r.label, r.lossless_alone) for r in plan[0].runs] == [
-        ("no_speculation", False), ("trained", True), ("untrained", True)]  # fmt: skip
+    assert [(r.label, r.lossless_alone, r.lossless_prompts) for r in plan[0].runs] == [
+        ("no_speculation", False, None), ("trained", True, None), ("untrained", True, [0, 1, 2, 3])]  # fmt: skip
     plan = plan_measurements(_labelled(), settings=evaluation(), vllm_settings=VLLM_SETTINGS, device="cuda",
                              numerics="batch_invariant", reference="no_speculation")  # fmt: skip
-    assert not any(r.lossless_alone for p in plan for r in p.runs)
+    assert not any(r.lossless_alone or r.lossless_prompts is not None for p in plan for r in p.runs)
 
 
 # ---------------------------------------------------------------- engine settings and the measurement process

@@ -536,6 +536,12 @@ class AcceptanceResult(Artefact):
     untrained_divergences: list[LosslessMismatch] = Field(default_factory=list)
     # tokens/s at each evaluate.timing_concurrency (production settings); tokens_per_s and speedup are the first's
     throughput: list[Throughput] = Field(default_factory=list)
+    # the prompts (indices) whose lossless pass the acceptance above counts; None: every evaluation prompt. With the
+    # untrained draft as the lossless reference, the untrained draft's first evaluate.untrained_prompts
+    acceptance_prompts: list[int] | None = None
+    # with the untrained draft as the lossless reference: the prompts it generated beyond those, as the reference
+    # where the trained draft's output differs from the run without speculation
+    reference_prompts: list[int] = Field(default_factory=list)
 
 
 class MeasurementProcess(Artefact):

@@ -319,6 +319,7 @@ class EvaluationSettings(View):
     timing_prompts: int
     lossless_numerics: Literal["auto", "batch_invariant", "production"]
     lossless_reference: Literal["auto", "untrained", "no_speculation", "none"]
+    untrained_prompts: int
     lossless_tie_steps: int
     consistency_min_ratio: Number
     consistency_min_predicted: Number

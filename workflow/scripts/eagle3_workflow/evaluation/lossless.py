@@ -6,8 +6,10 @@ The criterion:
   token the verifier did not choose, fails here whatever the setting); the margin of a failure is how many dtype
   steps the emitted token lies below the argmax (non_argmax_gaps);
 - the reference (``evaluate.lossless_reference``, stage.lossless_reference): the untrained draft's run, both
-  speculative passes one prompt at a time so that every verification has the same 1 + k rows, compared exactly;
-  or the run without speculation, where ``evaluate.lossless_tie_steps`` applies:
+  speculative passes one prompt at a time so that every verification has the same 1 + k rows, compared exactly
+  on each prompt where the trained draft's output is not token for token the one without speculation (where it
+  is, it is lossless by definition); or the run without speculation, where ``evaluate.lossless_tie_steps``
+  applies:
 - with 0 steps (the default) no prompt may differ at all;
 - with N > 0 steps a first divergence passes only as a tie: in both runs the two tokens' logits are within N steps
   of the logits' dtype at that magnitude (bf16 has 8 significant bits: at a logit of 20 one step is 0.125).
@@ -167,9 +169,11 @@ def lossless_failure(
     counts = ", ".join(
         f"{sum(not m.tie for m in ms)}/{num_prompts} prompts with the {lbl} draft" for lbl, ms in results.items()
     )
-    against = (
-        "judged by the argmax check alone" if reference == "none" else f"against the run {REFERENCE_TEXT[reference]}"
-    )
+    against = {
+        "none": "judged by the argmax check alone",
+        "untrained": "against the run with the untrained draft, on the prompts where the output differs from the "
+        "run without speculation",
+    }.get(reference, f"against the run {REFERENCE_TEXT.get(reference, reference)}")
     parts.append(
         f"speculative decoding changed the greedy output (not lossless, {numerics} kernels, {against}): {counts}."
     )

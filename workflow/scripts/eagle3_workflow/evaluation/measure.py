@@ -192,6 +192,7 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids in spec.prompts]
+    indices = lossless_indices(run, len(prompts))
     lossless = LosslessPass(outputs=[], generate_s=0.0, before=[], after=[])
     parity = ParityPass(outputs=[], steps=[], proposals=None)
     timings: list[ConcurrencyTiming] = []
@@ -199,11 +200,14 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
         warm_up = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS)
         report_busy()
         llm.generate(prompts[:1], warm_up, use_tqdm=progress_bar)
+        stepped = parity_in_lossless(run, spec)
         if run.lossless_pass:
             gate.hold("lossless")
-            lossless = lossless_pass(llm, prompts, SamplingParams(**measured_sampling(spec)), progress_bar,
-                                     alone=run.lossless_alone)  # fmt: skip
-        if run.parity_prompts and run.speculative_config and (run.lossless_pass or not run.timing_pass):
+            lossless = lossless_pass(llm, [prompts[i] for i in indices], SamplingParams(**measured_sampling(spec)),
+                                     progress_bar, alone=run.lossless_alone, stepped=stepped,
+                                     prefix=prefix)  # fmt: skip
+            parity = lossless.parity or parity
+        if run.parity_prompts and run.speculative_config and (run.lossless_pass or not run.timing_pass) and not stepped:
             parity = parity_pass(llm, spec.prompts[: run.parity_prompts], spec)
         if run.timing_pass:
             if gate.active:
@@ -223,11 +227,35 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
         _release_engine()
     result = run_result(run, lossless, engine_start_s=engine_start_s, timings=timings, prefix=prefix)
     result = result.model_copy(
-        update={"parity_outputs": parity.outputs, "parity_steps": parity.steps, "parity_proposals": parity.proposals}
-    )
+        update={"parity_outputs": parity.outputs, "parity_steps": parity.steps, "parity_proposals": parity.proposals,
+                "prompt_indices": indices if run.lossless_prompts is not None else None}
+    )  # fmt: skip
     if run.result_path:
         write(run.result_path, result)
     return result
+
+
+def parity_in_lossless(run: MeasurementRun, spec: MeasurementSpec) -> int:
+    """How many of the lossless pass's first prompts give the parity pass's facts too (0: the parity pass runs
+    apart). A speculative lossless pass that generates every prompt alone, in order, generates the parity pass's
+    prompts (the first N) exactly as the parity pass would: the same engine, one request, greedy, the same stop
+    token ids; so it steps those through the engine itself (step_request) and records each step's tokens and the
+    draft's proposals, instead of generating them a second time (the SmolLM2 demo's parity pass: 18-19 s of 4
+    prompts). Not with stop strings, which the parity pass leaves out: a step cut by one would not be the
+    engine's step."""
+    if not (run.parity_prompts and run.speculative_config and run.lossless_pass and run.lossless_alone):
+        return 0
+    if spec.stop or run.lossless_prompts is not None:
+        return 0
+    return min(run.parity_prompts, len(spec.prompts))
+
+
+def lossless_indices(run: MeasurementRun, num_prompts: int) -> list[int]:
+    """The prompts the run's lossless pass generates: its lossless_prompts that exist (the stage plans the untrained
+    draft's first N before it knows how many prompts there are), or every prompt."""
+    if run.lossless_prompts is None:
+        return list(range(num_prompts))
+    return [i for i in run.lossless_prompts if 0 <= i < num_prompts]
 
 
 def _release_engine() -> None:
@@ -257,19 +285,8 @@ def parity_pass(llm: Any, prompts: list[list[int]], spec: MeasurementSpec) -> Pa
     result = ParityPass(outputs=[], steps=[], proposals=[] if scheduler is not None else None)
     started = time.perf_counter()
     for index, ids in enumerate(prompts):
-        engine.add_request(f"parity-{index}", {"prompt_token_ids": ids}, params)
-        tokens: list[int] = []
-        counts: list[int] = []
-        proposed: list[list[int]] = []
-        while engine.has_unfinished_requests():
-            for request in engine.step():
-                new = list(request.outputs[0].token_ids) if request.outputs else []
-                if new:
-                    tokens += new
-                    counts.append(len(new))
-                    if scheduler is not None:
-                        waiting = list(scheduler.requests.values())
-                        proposed.append([int(t) for t in waiting[0].spec_token_ids] if len(waiting) == 1 else [])
+        _, tokens, counts, proposed = step_request(engine, scheduler, f"parity-{index}", {"prompt_token_ids": ids},
+                                                   params)  # fmt: skip
         result.outputs.append(tokens)
         result.steps.append(counts)
         if result.proposals is not None:
@@ -278,6 +295,36 @@ def parity_pass(llm: Any, prompts: list[list[int]], spec: MeasurementSpec) -> Pa
           f"{sum(map(len, result.outputs))} tokens in {time.perf_counter() - started:.2f} s, proposals "
           f"{'read' if scheduler is not None else 'not visible'}", flush=True)  # fmt: skip
     return result
+
+
+def step_request(
+    engine: Any, scheduler: Any, request_id: str, prompt: dict[str, Any], params: Any
+) -> tuple[Any, list[int], list[int], list[list[int]]]:
+    """One request alone through the engine, one step at a time: its final RequestOutput, its tokens, how many
+    each step emitted (accepted + 1; the prefill's step: its first token) and, with a `scheduler`, the draft's
+    proposals after each step. DELTA outputs carry each step's new tokens, CUMULATIVE ones (what LLM.generate
+    asks for) all of them so far."""
+    from vllm.sampling_params import RequestOutputKind
+
+    delta = params.output_kind == RequestOutputKind.DELTA
+    engine.add_request(request_id, prompt, params)
+    tokens: list[int] = []
+    counts: list[int] = []
+    proposed: list[list[int]] = []
+    final = None
+    while engine.has_unfinished_requests():
+        for request in engine.step():
+            ids = list(request.outputs[0].token_ids) if request.outputs else []
+            new = ids if delta else ids[len(tokens) :]
+            if new:
+                tokens += new
+                counts.append(len(new))
+                if scheduler is not None:
+                    waiting = list(scheduler.requests.values())
+                    proposed.append([int(t) for t in waiting[0].spec_token_ids] if len(waiting) == 1 else [])
+            if request.finished:
+                final = request
+    return final, tokens, counts, proposed
 
 
 def in_process_scheduler(llm: Any) -> Any:
@@ -302,21 +349,51 @@ class LosslessPass:
     generate_s: float
     before: list[dict[str, Any]]
     after: list[dict[str, Any]]
+    parity: ParityPass | None = None  # the first prompts' steps, when the pass stepped them (parity_in_lossless)
 
 
 def lossless_pass(
-    llm: Any, prompts: list[dict[str, Any]], sampling: Any, progress_bar: Any, *, alone: bool = False
+    llm: Any,
+    prompts: list[dict[str, Any]],
+    sampling: Any,
+    progress_bar: Any,
+    *,
+    alone: bool = False,
+    stepped: int = 0,
+    prefix: str = LOG_PREFIX,
 ) -> LosslessPass:
     """Every prompt at once (or, `alone`, each prompt by itself, in order), greedily, with the top-k raw logits of
-    each step; the counters around it."""
+    each step; the counters around it. `stepped` (alone only): the first prompts go through the engine one step at
+    a time (step_request), their steps recorded as the parity pass's."""
+    from eagle3_workflow.runtime.worker import report_progress
+
     before = _spec_metrics(llm)
     t0 = time.perf_counter()
+    parity = None
     if alone:
-        outputs = [output for prompt in prompts for output in llm.generate([prompt], sampling, use_tqdm=progress_bar)]
+        outputs = []
+        scheduler = in_process_scheduler(llm) if stepped else None
+        parity = ParityPass(outputs=[], steps=[], proposals=[] if scheduler is not None else None) if stepped else None
+        for index, prompt in enumerate(prompts):
+            if parity is None or index >= stepped:
+                outputs += llm.generate([prompt], sampling, use_tqdm=progress_bar)
+                continue
+            output, tokens, counts, proposed = step_request(llm.llm_engine, scheduler, f"lossless-{index}", prompt,
+                                                            sampling)  # fmt: skip
+            report_progress()  # a finished request, as the progress bar of LLM.generate reports it
+            outputs.append(output)
+            parity.outputs.append(tokens)
+            parity.steps.append(counts)
+            if parity.proposals is not None:
+                parity.proposals.append(proposed)
+        if parity is not None:
+            print(f"{prefix}  parity pass within the lossless pass: its first {len(parity.steps)} prompt(s), "
+                  f"{sum(map(len, parity.steps))} engine steps, proposals "
+                  f"{'read' if parity.proposals is not None else 'not visible'}", flush=True)  # fmt: skip
     else:
         outputs = llm.generate(prompts, sampling, use_tqdm=progress_bar)
     generate_s = time.perf_counter() - t0
-    return LosslessPass(outputs=outputs, generate_s=generate_s, before=before, after=_spec_metrics(llm))
+    return LosslessPass(outputs=outputs, generate_s=generate_s, before=before, after=_spec_metrics(llm), parity=parity)
 
 
 def timed_at_concurrency(

@@ -42,6 +42,9 @@ class MeasurementRun(Artefact):
     # verifies exactly 1 + k rows whatever its draft proposes or how soon its other requests end: two speculative
     # runs then put the same batch shapes through the verifier (stage.lossless_reference, docs/faults.md)
     lossless_alone: bool = False
+    # the prompts (indices into the spec's, in this order) the lossless pass generates; None: every prompt. The
+    # untrained draft as the CPU reference generates only a few (stage.untrained_reference_runs)
+    lossless_prompts: list[int] | None = None
     engine_overrides: dict[str, Any] = Field(default_factory=dict)
     # the draft parity pass (evaluation/parity.py): the first N prompts one at a time, each engine step's tokens
     parity_prompts: int = 0
@@ -112,6 +115,9 @@ class RunResult(Artefact):
     metrics_after: list[dict[str, Any]]
     load_1m: float
     timings: list[ConcurrencyTiming] = Field(default_factory=list)
+    # the prompts the lossless pass generated (indices into the evaluation prompts; outputs, top_logits and
+    # finish_reasons follow this order); None: every prompt, in order
+    prompt_indices: list[int] | None = None
     # the parity pass: per prompt, the greedy output and the tokens each engine step emitted (accepted + 1)
     parity_outputs: list[list[int]] = Field(default_factory=list)
     parity_steps: list[list[int]] = Field(default_factory=list)

@@ -12,6 +12,13 @@ start all at once: their imports and engine starts (torch.compile, CUDA graphs: 
 evaluation) overlap, and a lock file keeps each timing pass alone (measure.Gate). Each engine passes vLLM's
 start-up free-memory check beside the others with its share of the GPU (engine_memory()).
 
+With the untrained draft as the lossless reference (CPU, stage.lossless_reference) the untrained draft generates
+only its first ``evaluate.untrained_prompts`` prompts in that process (its acceptance) and, in one more process
+afterwards, each other prompt where the trained draft's greedy output differs from the run without speculation
+(measure_untrained_reference): where the two are equal token for token the trained draft is lossless by definition
+and nothing needs the reference. Accepting nothing, the untrained draft costs k draft forwards and a 1 + k-row
+verification per token: on the SmolLM2 demo its pass of all 32 prompts was 177 s of the stage's 461 s (2026-12-06).
+
 Processes that run one after another: the first is started before the stage loads the tokenizer and prompts and
 builds the untrained draft (start_first_process, runtime.worker.start_worker), so its vLLM import runs beside that
 work; it gets its spec once the prompts are known, or is stopped when an earlier attempt's results leave it nothing
@@ -165,8 +172,8 @@ def evaluate_draft(
         untrained = build_untrained_draft(draft, target, untrained_dir, settings.seed)
         log.info("untrained baseline: %s", untrained.description)
         evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir, concurrent=concurrent)
-        measured = measure_runs(plan, engine, evaluation, log_path=log_path, env=env, first=first,
-                                reference=reference)  # fmt: skip
+        measured = measure_evaluation(plan, engine, evaluation, log_path=log_path, env=env, first=first,
+                                      reference=reference)  # fmt: skip
     logit_dtype = resolved_dtype(dtype, target)
     verdict = lossless_verdict(measured.lossless, prompt_set, logit_dtype=logit_dtype, numerics=numerics,
                                tie_steps=settings.lossless_tie_steps, decode=tokenizer.decode,
@@ -272,6 +279,10 @@ def plan_measurements(
     labelled = [
         run.model_copy(update={"lossless_alone": alone and run.speculative_config is not None}) for run in labelled
     ]
+    if reference == "untrained":  # the untrained draft's first N prompts (its acceptance); the rest as needed
+        first = list(range(settings.untrained_prompts))
+        labelled = [run.model_copy(update={"lossless_prompts": first}) if run.label == "untrained" else run
+                    for run in labelled]  # fmt: skip
     timing_kwargs: dict[str, Any] = {"max_num_seqs": max(settings.timing_concurrency)} if device == "cuda" else {}
     if generation_cuda_graphs(vllm_settings, device):
         timing_kwargs["enforce_eager"] = False
@@ -353,6 +364,24 @@ def check_eagle3_draft(draft: Path) -> None:
         )
 
 
+def measure_evaluation(
+    plan: list[PlannedProcess],
+    engine: dict[str, Any],
+    evaluation: Evaluation,
+    *,
+    log_path: str | Path | None,
+    env: dict[str, str],
+    first: FirstProcess | None,
+    reference: str,
+) -> Measured:
+    """The planned processes (measure_runs) and, with the untrained draft as the lossless reference, its run of
+    each prompt where the trained draft changed the output (measure_untrained_reference)."""
+    measured = measure_runs(plan, engine, evaluation, log_path=log_path, env=env, first=first, reference=reference)
+    if reference == "untrained":
+        measure_untrained_reference(measured, plan, engine, evaluation, log_path=log_path, env=env)
+    return measured
+
+
 def measure_runs(
     plan: list[PlannedProcess],
     engine: dict[str, Any],
@@ -362,12 +391,14 @@ def measure_runs(
     env: dict[str, str] | None = None,
     first: FirstProcess | None = None,
     reference: str = NO_SPECULATION,
+    first_index: int = 0,
 ) -> Measured:
     """Run the planned processes: one after another, or all at once (evaluation.concurrent) with a lock file that
     keeps each timing pass alone. An engine whose result a cut run left in work_dir/runs with the same key
     (everything that decides its result) is reused, not measured again. `env`: the processes' environment
     (plan_environment, taken when the stage started; None: taken now). `first`: the first planned process, started
-    early (start_first_process); it gets its spec if it is still the first to run, and is stopped otherwise."""
+    early (start_first_process); it gets its spec if it is still the first to run, and is stopped otherwise.
+    `first_index`: the number of the plan's first process (measure_<i>), for a plan that follows another."""
     settings, vllm_settings, stop = evaluation.settings, evaluation.vllm_settings, evaluation.stop
     device, work_dir = evaluation.device, evaluation.work_dir
     measured = Measured(lossless={}, timing={}, processes=[])
@@ -376,7 +407,7 @@ def measure_runs(
                        timing_concurrency=list(settings.timing_concurrency), timing_prompts=settings.timing_prompts)  # fmt: skip
     fingerprints: dict[Path, dict[str, str]] = {}  # each model folder hashed once (a 135M target: ~0.5 s a time)
     pending: list[tuple[int, PlannedProcess, list[MeasurementRun]]] = []
-    for i, process in enumerate(plan):
+    for i, process in enumerate(plan, start=first_index):
         keyed = [keyed_run(run, engine, spec_fields, batch_invariant=process.batch_invariant, work_dir=work_dir,
                            fingerprints=fingerprints) for run in process.runs]  # fmt: skip
         todo = []
@@ -615,6 +646,68 @@ def record(measured: Measured, run: MeasurementRun, result: RunResult) -> None:
         measured.timing[run.label] = result
 
 
+# the untrained draft's lossless pass on the prompts where the trained draft's output differs from the run without
+# speculation, beyond the first evaluate.untrained_prompts (measure_untrained_reference)
+UNTRAINED_DIVERGENT = "untrained_divergent"
+
+
+def prompt_outputs(run: RunResult) -> dict[int, tuple[list[int], list[dict[int, float]]]]:
+    """A lossless pass's output and top-k logits by prompt index (RunResult.prompt_indices; None: every prompt)."""
+    indices = run.prompt_indices if run.prompt_indices is not None else range(len(run.outputs))
+    return {i: (ids, logits) for i, ids, logits in zip(indices, run.outputs, run.top_logits, strict=True)}
+
+
+def differing_prompts(lossless: dict[str, RunResult]) -> list[int]:
+    """The prompts whose greedy output with the trained draft is not token for token the one without speculation."""
+    plain, trained = prompt_outputs(lossless[NO_SPECULATION]), prompt_outputs(lossless["trained"])
+    return [i for i in sorted(trained) if trained[i][0] != plain[i][0]]
+
+
+def untrained_outputs(lossless: dict[str, RunResult]) -> dict[int, tuple[list[int], list[dict[int, float]]]]:
+    """The untrained draft's outputs by prompt: its first prompts' pass and, if one ran, the pass on the prompts
+    where the trained draft's output differs from the run without speculation."""
+    merged = prompt_outputs(lossless["untrained"])
+    if UNTRAINED_DIVERGENT in lossless:
+        merged |= prompt_outputs(lossless[UNTRAINED_DIVERGENT])
+    return merged
+
+
+def measure_untrained_reference(
+    measured: Measured,
+    plan: list[PlannedProcess],
+    engine: dict[str, Any],
+    evaluation: Evaluation,
+    *,
+    log_path: str | Path | None,
+    env: dict[str, str] | None,
+) -> None:
+    """With the untrained draft as the lossless reference: generate it, one prompt at a time as the trained draft
+    was, on every prompt where the trained draft's greedy output differs from the run without speculation and that
+    its first pass (the first evaluate.untrained_prompts) did not cover, in one more measurement process; its result
+    goes to measured.lossless[UNTRAINED_DIVERGENT]. Where the trained draft's output equals the one without
+    speculation token for token, it is lossless there by definition and no reference is needed: on the README's
+    SmolLM2 demo that was every prompt (2026-12-06), and this process does not start."""
+    differing = differing_prompts(measured.lossless)
+    covered = set(prompt_outputs(measured.lossless["untrained"]))
+    missing = [i for i in differing if i not in covered]
+    log.info("the trained draft's greedy output differs from the run without speculation on %d of %d prompt(s)%s",
+             len(differing), len(evaluation.prompt_set.prompts),
+             f" {differing}: the untrained draft generates {missing or 'none'} as their reference (it covered "
+             f"{sorted(covered)} already)" if differing else ": no reference needed")  # fmt: skip
+    if not missing:
+        return
+    index, untrained = next((i, run) for i, process in enumerate(plan) for run in process.runs
+                            if run.label == "untrained" and run.lossless_pass)  # fmt: skip
+    run = untrained.model_copy(update={"label": UNTRAINED_DIVERGENT, "lossless_prompts": missing,
+                                       "timing_pass": False, "lossless_pass": True})  # fmt: skip
+    process = PlannedProcess(runs=[run], batch_invariant=plan[index].batch_invariant)
+    extra = measure_runs([process], engine, evaluation, log_path=log_path, env=env, reference="untrained",
+                         first_index=len(plan))  # fmt: skip
+    measured.lossless |= extra.lossless
+    measured.processes += extra.processes
+    measured.vllm_version = measured.vllm_version or extra.vllm_version
+
+
 @dataclasses.dataclass
 class LosslessVerdict:
     """Each draft's first divergences from the reference, and every token a run emitted that is not its own
@@ -650,14 +743,26 @@ def lossless_verdict(
 ) -> LosslessVerdict:
     """The lossless pass judged: every run's emitted tokens against its own argmax, and the trained draft's greedy
     output against the reference's (`reference`: untrained, exactly; no_speculation, with `tie_steps`; with the
-    run without speculation as the reference the untrained draft is judged against it too). With the untrained
-    reference each draft's divergences from the run without speculation are recorded, not judged."""
-    origins = [p.origin for p in prompt_set.prompts]
+    run without speculation as the reference the untrained draft is judged against it too).
 
-    def against(base: str, label: str, ties: int) -> list[LosslessMismatch]:
-        return compare_greedy((lossless[base].outputs, lossless[base].top_logits),
-                              (lossless[label].outputs, lossless[label].top_logits),
-                              origins=origins, dtype=logit_dtype, tie_steps=ties, decode=decode)  # fmt: skip
+    With the untrained reference, a prompt passes when the trained draft's output equals the one without
+    speculation token for token (lossless by definition: nothing to excuse), or else equals the untrained draft's
+    run on that prompt (the same verifier numerics: measure_untrained_reference generated it); each draft's
+    divergences from the run without speculation are recorded. The untrained draft's pass covers only its first
+    evaluate.untrained_prompts and those prompts, so its own comparisons cover those."""
+    origins = [p.origin for p in prompt_set.prompts]
+    by_prompt = {label: prompt_outputs(run) for label, run in lossless.items() if label != UNTRAINED_DIVERGENT}
+    if "untrained" in lossless:
+        by_prompt["untrained"] = untrained_outputs(lossless)
+
+    def against(base: str, label: str, ties: int, prompts: Sequence[int] | None = None) -> list[LosslessMismatch]:
+        """`label`'s first divergences from `base` on `prompts` (None: every prompt both runs generated)."""
+        shared = sorted(by_prompt[base].keys() & by_prompt[label].keys()) if prompts is None else list(prompts)
+        found = compare_greedy(([by_prompt[base][i][0] for i in shared], [by_prompt[base][i][1] for i in shared]),
+                               ([by_prompt[label][i][0] for i in shared], [by_prompt[label][i][1] for i in shared]),
+                               origins=[origins[i] for i in shared], dtype=logit_dtype, tie_steps=ties,
+                               decode=decode)  # fmt: skip
+        return [m.model_copy(update={"prompt_index": shared[m.prompt_index]}) for m in found]
 
     recorded_untrained: list[LosslessMismatch] = []
     if reference == "none":
@@ -670,12 +775,18 @@ def lossless_verdict(
             "(evaluate.lossless_reference: none)"
         )
     elif reference == "untrained":
-        mismatches = {"trained": against("untrained", "trained", 0), "untrained": []}
         report_only = {label: against(NO_SPECULATION, label, 0) for label in DRAFTS}
+        differing = [m.prompt_index for m in report_only["trained"]]
+        unreferenced = [i for i in differing if i not in by_prompt["untrained"]]
+        if unreferenced:
+            raise StageError(f"the untrained draft's run lacks prompt(s) {unreferenced}, where the trained draft's "
+                             "output differs from the run without speculation (a bug: measure_untrained_reference "
+                             "generates them)")  # fmt: skip
+        mismatches = {"trained": against("untrained", "trained", 0, differing), "untrained": []}
         criterion = (
-            "exact: every prompt's greedy output with the trained draft equals the untrained draft's, both "
-            "generated one prompt at a time (the same 1 + k verified rows at every step); every emitted token of "
-            "every run is its own argmax; divergences from the run without speculation are recorded, not judged"
+            "exact: every prompt's greedy output with the trained draft equals the output without speculation, or "
+            "where it does not, the untrained draft's on that prompt, both speculative runs generated one prompt at a "
+            "time (the same 1 + k verified rows at every step); every emitted token of every run is its own argmax"
         )
     else:
         mismatches = {label: against(NO_SPECULATION, label, tie_steps) for label in DRAFTS}
@@ -687,10 +798,13 @@ def lossless_verdict(
                 f"every emitted token is its run's own argmax, and a first divergence passes only as a tie within "
                 f"{tie_steps} {logit_dtype} step(s) at the logits' magnitude in both runs"
             )
-    non_argmax = {label: non_argmax_steps(run.outputs, run.top_logits, logit_dtype) for label, run in lossless.items()}
+    # each run's prompts in full (a prompt it did not generate: no tokens), so that the messages name the prompt
+    full = {label: ([runs.get(i, ([], []))[0] for i in range(len(origins))],
+                    [runs.get(i, ([], []))[1] for i in range(len(origins))])
+            for label, runs in by_prompt.items()}  # fmt: skip
+    non_argmax = {label: non_argmax_steps(*run, logit_dtype) for label, run in full.items()}
     min_gap = {
-        label: min((gap[-1] for gap in non_argmax_gaps(run.outputs, run.top_logits, logit_dtype)), default=None)
-        for label, run in lossless.items()
+        label: min((gap[-1] for gap in non_argmax_gaps(*run, logit_dtype)), default=None) for label, run in full.items()
     }
     return LosslessVerdict(mismatches=mismatches, non_argmax=non_argmax, criterion=criterion, numerics=numerics,
                            logit_dtype=logit_dtype, reference=reference, non_argmax_min_gap=min_gap,
@@ -724,6 +838,9 @@ def draft_results(
             "non_argmax_min_gap_steps": round(min(gaps), 3) if gaps else None,
             "no_speculation_divergences": verdict.against_no_speculation.get(label, []),
             "untrained_divergences": verdict.against_untrained if label == "trained" else [],
+            "acceptance_prompts": measured.lossless[label].prompt_indices,
+            "reference_prompts": (measured.lossless[UNTRAINED_DIVERGENT].prompt_indices or []
+                                  if label == "untrained" and UNTRAINED_DIVERGENT in measured.lossless else []),
         })  # fmt: skip
     return results
 
@@ -783,11 +900,27 @@ def report_notes(
     if ties:
         notes.append(f"{ties} first divergence(s) passed as ties within {settings.lossless_tie_steps} dtype step(s)")
     total = len(evaluation.prompt_set.prompts)
-    if verdict.reference != NO_SPECULATION:
+    if verdict.reference == "untrained":
+        differing = [m.prompt_index for m in verdict.against_no_speculation["trained"]]
+        untrained = results["untrained"]
+        counted = untrained.acceptance_prompts or []
+        notes.append(
+            f"lossless reference: the run without speculation, token for token; where the trained draft's output "
+            f"differs from it ({len(differing)}/{total} prompts{f': {differing}' if differing else ''}), the "
+            "untrained draft's run on that prompt, token for token, both speculative lossless passes one prompt at a "
+            "time (the same 1 + k verified rows at every step: docs/faults.md, 'The lossless verdict'). The untrained "
+            f"draft generated its first {len(counted)} prompt(s) (its acceptance counts these; "
+            f"{len(verdict.against_no_speculation['untrained'])} of them differ from the run without speculation) "
+            + (
+                f"and prompts {untrained.reference_prompts} as the reference"
+                if untrained.reference_prompts
+                else "and no other: none needed it as the reference"
+            )  # fmt: skip
+        )
+    elif verdict.reference != NO_SPECULATION:
         recorded = {label: len(ms) for label, ms in verdict.against_no_speculation.items()}
-        what = ("the untrained draft's run, compared exactly" if verdict.reference == "untrained"
-                else f"none: the argmax check alone ({len(verdict.against_untrained)}/{total} prompts differ from the "
-                     "untrained draft's run, in trained.untrained_divergences)")  # fmt: skip
+        what = (f"none: the argmax check alone ({len(verdict.against_untrained)}/{total} prompts differ from the "
+                "untrained draft's run, in trained.untrained_divergences)")  # fmt: skip
         notes.append(
             f"lossless reference: {what}; both speculative lossless passes ran one prompt at a time (the same 1 + k "
             "verified rows at every step); against the run without speculation (one row a step) "

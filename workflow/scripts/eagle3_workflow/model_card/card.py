@@ -145,8 +145,10 @@ def _acceptance_section(inputs: CardInputs) -> list[str]:
         per_position = " / ".join(f"{p:.3f}" for p in result.per_position_acceptance)
         speeds = " | ".join(f"{_fmt(t.tokens_per_s, 1)} (x{_fmt(t.speedup, 2)})" for t in result.throughput)
         speeds = speeds or " | ".join(["not timed"] * len(levels))  # evaluate.time_untrained false
+        counted = result.acceptance_prompts  # None: every prompt; the untrained CPU reference: its first few
+        label = result.label if counted is None else f"{result.label} (first {len(counted)} prompts)"
         rows.append(
-            f"| {result.label} | **{_fmt(result.mean_acceptance_length)}** | {per_position or 'n/a'} | "
+            f"| {label} | **{_fmt(result.mean_acceptance_length)}** | {per_position or 'n/a'} | "
             f"{_fmt(result.num_drafts)} | {speeds} |"
         )
     plain = " | ".join(f"{_fmt(t.tokens_per_s, 1)} (x1.00)" for t in acc.no_speculation_throughput)
