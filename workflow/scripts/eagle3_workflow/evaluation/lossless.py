@@ -169,11 +169,12 @@ def lossless_failure(
     counts = ", ".join(
         f"{sum(not m.tie for m in ms)}/{num_prompts} prompts with the {lbl} draft" for lbl, ms in results.items()
     )
-    against = {
-        "none": "judged by the argmax check alone",
-        "untrained": "against the run with the untrained draft, on the prompts where the output differs from the "
-        "run without speculation",
-    }.get(reference, f"against the run {REFERENCE_TEXT.get(reference, reference)}")
+    if reference == "none":
+        against = "judged by the argmax check alone"
+    else:
+        against = f"against the run {REFERENCE_TEXT.get(reference, reference)}"
+    if reference == "untrained":  # consulted only where the trained output differs from the one without speculation
+        against += ", on the prompts where the output differs from the run without speculation"
     parts.append(
         f"speculative decoding changed the greedy output (not lossless, {numerics} kernels, {against}): {counts}."
     )
