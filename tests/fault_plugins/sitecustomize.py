@@ -9,9 +9,10 @@ the number of ids (a no-op on a contiguous 1..K set, [2, 4, 5, 8] -> [3, 5, 6, 8
 EAGLE3_FAULT=remap:<name> keeps the number and order of captured slots but fills each claimed id from another
 layer (every layer 0..N is computed anyway), so only a canary that matches each slot against every layer can
 tell. The remaps (`REMAPS`) cover injective, non-injective and conditional shapes; `post_norm_last` takes id N
-after the final norm instead of before it; `deep_off_by_one` moves only ids past the canary's 8-layer slice (every
+after the final norm instead of before it; `drop_residual` takes every id without the residual added back (the
+layer's own output only); `deep_off_by_one` moves only ids past the canary's 8-layer slice (every
 id above 8 but the last from one layer deeper), which only the full-depth check of validate_hidden_states sees. Works for the models that capture through vLLM's EagleModelMixin
-(llama, qwen3, ...). Nothing happens without the variable, so a stray PYTHONPATH entry is harmless.
+(llama, qwen3, ...) and for deepseek_v2's inline capture (DeepSeek-V3, Kimi-K2: `_remap_deepseek`). Nothing happens without the variable, so a stray PYTHONPATH entry is harmless.
 
 EAGLE3_FAULT=accept_any_draft makes vLLM's greedy verification accept every draft token, chosen by the verifier
 or not (then the bonus token after the last one): the wrong-acceptance bug class the lossless check exists for.
@@ -93,6 +94,12 @@ def _post_norm_last(claimed, last):
     return {k: ("post_norm" if k == last else k) for k in claimed}
 
 
+def _drop_residual(claimed, last):
+    # every id from the decoder stream without the residual added back: the delta of the layer below (the
+    # `hidden_states` that vLLM's layers hand on beside `residual`), the capture of a patch that forgot `+ residual`
+    return {k: ("no_residual", k) for k in claimed}
+
+
 def _last_from_previous(claimed, last):
     return {k: (last - 1 if k == last else k) for k in claimed}
 
@@ -106,6 +113,7 @@ REMAPS = {
     "middle_off_by_one": _middle_off_by_one,
     "deep_off_by_one": _deep_off_by_one,
     "post_norm_last": _post_norm_last,
+    "drop_residual": _drop_residual,
 }
 
 
@@ -121,6 +129,7 @@ def _remap(name):
             if layer_idx == 0:
                 self._fault_stash = {}
             self._fault_stash[layer_idx] = value
+            self._fault_stash[("no_residual", layer_idx)] = hidden_states
             last = len(self.layers)
             if layer_idx == last:  # the final call of a forward: emit one slot per claimed id, in id order
                 self._fault_stash["post_norm"] = self.norm(value)
@@ -261,6 +270,54 @@ def _sigterm_rank_at_forward(rank, count):
     return install
 
 
+def _remap_deepseek(name):
+    """The same remaps on vLLM's deepseek_v2 (DeepSeek-V3, Kimi-K2's language model), which captures inline in
+    DeepseekV2Model.forward (`hidden_states + residual` before layer k, and after the last one) rather than through
+    EagleModelMixin: the model is asked for the source ids the remap needs, and the claimed slots are filled from
+    them. `no_residual` sources come from the outputs of the decoder layers below the claimed ids, recorded by a
+    wrapper of DeepseekV2DecoderLayer.forward for those layers only (a few states, not every layer's)."""
+    remap = REMAPS[name]
+
+    def install(deepseek_v2):
+        model_forward = deepseek_v2.DeepseekV2Model.forward
+        layer_forward = deepseek_v2.DeepseekV2DecoderLayer.forward
+
+        def recording_layer_forward(self, *args, **kwargs):
+            out = layer_forward(self, *args, **kwargs)
+            record = getattr(self, "_fault_record", None)
+            if record is not None:
+                record[("no_residual", self.layer_idx + 1)] = out[0]
+            return out
+
+        def forward(self, *args, **kwargs):
+            claimed = tuple(sorted(self.aux_hidden_state_layers))
+            if not claimed:
+                return model_forward(self, *args, **kwargs)
+            last = self.end_layer
+            sources = remap(claimed, last)
+            wanted = tuple(sorted({s for s in sources.values() if isinstance(s, int)} | {last}))
+            record = {}
+            below = {s[1] - 1 for s in sources.values() if isinstance(s, tuple)}
+            for layer in self.layers[self.start_layer : self.end_layer]:
+                if getattr(layer, "layer_idx", None) in below:
+                    layer._fault_record = record
+            self.aux_hidden_state_layers = wanted
+            try:
+                hidden_states, captured = model_forward(self, *args, **kwargs)
+            finally:
+                self.aux_hidden_state_layers = claimed
+                for layer in self.layers[self.start_layer : self.end_layer]:
+                    layer.__dict__.pop("_fault_record", None)
+            record.update(zip(wanted, captured, strict=True))
+            record["post_norm"] = hidden_states
+            return hidden_states, [record[sources[k]] for k in claimed]
+
+        deepseek_v2.DeepseekV2DecoderLayer.forward = recording_layer_forward
+        deepseek_v2.DeepseekV2Model.forward = forward
+
+    return install
+
+
 def _claimed_ids(transform):
     """A fault that changes the ids vLLM's EagleModelMixin is told to capture: transform(model, ids) -> ids."""
 
@@ -367,7 +424,8 @@ elif FAULT == "accept_any_draft":
         "vllm.v1.worker.gpu.spec_decode.rejection_sampler": _accept_any_v2,
     }
 elif FAULT.startswith("remap:"):
-    HOOKS = {INTERFACES: _remap(FAULT.split(":", 1)[1])}
+    _name = FAULT.split(":", 1)[1]
+    HOOKS = {INTERFACES: _remap(_name), "vllm.model_executor.models.deepseek_v2": _remap_deepseek(_name)}
 elif FAULT == "tp_worker_dies_at_first_forward":
     HOOKS = {
         "vllm.v1.worker.gpu_model_runner": _mark_real_forwards,
