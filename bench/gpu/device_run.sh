@@ -126,8 +126,16 @@ step_pipeline() {
   stamp "snakemake: $CONFIG (run $RUN) in $WORK ${SNAKE_ARGS:-}"
   # a call that ran out of time left a lock and incomplete outputs: this call resumes (finished rules are kept)
   [ -n "$(ls .snakemake/locks 2>/dev/null)" ] && snakemake --unlock --configfile $CONFIG >/dev/null 2>&1
+  # GPU memory and utilisation once a second, for each stage's peak (its rows between the stage's start and end in
+  # the Snakemake log): gpu-<HHMMSS>.csv, one file per call
+  local sampler=""
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader -l 1 >"$OUT/gpu-$(date -u +%H%M%S).csv" 2>/dev/null &
+    sampler=$!
+  fi
   timeout "${PIPELINE_TIMEOUT:-540}" snakemake --cores 16 --rerun-incomplete --printshellcmds ${SNAKE_ARGS:-} --configfile $CONFIG 2>&1 | tee "$OUT/snakemake-$RUN.log" | grep -E "^(rule |\[|Finished|Error|.*Exception|.*FAILED|.*error)" | grep -v "^\[vllm\]" | tail -80
   local rc=${PIPESTATUS[0]}
+  [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
   stamp "snakemake exit $rc"
   for f in checks/api_compat.json checks/canary.json hidden_states/replica_0.json hidden_states/validation.json draft/training.json eval/acceptance.json; do
     [ -f "results/$RUN/$f" ] && echo "== $f: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in list(d)[:12] if not isinstance(d[k], (list, dict)) or k in ('ratios','per_layer_max_rel_error','layer_ids')})" "results/$RUN/$f")"
