@@ -48,6 +48,9 @@ EAGLE3_PROBE_RANK_WEIGHTS=<folder> is a probe, not a fault (it combines with one
 trainer rank (torchrun's RANK; a process without one records nothing) appends the sha256 of its parameters to
 <folder>/rank<RANK>.txt, so that a test can tell whether the ranks hold the same weights.
 
+Faults joined by "+" are installed together (EAGLE3_FAULT=shift_up_if_count_kept+remap:post_norm_last): one
+server start then serves the test of two faults whose effects a gate reports apart (each slot is matched on its own).
+
 Each fault is installed when the module it patches is first imported (`_AfterImport`), not at startup: a process
 that never imports vLLM (Snakemake, most jobs) does not load it for a fault.
 """
@@ -414,34 +417,58 @@ class _AfterImport:
 
 
 INTERFACES = "vllm.model_executor.models.interfaces"
-if FAULT == "shift_layers":
-    HOOKS = {INTERFACES: _claimed_ids(_one_layer_early), "vllm.model_executor.models.deepseek_v2": _shift_down_deepseek}
-elif FAULT == "shift_up_if_count_kept":
-    HOOKS = {INTERFACES: _claimed_ids(_up_when_count_kept)}
-elif FAULT == "accept_any_draft":
-    HOOKS = {
-        "vllm.v1.sample.rejection_sampler": _accept_any_v1,
-        "vllm.v1.worker.gpu.spec_decode.rejection_sampler": _accept_any_v2,
-    }
-elif FAULT.startswith("remap:"):
-    _name = FAULT.split(":", 1)[1]
-    HOOKS = {INTERFACES: _remap(_name), "vllm.model_executor.models.deepseek_v2": _remap_deepseek(_name)}
-elif FAULT == "tp_worker_dies_at_first_forward":
-    HOOKS = {
-        "vllm.v1.worker.gpu_model_runner": _mark_real_forwards,
-        "vllm.model_executor.models.deepseek_v2": _tp_worker_dies_at_first_forward,
-    }
-elif FAULT.startswith("stop_after_optimizer_step:"):
-    HOOKS = {"torch.optim.optimizer": _stop_after_optimizer_step(int(FAULT.split(":", 1)[1]))}
-elif FAULT.startswith("rank_raises_at_first_step:"):
-    HOOKS = {"torch.nn.modules.module": _rank_raises_at_first_step(int(FAULT.split(":", 1)[1]))}
-elif FAULT.startswith("sigterm_rank_at_forward:"):
-    _rank, _count = FAULT.split(":", 1)[1].split(":")
-    HOOKS = {"torch.nn.modules.module": _sigterm_rank_at_forward(int(_rank), int(_count))}
-elif FAULT == "ddp_skips_gradient_sync":
-    HOOKS = {"torch.nn.parallel.distributed": _ddp_skips_gradient_sync}
-else:
-    HOOKS = {}
+
+
+def _hooks(fault):
+    """{module: install} for one fault."""
+    if fault == "shift_layers":
+        return {
+            INTERFACES: _claimed_ids(_one_layer_early),
+            "vllm.model_executor.models.deepseek_v2": _shift_down_deepseek,
+        }
+    elif fault == "shift_up_if_count_kept":
+        return {INTERFACES: _claimed_ids(_up_when_count_kept)}
+    elif fault == "accept_any_draft":
+        return {
+            "vllm.v1.sample.rejection_sampler": _accept_any_v1,
+            "vllm.v1.worker.gpu.spec_decode.rejection_sampler": _accept_any_v2,
+        }
+    elif fault.startswith("remap:"):
+        name = fault.split(":", 1)[1]
+        return {INTERFACES: _remap(name), "vllm.model_executor.models.deepseek_v2": _remap_deepseek(name)}
+    elif fault == "tp_worker_dies_at_first_forward":
+        return {
+            "vllm.v1.worker.gpu_model_runner": _mark_real_forwards,
+            "vllm.model_executor.models.deepseek_v2": _tp_worker_dies_at_first_forward,
+        }
+    elif fault.startswith("stop_after_optimizer_step:"):
+        return {"torch.optim.optimizer": _stop_after_optimizer_step(int(fault.split(":", 1)[1]))}
+    elif fault.startswith("rank_raises_at_first_step:"):
+        return {"torch.nn.modules.module": _rank_raises_at_first_step(int(fault.split(":", 1)[1]))}
+    elif fault.startswith("sigterm_rank_at_forward:"):
+        _rank, _count = fault.split(":", 1)[1].split(":")
+        return {"torch.nn.modules.module": _sigterm_rank_at_forward(int(_rank), int(_count))}
+    elif fault == "ddp_skips_gradient_sync":
+        return {"torch.nn.parallel.distributed": _ddp_skips_gradient_sync}
+    else:
+        return {}
+
+
+def _both(first, second):
+    def install(module):
+        first(module)
+        second(module)
+
+    return install
+
+
+# faults joined by "+" are installed together (each on its own module, or one after the other on the same one): one
+# server start serves tests of two faults whose effects the gate reports apart, e.g.
+# shift_up_if_count_kept+remap:post_norm_last (ids 2, 4, 6 one layer deeper and id 8 after the final norm)
+HOOKS = {}
+for _fault in filter(None, FAULT.split("+")):
+    for _module, _install in _hooks(_fault).items():
+        HOOKS[_module] = _both(HOOKS[_module], _install) if _module in HOOKS else _install
 if os.environ.get("EAGLE3_PROBE_RANK_WEIGHTS"):  # a probe, not a fault: combined with any of the above
     _fault_hook = HOOKS.get("torch.optim.optimizer")
     _probe_hook = _record_rank_weights(os.environ["EAGLE3_PROBE_RANK_WEIGHTS"])

@@ -178,38 +178,51 @@ def test_a_served_draft_with_a_shifted_d2t_fails_the_consistency_gate(scratch_dr
     print(consistency.model_dump_json(indent=1), file=sys.stderr)
 
 
-def _ngram_measurement(prepared, tiny_tokenizer, work_dir):
-    """No speculation and vLLM's n-gram proposer (prompt lookup: real acceptances on the tiny target's repetitive
-    greedy text, where an untrained EAGLE-3 draft accepts nothing) in one measurement process, as the stage runs
-    them on CPU: the lossless pass and the timing passes on one engine each."""
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _ngram_measurement(prepared, tiny_tokenizer, work_dir, runs: list[MeasurementRun], reference=None):
+    """vLLM's n-gram proposer (prompt lookup: real acceptances on the tiny target's repetitive greedy text, where an
+    untrained EAGLE-3 draft accepts nothing) in one measurement process, as the stage runs them on CPU: the lossless
+    pass and the timing passes on one engine each. `runs`: the no-speculation reference and then the n-gram run, or
+    the n-gram run alone, judged against `reference` (a no-speculation run of the same spec: the fault below changes
+    only speculative decoding, so the healthy process's reference is its reference too, one engine fewer)."""
     settings = evaluation(prompts="heldout", num_prompts=4, max_tokens=32)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
                               max_model_len=512)  # fmt: skip
     engine = measurement_engine_kwargs(VLLM_SETTINGS, target=str(prepared["target"]), dtype="bfloat16", trust_remote_code=False,
                            seed=0, device="cpu", tensor_parallel_size=1, in_process=True)  # fmt: skip
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    overrides = {"logprobs_mode": "raw_logits"}
     spec = MeasurementSpec(engine=engine, prompts=[p.token_ids for p in prompt_set.prompts], max_tokens=32,
-                           timing_repeats=1, timing_concurrency=[1, 2], timing_prompts=2,
-                           runs=[MeasurementRun(label="no_speculation", speculative_config=None, engine_overrides=overrides),
-                                 MeasurementRun(label="ngram", speculative_config=ngram, engine_overrides=overrides)])  # fmt: skip
+                           timing_repeats=1, timing_concurrency=[1, 2], timing_prompts=2, runs=runs)  # fmt: skip
     env = measurement_environment(device="cpu", cpu_threads=2, in_process=True)
     result, _ = run_measurement_process(spec, work_dir, "ngram", env=env, log_path=work_dir / "log", timeout_s=600)
-    reference, run = result.runs
+    reference, run = (reference, *result.runs) if reference is not None else result.runs
     mismatches = compare_greedy((reference.outputs, reference.top_logits), (run.outputs, run.top_logits),
                                 origins=[p.origin for p in prompt_set.prompts], dtype="bfloat16", tie_steps=0)  # fmt: skip
     wrong = non_argmax_steps(run.outputs, run.top_logits, "bfloat16") + non_argmax_steps(
         reference.outputs, reference.top_logits, "bfloat16"
     )
-    accepted = acceptance_result(run, run, draft_path=Path("ngram"), num_speculative_tokens=3,
-                                 reference_timing=reference, mismatches=mismatches, non_argmax=wrong)  # fmt: skip
+    accepted = acceptance_result(run, run if run.timings else None, draft_path=Path("ngram"),
+                                 num_speculative_tokens=3, reference_timing=reference, mismatches=mismatches,
+                                 non_argmax=wrong)  # fmt: skip
     return reference, accepted
 
 
+RAW_LOGITS = {"logprobs_mode": "raw_logits"}
+
+
+@pytest.fixture(scope="module")
+def ngram_measurement(prepared, tiny_tokenizer, tmp_path_factory):
+    """No speculation and the n-gram proposer, healthy, in one measurement process: (reference, accepted)."""
+    runs = [MeasurementRun(label="no_speculation", speculative_config=None, engine_overrides=RAW_LOGITS),
+            MeasurementRun(label="ngram", speculative_config=NGRAM, engine_overrides=RAW_LOGITS)]  # fmt: skip
+    return _ngram_measurement(prepared, tiny_tokenizer, tmp_path_factory.mktemp("ngram"), runs)
+
+
 @pytest.mark.slow
-def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, tiny_tokenizer, tmp_path):
+def test_accepted_drafts_are_counted_per_position_and_stay_lossless(ngram_measurement):
     """The accept path through the same measurement process, counters and lossless judge as the stage."""
-    reference, accepted = _ngram_measurement(prepared, tiny_tokenizer, tmp_path)
+    reference, accepted = ngram_measurement
     assert accepted.mismatches == []
     assert accepted.non_argmax_steps == []
     assert accepted.lossless
@@ -229,13 +242,17 @@ def test_accepted_drafts_are_counted_per_position_and_stay_lossless(prepared, ti
 
 
 @pytest.mark.slow
-def test_a_wrongly_accepted_draft_token_fails_the_lossless_check(prepared, tiny_tokenizer, tmp_path, monkeypatch):
+def test_a_wrongly_accepted_draft_token_fails_the_lossless_check(
+    ngram_measurement, prepared, tiny_tokenizer, tmp_path, monkeypatch
+):
     """Fault injection (tests/fault_plugins, EAGLE3_FAULT=accept_any_draft): vLLM's verification accepts every
     proposed token. The check must fail on the emitted tokens that are not the speculative run's own argmax, even
-    with a tie allowance, and name them."""
+    with a tie allowance, and name them. The n-gram run alone runs under the fault (no timing pass: nothing here
+    reads it); its reference is the healthy process's run without speculation, which the fault cannot touch."""
     monkeypatch.setenv("EAGLE3_FAULT", "accept_any_draft")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAULT_PLUGINS, os.environ.get("PYTHONPATH")])))
-    _, accepted = _ngram_measurement(prepared, tiny_tokenizer, tmp_path)
+    ngram = MeasurementRun(label="ngram", speculative_config=NGRAM, engine_overrides=RAW_LOGITS, timing_pass=False)
+    _, accepted = _ngram_measurement(prepared, tiny_tokenizer, tmp_path, [ngram], reference=ngram_measurement[0])
     assert not accepted.lossless
     assert accepted.non_argmax_steps, "the wrongly accepted tokens are not the verifier's argmax"
     assert "argmax" in accepted.non_argmax_steps[0]

@@ -423,8 +423,12 @@ def test_greedy_cross_check_on_the_full_model_catches_a_wrong_last_id(tiny_targe
 PREFIX_HITS = re.compile(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
-def extract_with_server(target: Path, work: Path, samples: list, extra_args: list[str]) -> float:
-    """Extract `samples` one at a time (each can hit the cache the previous one filled); returns prefix hits."""
+@pytest.mark.slow
+def test_prefix_cache_hits_give_the_same_hidden_states(tiny_targets, tmp_path, monkeypatch):
+    """Extraction runs with vLLM's prefix caching on: samples served from the cache equal the same samples computed
+    from scratch. One server, prefix caching on as extraction runs it: each sample is first extracted alone on an
+    emptied cache (vLLM's development endpoint /reset_prefix_cache before each: no hit, the hit counter says so),
+    then all of them again one at a time on a warm cache (each hits the prefix the previous one filled)."""
     import httpx
 
     from eagle3_workflow.extraction.replica import client_settings
@@ -432,42 +436,43 @@ def extract_with_server(target: Path, work: Path, samples: list, extra_args: lis
     from eagle3_workflow.hidden_states import HiddenStateFiles
     from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
 
-    settings = tiny_settings(ExtractHiddenStatesStage, vllm={"extra_args": extra_args}, extraction={"concurrency": 1})
-    (work / "scratch").mkdir(parents=True)
-    spec = hidden_states_server_spec(
-        settings,
-        model=str(target),
-        layer_ids=[2, 4, 5, 8],
-        storage_dir=str(work / "scratch"),
-        device="cpu",
-        enable_render_endpoint=True,
-    )
-    with VLLMServer(spec, work / "server.log") as server:
-        extract_samples(
-            server,
-            samples,
-            HiddenStateFiles(work / "files", 4, 64),
-            settings=client_settings(settings.extraction),
-            tracker=ProgressTracker(None, 0, len(samples), 0),
-        )
-        metrics = httpx.get(f"{server.base_url}/metrics", headers=server.headers(), timeout=30).text
-    return sum(float(v) for v in PREFIX_HITS.findall(metrics))
-
-
-@pytest.mark.slow
-def test_prefix_cache_hits_give_the_same_hidden_states(tiny_targets, tmp_path):
-    """Extraction runs with vLLM's prefix caching on: samples served from the cache equal a cache-off run."""
     generator = torch.Generator().manual_seed(3)
     system = torch.randint(10, 1000, (300,), generator=generator).tolist()  # > 2 KV blocks on CPU (128 each)
     samples = [Sample(i, system + torch.randint(10, 1000, (40,), generator=generator).tolist()) for i in range(4)]
-    target = tiny_targets("llama")
-    hits = extract_with_server(target, tmp_path / "cached", samples, [])
-    misses = extract_with_server(target, tmp_path / "uncached", samples, ["--no-enable-prefix-caching"])
-    assert hits >= 3 * 256, f"prefix-cache hits {hits}: the cached run proves nothing"
-    assert misses == 0
+    # the development endpoints (/reset_prefix_cache) of this test's server only (bound to 127.0.0.1, API key)
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    settings = tiny_settings(ExtractHiddenStatesStage, extraction={"concurrency": 1})
+    (tmp_path / "scratch").mkdir()
+    spec = hidden_states_server_spec(settings, model=str(tiny_targets("llama")), layer_ids=[2, 4, 5, 8],
+                                     storage_dir=str(tmp_path / "scratch"), device="cpu", enable_render_endpoint=True)  # fmt: skip
+    assert "--no-enable-prefix-caching" not in spec.extra_args
+
+    with VLLMServer(spec, tmp_path / "server.log") as server:
+
+        def extract(into: str, batch: list[Sample]) -> None:
+            extract_samples(server, batch, HiddenStateFiles(tmp_path / into, 4, 64),
+                            settings=client_settings(settings.extraction), tracker=ProgressTracker(None, 0, len(batch), 0))  # fmt: skip
+
+        def hits() -> float:
+            metrics = httpx.get(f"{server.base_url}/metrics", headers=server.headers(), timeout=30).text
+            return sum(float(v) for v in PREFIX_HITS.findall(metrics))
+
+        def empty_the_cache() -> None:
+            reset = httpx.post(f"{server.base_url}/reset_prefix_cache", headers=server.headers(), timeout=30)
+            assert reset.status_code == 200 and reset.json() == {"success": True}, reset.text
+
+        for sample in samples:
+            empty_the_cache()
+            extract("uncached", [sample])
+        misses = hits()
+        empty_the_cache()
+        extract("cached", samples)
+        cached_hits = hits() - misses
+    assert cached_hits >= 3 * 256, f"prefix-cache hits {cached_hits}: the cached run proves nothing"
+    assert misses == 0, f"{misses} prefix-cache hits with the cache emptied before every sample"
     for sample in samples:
-        cached = load_file(tmp_path / "cached" / "files" / f"hs_{sample.row}.safetensors")
-        uncached = load_file(tmp_path / "uncached" / "files" / f"hs_{sample.row}.safetensors")
+        cached = load_file(tmp_path / "cached" / f"hs_{sample.row}.safetensors")
+        uncached = load_file(tmp_path / "uncached" / f"hs_{sample.row}.safetensors")
         assert torch.equal(cached["token_ids"], uncached["token_ids"])
         assert torch.equal(cached["hidden_states"], uncached["hidden_states"]), f"row {sample.row} differs"
 

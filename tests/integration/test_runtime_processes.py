@@ -482,21 +482,46 @@ def test_a_status_file_gets_its_last_word_on_a_full_disk(small_disk):
 
 
 @pytest.mark.slow
-def test_a_sigkilled_stage_leaves_no_vllm_server_behind(tiny_targets, tmp_path):
-    """canary and extract_hidden_states start their server exactly like this (VLLMServer with
-    hidden_states_server_spec): API server + EngineCore under the launcher, all gone after SIGKILL."""
+def test_a_port_taken_before_vllm_binds_it_is_retried_then_a_sigkilled_stage_leaves_no_server_behind(
+    tiny_targets, tmp_path
+):
+    """One server start for two proofs, in a stage-like process that starts its server exactly as canary and
+    extract_hidden_states do (VLLMServer with hidden_states_server_spec):
+
+    1. free_port() can only say a port is free now: another job's server may bind it before this one does (a
+       clean-clone suite failed so: '[Errno 98] Address already in use' from vLLM's launcher). With its first port
+       held by a listening socket, the server is started again on a fresh port, the log says why, and the server
+       that answers is this one (its API key works).
+    2. SIGKILL of the stage: API server + EngineCore under the launcher, all gone after it."""
     stage = Stage(f"""
-        import time
+        import logging, socket, sys, time, urllib.request
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
+        import eagle3_workflow.vllm_server as vllm_server
         from eagle3_workflow.settings import ServingStage
-        from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
+        taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()  # another process's listening socket: connections hang, vLLM's bind fails
+        taken_port = taken.getsockname()[1]
+        ports = iter([taken_port])
+        really_free_port = vllm_server.free_port
+        vllm_server.free_port = lambda: next(ports, None) or really_free_port()
         settings = ServingStage.model_validate_json({_serving().model_dump_json()!r})
-        spec = hidden_states_server_spec(settings, model={str(tiny_targets("llama"))!r}, layer_ids=[2, 4, 5, 8],
-            storage_dir={str(tmp_path / "hs")!r}, device="cpu", enable_render_endpoint=True)
-        with VLLMServer(spec, {str(tmp_path / "server.log")!r}) as server:
-            print("server ready", server.port, flush=True)
+        spec = vllm_server.hidden_states_server_spec(settings, model={str(tiny_targets("llama"))!r},
+            layer_ids=[2, 4, 5, 8], storage_dir={str(tmp_path / "hs")!r}, device="cpu", enable_render_endpoint=True)
+        with vllm_server.VLLMServer(spec, {str(tmp_path / "server.log")!r}) as server:
+            request = urllib.request.Request(f"{{server.base_url}}/v1/models", headers=server.headers())
+            with urllib.request.urlopen(request, timeout=30) as response:
+                print("server ready on", server.port, "taken", taken_port, "status", response.status, flush=True)
             time.sleep(600)
     """)
-    stage.wait_for("server ready", 300)
+    stage.wait_for("server ready on", 300)
+    ready = next(line for line in stage.lines if line.startswith("server ready on")).split()
+    port, taken_port, status = int(ready[3]), int(ready[5]), int(ready[7])
+    assert port != taken_port and status == 200, ready
+    assert "Address already in use" in (tmp_path / "server.log").read_text()
+    retried = (f"port {taken_port} (or another port the server binds) was taken before vLLM bound it; starting the "
+               "server again on a fresh port (attempt 2 of 3)")  # fmt: skip
+    assert any(retried in line for line in stage.lines), "\n".join(stage.lines[-60:])
     stage.kill_and_expect_no_orphans(at_least=4)  # stage, launcher, API server, EngineCore
 
 
@@ -601,37 +626,6 @@ def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_fo
     assert "did not stop" not in caplog.text
     assert server.child is not None
     assert not alive(tree(server.child.pid))
-
-
-@pytest.mark.slow
-def test_a_port_taken_before_vllm_binds_it_is_retried_on_a_fresh_port(tiny_targets, tmp_path, monkeypatch, caplog):
-    """free_port() can only say a port is free now: another job's server may bind it before this one does (a
-    clean-clone suite failed so: '[Errno 98] Address already in use' from vLLM's launcher). The server is started
-    again on a fresh port, the log says why, and the server that answers is this one (its API key works)."""
-    import socket
-    import urllib.request
-
-    import eagle3_workflow.vllm_server as vllm_server
-
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()  # another process's listening socket: connections hang, vLLM's bind fails
-    taken_port = taken.getsockname()[1]
-    ports = iter([taken_port])
-    really_free_port = vllm_server.free_port
-    monkeypatch.setattr(vllm_server, "free_port", lambda: next(ports, None) or really_free_port())
-    spec = vllm_server.target_server_spec(_serving(), model=str(tiny_targets("llama")), device="cpu")
-    try:
-        with vllm_server.VLLMServer(spec, tmp_path / "server.log") as server:
-            assert server.port != taken_port
-            request = urllib.request.Request(f"{server.base_url}/v1/models", headers=server.headers())
-            with urllib.request.urlopen(request, timeout=30) as response:
-                assert response.status == 200
-    finally:
-        taken.close()
-    assert "Address already in use" in (tmp_path / "server.log").read_text()
-    assert (f"port {taken_port} (or another port the server binds) was taken before vLLM bound it; starting the "
-            "server again on a fresh port (attempt 2 of 3)") in caplog.text  # fmt: skip
 
 
 # ---------------------------------------------------------------- an eager CPU engine compiles nothing
