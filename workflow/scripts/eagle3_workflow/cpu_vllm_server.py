@@ -21,11 +21,11 @@ core per worker (vLLM's "OpenMP thread binding info" lines).
 
 Before the fork the server's heap is frozen (``gc.freeze()``): what the imports built (~630,000 objects, ~190 of them
 garbage) is left out of every later collection, in the server and in the EngineCore that inherits it. vLLM collects
-in full five times while it starts (``gc.collect()`` before and after each model's weights, the target's and the
-extraction's drafter's, and ``freeze_gc_heap`` when the EngineCore is up and again when the server's app starts),
+in full six times while the extraction server starts (``gc.collect()`` before and after each model's weights, the
+target's and the drafter's, and ``freeze_gc_heap`` when the EngineCore is up and again when the server's app starts),
 ~0.4 s each over that heap on 2 cores; vLLM freezes the same objects itself at the end (``freeze_gc_heap``), so
-this only brings the freeze forward: no object is kept alive by it (a collection frees unreachable cycles only), no
-value computed changes.
+this only brings the freeze forward: it keeps alive only what was garbage when it froze (~190 objects, to the
+process's exit), and no value computed changes (a collection frees unreachable cycles only).
 """
 
 from __future__ import annotations
