@@ -441,7 +441,40 @@ def test_an_offline_engine_on_cpu_starts_with_the_heap_frozen_and_on_a_gpu_as_vl
     platform_modules(monkeypatch, current_platform=Platform())
     gc.unfreeze()
     try:
-        assert freeze_heap_for_cpu_engine() is is_cpu
+        assert freeze_heap_for_cpu_engine(1) is is_cpu
         assert (gc.get_freeze_count() > 0) is is_cpu
+    finally:
+        gc.unfreeze()
+
+
+def test_an_offline_engine_at_tp_2_on_cpu_forks_its_engine_core_as_a_server_does(monkeypatch):
+    """At tensor_parallel_size > 1 the engine's EngineCore is forked from the process (its heap frozen when the
+    config is updated, cpu_vllm_server.fork_the_engine_core), installed once however many engines it starts."""
+    import gc
+
+    from eagle3_workflow import cpu_vllm_server
+    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine
+
+    class CpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+        def is_cpu(self):
+            return True
+
+    platform_modules(monkeypatch, CpuPlatform=CpuPlatform, current_platform=CpuPlatform())
+    monkeypatch.setattr(cpu_vllm_server, "_vllm_choice", {})
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    gc.unfreeze()
+    try:
+        assert freeze_heap_for_cpu_engine(2)
+        installed = CpuPlatform.check_and_update_config
+        assert freeze_heap_for_cpu_engine(2)
+        assert CpuPlatform.check_and_update_config.__func__ is installed.__func__, "wrapped once"
+        assert gc.get_freeze_count() == 0, "frozen when vLLM updates the config"
+        CpuPlatform.check_and_update_config("the config")
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+        assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()

@@ -78,6 +78,8 @@ def fork_the_engine_core() -> None:
     from vllm.platforms import cpu
 
     platform = cpu.CpuPlatform
+    if getattr(platform.check_and_update_config, "_forks_the_engine_core", False):
+        return  # installed already (an offline engine's process starts several engines)
     original = platform.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config):  # noqa: ANN001, ANN202 - vLLM's signature
@@ -86,6 +88,7 @@ def fork_the_engine_core() -> None:
         os.environ[METHOD_VARIABLE] = "fork"
         gc.freeze()  # the imports' objects: vLLM's start-up collections skip them (the module's docstring)
 
+    check_and_update_config._forks_the_engine_core = True
     platform.check_and_update_config = classmethod(check_and_update_config)
     os.register_at_fork(after_in_child=_back_to_vllm_choice)
 

@@ -188,7 +188,9 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     report_idle()  # loading an engine (or waiting for the lock) is bounded by evaluate.timeout_s, not the stall watch
     gate.hold("engine_start")
     print(f"{prefix}{run.label}: starting the engine ({kwargs})", flush=True)
-    freeze_heap_for_cpu_engine()  # vLLM's start-up collections skip what is alive now (the previous engine released)
+    # vLLM's start-up collections skip what is alive now (the previous engine released); at TP > 1 on CPU its
+    # EngineCore is forked from here
+    freeze_heap_for_cpu_engine(kwargs["tensor_parallel_size"])
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - t0

@@ -321,7 +321,7 @@ def run_regeneration(spec: RegenerationSpec) -> RegenerationStats:
     started = time.perf_counter()
     from vllm import LLM
 
-    freeze_heap_for_cpu_engine()  # vLLM's start-up collections skip the imports' objects
+    freeze_heap_for_cpu_engine(kwargs["tensor_parallel_size"])  # start-up collections skip the imports' objects
     llm = LLM(**kwargs)
     ready_s = time.perf_counter() - started
     log.info("vLLM ready in %.1f s", ready_s)
