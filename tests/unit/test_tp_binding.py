@@ -66,7 +66,7 @@ def test_a_cpu_server_of_tp_2_is_served_at_2_with_a_worker_per_core():
     cmd = build_server_command(spec, port=1, python="python")
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "mp"
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], "TP workers keep vLLM's spawn"
+    assert cmd[1:3] == ["-m", "eagle3_workflow.cpu_vllm_server"], "its EngineCore is forked (its workers spawned)"
     env = server_environment(spec, "key")
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == spec.cpu_threads_bind
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
@@ -122,13 +122,3 @@ def test_offline_engines_on_cpu_get_the_same_binding(monkeypatch):
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_threads_bind(2, None, os.sched_getaffinity(0))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # a person's own binding wins
     assert cpu_engine_environment("cpu", 2, None) == {"VLLM_CPU_OMP_THREADS_BIND": "1|0"}
-
-
-def test_the_forking_cpu_launcher_refuses_tensor_parallelism():
-    from eagle3_workflow.cpu_vllm_server import main, tensor_parallel_size
-
-    assert tensor_parallel_size(["--model", "m", "--tensor-parallel-size", "2"]) == 2
-    assert tensor_parallel_size(["--tensor-parallel-size=4"]) == 4
-    assert tensor_parallel_size(["--model", "m"]) == 1
-    with pytest.raises(SystemExit, match="tensor parallel size 1 only"):
-        main(["--model", "m", "--tensor-parallel-size", "2"])

