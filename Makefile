@@ -11,7 +11,8 @@ PYTEST_ARGS ?=
 # test is waiting
 TEST_WORKERS ?= 3
 
-.PHONY: setup demo test test-fast test-integration test-e2e lint format dryrun install-profile clean-demo gpu-local config-docs
+PLAN_ARGS ?=
+.PHONY: plan setup demo test test-fast test-integration test-e2e lint format dryrun install-profile clean-demo gpu-local config-docs
 
 setup:
 	bash envs/setup_cpu.sh
@@ -31,6 +32,11 @@ gpu-local:
 
 dryrun: setup
 	$(SNAKEMAKE) -n --configfile $(PRESET)
+
+# the forecast of a GPU run before it starts (issue #42): per stage GPU-hours, wall and disk from measured costs
+# (config/costs/), e.g. make plan PRESET=config/presets/llama-3.1-8b.yaml PLAN_ARGS="--samples 500000 --mean-tokens 1024"
+plan: setup
+	PYTHONPATH=workflow/scripts $(PY) -m eagle3_workflow.forecast --configfile $(PRESET) $(EXTRA_CONFIG) $(PLAN_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check workflow tests bench

@@ -94,6 +94,23 @@ def test_trained_draft_beats_the_untrained_one_and_stays_lossless(tiny_run):
 
 
 @pytest.mark.slow
+def test_the_forecast_counts_the_trained_drafts_parameters_as_speculators_built_them(tiny_run):
+    """The forecast's draft count (eagle3_workflow.forecast.shape) against the draft speculators' trainer saved:
+    every weight matrix but the embedding (also SmolLM2-135M's draft: 9,805,824 both ways, 2026-12-06)."""
+    from safetensors import safe_open
+
+    from eagle3_workflow.forecast.shape import draft_params_per_token
+
+    run, _ = tiny_run
+    with safe_open(str(run / "draft" / "model.safetensors"), "pt") as weights:
+        shapes = [weights.get_slice(name).get_shape() for name in weights.keys() if "embed" not in name]
+    saved = sum(rows * cols for rows, cols in (s for s in shapes if len(s) == 2))
+    draft = json.loads((run / "draft" / "config.json").read_text())
+    target = json.loads((run / "target" / "config.json").read_text())
+    assert draft_params_per_token(target, draft["draft_vocab_size"]) == saved > 0
+
+
+@pytest.mark.slow
 def test_a_second_run_does_nothing(tiny_run):
     run, _ = tiny_run
     proc = run_workflow(run.parent.parent, tiny_config(run="tiny"), extra=["-n"])

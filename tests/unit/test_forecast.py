@@ -1,0 +1,108 @@
+"""The forecast's arithmetic (eagle3_workflow.forecast): parameters per token against published counts, the scaling
+of measured rates, and the command's refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO
+
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.forecast.__main__ import main
+from eagle3_workflow.forecast.model import CostTable, MeasuredRate, RunShape, extraction_forecast, training_forecast
+from eagle3_workflow.forecast.shape import active_params_per_token
+
+PRESET_8B = REPO / "config" / "presets" / "llama-3.1-8b.yaml"
+SHAPE = ["--target-config", str(REPO / "bench" / "gpu" / "llama8b-shape-config.json")]
+LLAMA_8B = json.loads((REPO / "bench" / "gpu" / "llama8b-shape-config.json").read_text())
+KIMI_K2 = {  # Kimi-K2 / K2.5's text_config, as released
+    "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+    "intermediate_size": 18432, "first_k_dense_replace": 1, "vocab_size": 163840,
+}  # fmt: skip
+
+
+def test_llama_8b_counts_its_published_parameters_less_the_embedding_and_norms():
+    # Llama-3.1-8B: 8,030,261,248 parameters; a token does not multiply the embedding (128,256 x 4,096) or use the
+    # 65 RMSNorm weight vectors as a matrix
+    assert active_params_per_token(LLAMA_8B) == 8_030_261_248 - 128_256 * 4_096 - 65 * 4_096
+
+
+def test_kimi_and_deepseek_v3_count_their_published_activated_parameters():
+    # Moonshot: Kimi-K2 "32B activated"; DeepSeek: V3 "37B activated" (both with the embedding, ~1B)
+    assert active_params_per_token(KIMI_K2) == pytest.approx(32e9, rel=0.03)
+    deepseek_v3 = KIMI_K2 | {"num_attention_heads": 128, "n_routed_experts": 256, "vocab_size": 129_280,
+                             "first_k_dense_replace": 3}  # fmt: skip
+    assert active_params_per_token(deepseek_v3) == pytest.approx(37e9, rel=0.03)
+
+
+def test_a_layout_the_forecast_cannot_count_is_refused_with_the_keys_it_needs():
+    with pytest.raises(StageError, match=r"no \['intermediate_size'\].*--target-config"):
+        active_params_per_token({k: v for k, v in LLAMA_8B.items() if k != "intermediate_size"})
+
+
+def run_shape(**changes) -> RunShape:
+    base = dict(
+        samples=1000, tokens=1_000_000, tokens_source="test", target_params_per_token=2_000_000_000,
+        draft_params_per_token=100_000_000, hidden_size=64, captured_ids=4, replicas=2, gpus_per_replica=2,
+        train_gpus=4, epochs=3, train_data_ratio=0.5,
+    )  # fmt: skip
+    return RunShape(**(base | changes))
+
+
+COSTS = CostTable(
+    machine="test",
+    extraction=MeasuredRate(tokens_per_s=1000.0, params_per_token=1_000_000_000, start_s=50.0, source="x"),
+    training=MeasuredRate(tokens_per_s=500.0, params_per_token=200_000_000, start_s=100.0, source="y"),
+)
+
+
+def test_extraction_scales_the_measured_rate_by_parameters_and_spreads_it_over_every_gpu():
+    row = extraction_forecast(run_shape(), COSTS)
+    # 1e6 tokens at twice the reference's parameters: 2,000 GPU-seconds; 2 replicas x 2 GPUs share them
+    assert row.wall_s == pytest.approx(50 + 2000 / 4)
+    assert row.gpu_hours == pytest.approx(4 * (50 + 500) / 3600)
+    assert row.disk_bytes == 1_000_000 * 4 * 64 * 2
+
+
+def test_training_scales_by_the_draft_and_counts_only_the_training_rows_each_epoch():
+    row = training_forecast(run_shape(), COSTS)
+    # 3 epochs x 500,000 training tokens at half the reference draft's parameters: 1,500 GPU-seconds over 4 GPUs
+    assert row.wall_s == pytest.approx(100 + 1500 / 4)
+    assert row.gpu_hours == pytest.approx(4 * 475 / 3600)
+
+
+def test_the_plan_of_the_published_8b_preset(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no results/ here: the data's size comes from the flags
+    out = tmp_path / "forecast.json"
+    code = main(
+        ["--configfile", str(PRESET_8B), *SHAPE, "--samples", "1000", "--mean-tokens", "100", "--json", str(out)]
+    )
+    assert code == 0, capsys.readouterr().err
+    stages = {(s["stage"], s["quantity"]): s for s in json.loads(out.read_text())["stages"]}
+    # the reference shape itself: 100,000 tokens at the measured 39,723.2 tok/s on 8 replicas of one GPU
+    assert stages["extract_hidden_states", "wall"]["forecast"] == pytest.approx(57.1 + 100_000 / 39_723.2 / 8, rel=1e-4)
+    assert stages["extract_hidden_states", "disk"]["forecast"] == 100_000 * 4 * 4096 * 2
+    assert "evaluate_draft" in capsys.readouterr().out  # listed, without a figure
+
+
+def test_a_plan_without_the_data_size_or_for_a_cpu_preset_says_what_to_give(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--configfile", str(PRESET_8B), *SHAPE]) == 2
+    assert "--mean-tokens" in capsys.readouterr().err
+    tiny = str(REPO / "config" / "presets" / "tiny.yaml")
+    assert main(["--configfile", tiny, *SHAPE, "--samples", "9", "--mean-tokens", "9"]) == 2
+    assert "forecast is for GPU runs" in capsys.readouterr().err
+
+
+def test_prepare_datas_manifest_gives_the_size_once_it_exists(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    manifest = tmp_path / "results" / "llama-3.1-8b" / "data" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"records_kept": 320, "total_tokens": 22_937}))
+    assert main(["--configfile", str(PRESET_8B), *SHAPE]) == 0
+    assert (
+        "320 samples, 22,937 tokens (prepare_data's results/llama-3.1-8b/data/manifest.json)" in capsys.readouterr().out
+    )

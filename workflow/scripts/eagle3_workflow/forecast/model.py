@@ -1,0 +1,146 @@
+"""The forecast itself: measured per-token costs (a CostTable) scaled to a run's target, draft and data (a RunShape),
+per stage. Pure: numbers in, numbers out.
+
+How each figure is made, and what it assumes (each assumption is one the next GPU measurement checks):
+- extract_hidden_states: the measured prefill rate of the reference target (tokens/s on one GPU, the workflow's own
+  extraction server) scaled by parameters per token (compute-bound prefill: the GPU time of a token grows with the
+  weights it multiplies). A replica of g GPUs runs g GPUs' worth of tokens (tensor parallelism assumed to scale
+  linearly), each replica pays the measured server start once. Disk: every token's captured states (ids x hidden x 2
+  bytes), exact.
+- train_draft: the measured steady rate of the reference draft (tokens/s on one GPU, steps after the first) scaled
+  by the draft's parameters per token, times epochs over the training rows' tokens; the GPUs share the tokens
+  (data-parallel, linear); one measured fixed cost per run (DataLoader start, compilation, saves: the measured run's
+  wall minus its steady steps).
+- The other stages have no cost measured at a shape that scales: they are listed, not forecast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredRate:
+    """One rate measured on one GPU: `tokens_per_s` for a model of `params_per_token`, `start_s` paid once per
+    process (server start, or a training run's fixed cost)."""
+
+    tokens_per_s: float
+    params_per_token: int
+    start_s: float
+    source: str  # what, where, when: the cost table's entry, for the printout
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    machine: str
+    extraction: MeasuredRate
+    training: MeasuredRate
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What the forecast needs of a run: the data's tokens, the target's and draft's parameters per token, the
+    captured states, and the parallelism the config asks for."""
+
+    samples: int
+    tokens: int
+    tokens_source: str  # where the token count came from (the prepared data's manifest, or the flags)
+    target_params_per_token: int
+    draft_params_per_token: int
+    hidden_size: int
+    captured_ids: int
+    replicas: int
+    gpus_per_replica: int
+    train_gpus: int
+    epochs: int
+    train_data_ratio: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StageForecast:
+    stage: str
+    gpu_hours: float | None
+    wall_s: float | None
+    disk_bytes: int | None
+    basis: str  # how the figures were made, or why there are none
+
+
+NOT_FORECAST = ("check_api", "canary", "validate_hidden_states", "evaluate_draft")
+
+
+def extraction_forecast(run: RunShape, costs: CostTable) -> StageForecast:
+    rate = costs.extraction
+    gpu_s = run.tokens * run.target_params_per_token / (rate.tokens_per_s * rate.params_per_token)
+    gpus = run.replicas * run.gpus_per_replica
+    wall = rate.start_s + gpu_s / gpus
+    return StageForecast(
+        stage="extract_hidden_states",
+        gpu_hours=gpus * wall / 3600,
+        wall_s=wall,
+        disk_bytes=run.tokens * run.captured_ids * run.hidden_size * 2,
+        basis=(
+            f"{run.tokens:,} tokens x {run.target_params_per_token / 1e9:.2f}B params/token at "
+            f"{rate.tokens_per_s:,.0f} tok/s per GPU for {rate.params_per_token / 1e9:.2f}B ({rate.source}); "
+            f"{run.replicas} replica(s) x {run.gpus_per_replica} GPU(s), each starting in {rate.start_s:.0f} s"
+        ),
+    )
+
+
+def training_forecast(run: RunShape, costs: CostTable) -> StageForecast:
+    rate = costs.training
+    trained = run.tokens * run.train_data_ratio * run.epochs
+    gpu_s = trained * run.draft_params_per_token / (rate.tokens_per_s * rate.params_per_token)
+    wall = rate.start_s + gpu_s / run.train_gpus
+    return StageForecast(
+        stage="train_draft",
+        gpu_hours=run.train_gpus * wall / 3600,
+        wall_s=wall,
+        disk_bytes=None,
+        basis=(
+            f"{run.epochs} epoch(s) x {run.tokens * run.train_data_ratio:,.0f} training tokens x "
+            f"{run.draft_params_per_token / 1e9:.3f}B draft params/token at {rate.tokens_per_s:,.0f} tok/s per GPU "
+            f"for {rate.params_per_token / 1e9:.3f}B ({rate.source}); {run.train_gpus} GPU(s), "
+            f"{rate.start_s:.0f} s fixed per run"
+        ),
+    )
+
+
+def forecast(run: RunShape, costs: CostTable) -> list[StageForecast]:
+    """Per stage, in the pipeline's order; the stages without a measured cost say so."""
+    rows = [extraction_forecast(run, costs), training_forecast(run, costs)]
+    rows += [StageForecast(s, None, None, None, "no cost measured at a shape that scales") for s in NOT_FORECAST]
+    order = ["check_api", "canary", "extract_hidden_states", "validate_hidden_states", "train_draft", "evaluate_draft"]
+    return sorted(rows, key=lambda r: order.index(r.stage))
+
+
+def as_json(rows: list[StageForecast], run: RunShape, costs: CostTable) -> dict[str, Any]:
+    """forecast.json's shape (issue #42): {"stages": [{"stage", "quantity", "forecast", "unit"}, ...]}, plus the run
+    shape and the costs' machine; a measured run adds "measured" beside each forecast."""
+    stages = []
+    for row in rows:
+        for quantity, value, unit in (
+            ("gpu_hours", row.gpu_hours, "GPU-h"),
+            ("wall", row.wall_s, "s"),
+            ("disk", row.disk_bytes, "bytes"),
+        ):
+            if value is not None:
+                stages.append({"stage": row.stage, "quantity": quantity, "forecast": round(value, 4), "unit": unit})
+    return {"machine": costs.machine, "run": dataclasses.asdict(run), "stages": stages}
+
+
+def cost_table(raw: Mapping[str, Any], params_per_token: Callable[[str, int | None], int]) -> CostTable:
+    """A CostTable from config/costs/<machine>.yaml. `params_per_token(shape file, draft vocabulary or None)` counts
+    the reference shape's target (None) or draft parameters per token (the caller reads the shape's config.json)."""
+
+    def rate(section: str, draft: bool) -> MeasuredRate:
+        entry = raw[section]
+        return MeasuredRate(
+            tokens_per_s=float(entry["tokens_per_s"]),
+            params_per_token=params_per_token(entry["shape"], int(entry["draft_vocab_size"]) if draft else None),
+            start_s=float(entry["start_s"]),
+            source=f"{entry['date']}, {entry['source']}",
+        )
+
+    return CostTable(machine=str(raw["machine"]), extraction=rate("extraction", False), training=rate("training", True))
