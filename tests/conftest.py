@@ -54,6 +54,7 @@ VLLM_LOGS = TESTS / "vllm_logs"  # failure logs in vLLM's output shapes (tests/v
 # Snakemake command lines the tests ran in this process (dry runs among them), the jobs they ran and their wall
 # seconds: the timeline's snakemake_* fields
 _SNAKEMAKE_RUNS = {"runs": 0, "dry_runs": 0, "jobs": 0, "seconds": 0.0}
+DRY_RUN_FLAGS = {"-n", "--dry-run", "--dryrun"}
 
 
 def tiny_config(run: str = "t", **overrides: dict) -> dict:
@@ -194,7 +195,7 @@ def run_workflow(
     cmd = workflow_command(workdir, config, targets, extra=extra, snakefile=snakefile, cores=cores)
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=workflow_env(env))
-    dry = bool({"-n", "--dry-run", "--dryrun"} & set(extra or []))  # its `rule x:` lines are planned jobs
+    dry = bool(DRY_RUN_FLAGS & set(extra or []))  # its `rule x:` lines are planned jobs
     _SNAKEMAKE_RUNS.update(runs=_SNAKEMAKE_RUNS["runs"] + 1, dry_runs=_SNAKEMAKE_RUNS["dry_runs"] + dry,
                            jobs=_SNAKEMAKE_RUNS["jobs"] + (0 if dry else len(rules_run(proc))),
                            seconds=_SNAKEMAKE_RUNS["seconds"] + time.monotonic() - started)  # fmt: skip
@@ -218,6 +219,7 @@ def start_workflow(
     to `log`. The caller waits for a state, kills, and reaps the process."""
     cmd = workflow_command(workdir, config, targets, extra=extra)
     _SNAKEMAKE_RUNS["runs"] += 1  # its jobs and time are not counted: the test decides when it ends
+    _SNAKEMAKE_RUNS["dry_runs"] += bool(DRY_RUN_FLAGS & set(extra or []))
     with open(log, "w") as output:  # the child keeps its own copy of the file
         return subprocess.Popen(cmd, cwd=workdir, stdout=output, stderr=subprocess.STDOUT, env=workflow_env(env))
 
