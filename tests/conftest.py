@@ -51,6 +51,10 @@ TINY_PRESET = REPO / "config" / "presets" / "tiny.yaml"
 TINY_DATA = REPO / "config" / "data" / "tiny_conversations.jsonl"
 SEED_PROMPTS = REPO / "config" / "data" / "seed_prompts.txt"
 VLLM_LOGS = TESTS / "vllm_logs"  # failure logs in vLLM's output shapes (tests/vllm_logs/README.md)
+# Snakemake command lines the tests ran in this process (dry runs among them), the jobs they ran and their wall
+# seconds: the timeline's snakemake_* fields
+_SNAKEMAKE_RUNS = {"runs": 0, "dry_runs": 0, "jobs": 0, "seconds": 0.0}
+DRY_RUN_FLAGS = {"-n", "--dry-run", "--dryrun"}
 
 
 def tiny_config(run: str = "t", **overrides: dict) -> dict:
@@ -189,7 +193,12 @@ def run_workflow(
     """Run the real workflow in `workdir` (see workflow_command); returns the completed process (output captured).
     check: a non-zero exit fails the test with the ends of stdout and stderr."""
     cmd = workflow_command(workdir, config, targets, extra=extra, snakefile=snakefile, cores=cores)
+    started = time.monotonic()
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=workflow_env(env))
+    dry = bool(DRY_RUN_FLAGS & set(extra or []))  # its `rule x:` lines are planned jobs
+    _SNAKEMAKE_RUNS.update(runs=_SNAKEMAKE_RUNS["runs"] + 1, dry_runs=_SNAKEMAKE_RUNS["dry_runs"] + dry,
+                           jobs=_SNAKEMAKE_RUNS["jobs"] + (0 if dry else len(rules_run(proc))),
+                           seconds=_SNAKEMAKE_RUNS["seconds"] + time.monotonic() - started)  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(
             f"snakemake failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-12000:]}"
@@ -209,6 +218,8 @@ def start_workflow(
     """Start the real workflow in `workdir` without waiting for it (the tests that kill it); stdout and stderr go
     to `log`. The caller waits for a state, kills, and reaps the process."""
     cmd = workflow_command(workdir, config, targets, extra=extra)
+    _SNAKEMAKE_RUNS["runs"] += 1  # its jobs and time are not counted: the test decides when it ends
+    _SNAKEMAKE_RUNS["dry_runs"] += bool(DRY_RUN_FLAGS & set(extra or []))
     with open(log, "w") as output:  # the child keeps its own copy of the file
         return subprocess.Popen(cmd, cwd=workdir, stdout=output, stderr=subprocess.STDOUT, env=workflow_env(env))
 
@@ -390,10 +401,12 @@ def copied_run(workdir: Path, dest: Path, *, without: Path | tuple[Path, ...] = 
 # ---------------------------------------------------------------- where a suite's time goes
 
 # EAGLE3_TEST_TIMELINE=<file>: each worker appends one JSON line per test (worker, test, start and stop as epoch
-# seconds, and the CPU seconds it used with every child process it waited for: Snakemake, stages, vLLM), for
-# bench/suite/timeline.py to show which tests cost most and which end last.
+# seconds, and the CPU seconds it used with every child process it waited for: Snakemake, stages, vLLM; the
+# Snakemake command lines it ran through run_workflow/start_workflow, dry runs among them, the jobs they ran and
+# their wall seconds),
+# for bench/suite/timeline.py to show which tests cost most and which end last.
 TIMELINE = os.environ.get("EAGLE3_TEST_TIMELINE")
-_TEST_STARTED: dict[str, tuple[float, float]] = {}
+_TEST_STARTED: dict[str, tuple[float, float, dict[str, float]]] = {}
 _XDIST_CONTROLLER = [False]  # the process that hands tests to xdist workers runs none itself
 
 
@@ -408,7 +421,7 @@ def _cpu_seconds() -> float:
 
 def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
     if TIMELINE and not _XDIST_CONTROLLER[0]:
-        _TEST_STARTED[nodeid] = (time.time(), _cpu_seconds())
+        _TEST_STARTED[nodeid] = (time.time(), _cpu_seconds(), dict(_SNAKEMAKE_RUNS))
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
@@ -416,9 +429,10 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
         return
     import json
 
-    started, cpu = _TEST_STARTED.pop(nodeid)
+    started, cpu, snakemake = _TEST_STARTED.pop(nodeid)
     line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": nodeid, "start": started,
-            "stop": time.time(), "cpu": round(_cpu_seconds() - cpu, 2)}  # fmt: skip
+            "stop": time.time(), "cpu": round(_cpu_seconds() - cpu, 2),
+            **{f"snakemake_{k}": round(v - snakemake[k], 2) for k, v in _SNAKEMAKE_RUNS.items()}}  # fmt: skip
     with open(TIMELINE, "a") as timeline:  # one short write per line: workers do not interleave
         timeline.write(json.dumps(line) + "\n")
 

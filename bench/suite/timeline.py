@@ -15,7 +15,8 @@ from pathlib import Path
 
 
 def read_tests(path: Path) -> list[dict]:
-    """One record per test (worker, test, start, stop, cpu), in the order they started."""
+    """One record per test (worker, test, start, stop, cpu, snakemake_runs/dry_runs/jobs/seconds), in the order they
+    started."""
     return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda t: t["start"])
 
 
@@ -45,6 +46,10 @@ def main() -> None:
         print(f"{worker}: {len(own)} tests, busy {busy:.0f} s, idle {end - origin - busy:.0f} s, done at "
               f"{last['stop'] - origin:.0f} s; last: {last['test']} ({last['start'] - origin:.0f}-"
               f"{last['stop'] - origin:.0f} s)")  # fmt: skip
+    snakemake = {k: sum(t.get(f"snakemake_{k}", 0) for t in tests) for k in ("runs", "dry_runs", "jobs", "seconds")}
+    print(f"Snakemake: {snakemake['runs']:.0f} command lines (run_workflow/start_workflow), {snakemake['dry_runs']:.0f} "
+          f"of them dry runs; {snakemake['jobs']:.0f} jobs run by those that the test waited for, "
+          f"{snakemake['seconds']:.0f} s in them")  # fmt: skip
     print(f"\nmost CPU, top {args.top} (wall, CPU, start-stop in seconds from the first start):")
     for test in sorted(tests, key=lambda t: -t["cpu"])[: args.top]:
         print(row(test, origin))

@@ -62,6 +62,67 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys():
     assert "hidden_states" in line
 
 
+# ---------------------------------------------------------------- validate_config: Snakemake's validation, schema read once
+
+PRESET_FILES = sorted((REPO / "config" / "presets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        *(yaml.safe_load(p.read_text()) for p in PRESET_FILES),
+        {"run": "x", "target": {"path": "/m"}, "data": {"sources": [{"path": "a.jsonl"}]}},
+    ],
+    ids=[*(p.stem for p in PRESET_FILES), "minimal"],
+)
+def test_validate_config_fills_what_snakemakes_validate_fills(config):
+    import copy
+
+    from eagle3_workflow.config_errors import validate_config
+
+    ours, snakemakes = copy.deepcopy(config), copy.deepcopy(config)
+    validate_config(ours, SCHEMA)
+    validate(snakemakes, SCHEMA)
+    assert ours == snakemakes
+
+
+def test_validate_config_refuses_what_snakemakes_validate_refuses():
+    from eagle3_workflow.config_errors import validate_config
+
+    config = tiny_config(extraction={"replicas": 0})
+    with pytest.raises(WorkflowError):
+        validate(dict(config), SCHEMA)
+    with pytest.raises(WorkflowError, match=r"extraction\.replicas"):
+        validate_config(config, SCHEMA)
+
+
+def test_a_filled_default_is_the_configs_own_not_the_cached_schemas():
+    from eagle3_workflow.config_errors import validate_config
+
+    first = {"run": "x", "target": {"path": "/m"}, "data": {}}
+    validate_config(first, SCHEMA)
+    first["data"]["sources"].append({"path": "mine.jsonl"})  # the default, [], filled in
+    second = {"run": "y", "target": {"path": "/m"}, "data": {}}
+    validate_config(second, SCHEMA)
+    assert second["data"]["sources"] == []
+
+
+def test_an_edited_schema_is_read_again(tmp_path):
+    from eagle3_workflow.config_errors import validate_config
+
+    schema = tmp_path / "config.schema.yaml"
+    schema.write_text((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    config = {"run": "x", "target": {"path": "/m"}, "data": {}}
+    validate_config(config, schema)
+    assert config["extraction"]["replicas"] == 1
+    edited = yaml.safe_load(schema.read_text())
+    edited["properties"]["extraction"]["properties"]["replicas"]["default"] = 3
+    schema.write_text(yaml.safe_dump(edited) + "# a size the cache cannot mistake\n")
+    config = {"run": "x", "target": {"path": "/m"}, "data": {}}
+    validate_config(config, schema)
+    assert config["extraction"]["replicas"] == 3
+
+
 # ---------------------------------------------------------------- check_api: a config mistake is not an environment one
 
 
