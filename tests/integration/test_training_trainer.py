@@ -26,6 +26,7 @@ from eagle3_workflow.artefacts import ApiCompatReport, ValidationReport, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.trainer_entry import FROZEN_LINE
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
 
@@ -296,6 +297,8 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
     assert (model.d2t.cpu().numpy() == d2t).all()
     assert summary.resumed_from is None
     assert summary.attempts == 1
+    # the CPU trainer froze its imported heap before training (trainer_entry.freeze_imported_heap)
+    assert FROZEN_LINE in (tmp_path / "train_work" / "logs" / "trainer-attempt-01.log").read_text()
 
     again = run_training(train_inputs, tmp_path)  # a forced rerun: publishes the finished run, trains nothing
     assert again.attempts == 1
