@@ -31,21 +31,16 @@ DEFAULT_CAPTURED_IDS = 4  # EAGLE-3's [2, N//2, N-3, N] when hidden_states.layer
 
 
 def merged_config(files: list[Path]) -> dict[str, Any]:
-    """The config files merged as `snakemake --configfile A B` merges them (later keys win, recursively), with the
-    schema's defaults filled in (the workflow's own validation)."""
+    """The config files merged as `snakemake --configfile A B` merges them (Snakemake's own update_config: later
+    keys win, recursively), with the schema's defaults filled in (the workflow's own validation)."""
+    from snakemake.utils import update_config
+
     from eagle3_workflow.config_errors import validate_config
     from eagle3_workflow.settings import SCHEMA_PATH
 
-    def merge(into: dict[str, Any], new: dict[str, Any]) -> None:
-        for key, value in new.items():
-            if isinstance(value, dict) and isinstance(into.get(key), dict):
-                merge(into[key], value)
-            else:
-                into[key] = value
-
     config: dict[str, Any] = {}
     for path in files:
-        merge(config, yaml.safe_load(path.read_text()) or {})
+        update_config(config, yaml.safe_load(path.read_text()) or {})
     validate_config(config, SCHEMA_PATH)
     return config
 
