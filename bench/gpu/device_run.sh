@@ -19,7 +19,9 @@
 #                                           (bench/gpu/restore_run.py checks target, settings and sha256 first)
 #   bash bench/gpu/device_run.sh shm        SHM=canary|run: the canary's slice (or the whole run) in /dev/shm, for
 #                                           the real-width Kimi stand-in (docs/gpu.md); before pipeline
-#   bash bench/gpu/device_run.sh collect    logs and small artefacts into $OUT
+#   bash bench/gpu/device_run.sh data       the SmolLM2 preset's regenerated conversations (a restore bundle) unpacked
+#                                           into $WORK/bench-data/, for bench/gpu/llama8b-shape-speed.yaml
+#   bash bench/gpu/device_run.sh collect    logs, small artefacts and each run folder's sizes (du) into $OUT
 # Several steps in one call: bash bench/gpu/device_run.sh copy install pipeline collect
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -226,8 +228,20 @@ step_shm() {
   stamp "in /dev/shm (${SHM:-canary}): $(ls -l "$WORK/results/$RUN" "$WORK/results/$RUN/checks/canary_work" 2>/dev/null | grep -- '->' | sed 's/.* \([^ ]* -> [^ ]*\)$/\1/' | tr '\n' ' ')"
 }
 
+step_data() {
+  mkdir -p "$WORK/bench-data"
+  python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+    bench/gpu/results/2026-12-03-smollm2-135m-gpu-python/restore/regenerated.jsonl.xz "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" \
+    && cmp -s "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" "$WORK/bench-data/smollm2-regenerated.jsonl" \
+    && rm "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" \
+    || mv "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" "$WORK/bench-data/smollm2-regenerated.jsonl"
+  stamp "data: $(wc -l <"$WORK/bench-data/smollm2-regenerated.jsonl") conversations in $WORK/bench-data/smollm2-regenerated.jsonl"
+}
+
 step_collect() {
   [ -d "$WORK/results/$RUN" ] || return 0
+  # what each stage wrote to disk (bytes, every file and folder three levels down), before anything is left out
+  du -ab --max-depth=3 -L "$WORK/results/$RUN" >"$OUT/du-$RUN.txt" 2>/dev/null
   # -h: a run folder linked into /dev/shm (step_shm) is archived by its contents
   tar -h -czf "$OUT/results-$RUN.tar.gz" --exclude='hidden_states/files' --exclude='*.safetensors' \
     --exclude='train_work/checkpoints' --exclude='*.pt' --exclude='*.npy' --exclude='canary_work/model' \
