@@ -95,7 +95,7 @@ def training_summary(draft_dir: Path) -> TrainingSummary:
         epoch=1, local_step=0, global_step=4, path=str(draft_dir.parent / "train_work/checkpoints/1")
     )
     return TrainingSummary(
-        device="cpu", processes=1, command=["python", "-m", "eagle3_workflow.trainer_entry", "--epochs", "2"],
+        device="cpu", processes=1, command=["python", "-m", "eagle3_workflow.trainer.entry", "--epochs", "2"],
         attempts=1, resumed_from=None, final_checkpoint=final, epochs=2, steps=4, wall_s=60.0,
         target_layer_ids=[2, 4, 5], draft_vocab_size=256, vocab_mapping_sha256={"d2t": "d" * 64, "t2d": "e" * 64},
         final_train_loss=2.5, final_val_loss=2.6, final_val_full_acc=[0.4, 0.18], hidden_states="offline", online=None,

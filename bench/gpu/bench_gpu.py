@@ -416,7 +416,7 @@ def bare_train_command(
     """`speculators train` with every hyperparameter written out, through the workflow's trainer entry (it adds
     a metrics handler, and on CPU, with EAGLE3_TRAIN_DEVICE=cpu, the shim that only patches device placement).
     Nothing may be left to a speculators default the workflow sets otherwise."""
-    from eagle3_workflow.trainer_command import TRAINER_ENTRY
+    from eagle3_workflow.trainer.command import TRAINER_ENTRY
 
     return [sys.executable, "-m", TRAINER_ENTRY] + [
         "--speculator-type", "eagle3",
@@ -445,7 +445,7 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, *, targe
     """The bare command must train exactly what the workflow trains: compare it with train_draft's own command
     (built by the same function the stage uses) flag by flag; a difference (an omitted flag falls back to a
     speculators default, e.g. the Muon optimizer) stops the bench before any GPU time is spent."""
-    from eagle3_workflow.trainer_command import TrainPaths, build_train_command
+    from eagle3_workflow.trainer.command import TrainPaths, build_train_command
 
     paths = TrainPaths.in_work_dir(wf_work, target, settings.draft_vocab_size)
     workflow_cmd = build_train_command(
@@ -503,7 +503,7 @@ def bare_data_dir(data_dir: Path, files_dir: Path, work: Path) -> Path:
 
 def run_bare(ctx: dict, tag: str) -> dict:
     """One bare `speculators train` process (its own vocab mapping, its own metrics JSONL)."""
-    from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
+    from eagle3_workflow.trainer.entry import DEVICE_ENV, METRICS_ENV
 
     work = ctx["work"]
     save, metrics = work / f"bare-checkpoints-{tag}", work / f"bare-metrics-{tag}.jsonl"
@@ -529,7 +529,7 @@ def run_bare(ctx: dict, tag: str) -> dict:
 
 def run_workflow(ctx: dict, tag: str) -> dict:
     """One whole train_draft (fingerprint, staging, vocab mapping, trainer subprocess, checks, publishing)."""
-    from eagle3_workflow.trainer_command import TrainDevice
+    from eagle3_workflow.trainer.command import TrainDevice
     from eagle3_workflow.training.stage import train_draft
 
     work = ctx["work"]
@@ -563,7 +563,7 @@ def run_workflow(ctx: dict, tag: str) -> dict:
 def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int) -> dict:
     """A warm-up run, then --train-pairs pairs in alternating order; steady steps/s compared (compare_training)."""
     from eagle3_workflow.settings import TrainSettings, with_schema_defaults
-    from eagle3_workflow.trainer_command import TrainDevice
+    from eagle3_workflow.trainer.command import TrainDevice
 
     inputs = training_inputs(args, data_dir, files_dir, work)
     ratio = 0.95

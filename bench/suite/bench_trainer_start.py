@@ -30,7 +30,7 @@ import atexit, gc, os, time
 _cmd = open("/proc/self/cmdline", "rb").read().split(b"\0")
 _T0, _OUT = os.environ.get("BENCH_TRAINER_T0"), os.environ.get("BENCH_TRAINER_OUT")
 _agent = b"torch.distributed.run" in _cmd
-if _T0 and _OUT and (_agent or b"eagle3_workflow.trainer_entry" in _cmd):
+if _T0 and _OUT and (_agent or b"eagle3_workflow.trainer.entry" in _cmd):
     _who = "agent" if _agent else "rank " + os.environ.get("RANK", "-")
 
     def mark(what):
@@ -76,7 +76,7 @@ if _T0 and _OUT and (_agent or b"eagle3_workflow.trainer_entry" in _cmd):
             wrap(cli, name)
         for name in ("__init__", "run_training", "train_epoch", "val_epoch", "maybe_save_checkpoint"):
             wrap(trainer.Trainer, name)
-        import eagle3_workflow.cpu_train_shim as shim
+        import eagle3_workflow.trainer.cpu_shim as shim
         _on_cpu = shim.distributed_on_cpu
         shim.distributed_on_cpu = lambda setup: (lambda *a, **k: (mark("maybe_setup_distributed start"),
                                                   _on_cpu(setup)(*a, **k), mark("maybe_setup_distributed end")))

@@ -89,7 +89,7 @@ def ranks_below(proc: subprocess.Popen) -> dict[int, object]:
     for process in below:
         try:
             rank = process.environ().get("RANK")
-            if rank is not None and "eagle3_workflow.trainer_entry" in process.cmdline():
+            if rank is not None and "eagle3_workflow.trainer.entry" in process.cmdline():
                 ranks[int(rank)] = process
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

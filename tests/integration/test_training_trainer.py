@@ -26,7 +26,7 @@ from eagle3_workflow.artefacts import ApiCompatReport, ValidationReport, write
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.hidden_states import hs_file
-from eagle3_workflow.trainer_entry import FROZEN_LINE
+from eagle3_workflow.trainer.entry import FROZEN_LINE
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
 
@@ -128,7 +128,7 @@ import json, logging, sys
 from pathlib import Path
 from speculators.train import cli
 from speculators.train.logger import log_run_config, setup_root_logger
-from eagle3_workflow.trainer_entry import install_metric_handler
+from eagle3_workflow.trainer.entry import install_metric_handler
 out, rank, attempt = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 install_metric_handler(out, rank)
 # what speculators' cli.main does first (the name it calls, which the entry wraps)
@@ -215,7 +215,7 @@ def test_only_rank_0_writes_metrics(tmp_path):
 SECOND_SIGTERM = r"""
 import logging, os, signal, sys
 from pathlib import Path
-from eagle3_workflow.trainer_interrupt import apply_interrupt_patches
+from eagle3_workflow.trainer.interrupt import apply_interrupt_patches
 from speculators.train.graceful_shutdown import with_graceful_shutdown
 if sys.argv[1] == "patched":
     apply_interrupt_patches()

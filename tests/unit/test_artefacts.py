@@ -83,7 +83,7 @@ def test_a_validation_report_without_passed_is_refused(tmp_path):
 def test_train_draft_refuses_a_validation_report_without_passed(tmp_path):
     from conftest import train_settings
 
-    from eagle3_workflow.trainer_command import TrainDevice
+    from eagle3_workflow.trainer.command import TrainDevice
     from eagle3_workflow.training.stage import train_draft
 
     write(tmp_path / "api_compat.json", api_compat_report())

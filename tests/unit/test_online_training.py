@@ -15,9 +15,15 @@ from tiny_training import TRAIN
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.hidden_states import check_rows, check_sample, rows_on_disk
-from eagle3_workflow.online_samples import OnlineSampleFailure, OnlineSpec, failed_rows, record_failure, samples_checked
 from eagle3_workflow.runtime.child import ProgressWatch
-from eagle3_workflow.trainer_command import TRAINER_FIELDS_USED, TrainDevice, TrainPaths, build_train_command
+from eagle3_workflow.trainer.command import TRAINER_FIELDS_USED, TrainDevice, TrainPaths, build_train_command
+from eagle3_workflow.trainer.online_spec import (
+    OnlineSampleFailure,
+    OnlineSpec,
+    failed_rows,
+    record_failure,
+    samples_checked,
+)
 from eagle3_workflow.training.online import OnlineFolders, OnlineStalled, OnlineWatch, split_devices
 from eagle3_workflow.training.stage import train_draft
 

@@ -13,17 +13,17 @@ from conftest import train_settings
 from tiny_training import TRAIN, train_record
 
 from eagle3_workflow.artefacts import CheckpointInfo, TrainingFingerprint, load
-from eagle3_workflow.cpu_train_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import first_traceback
-from eagle3_workflow.trainer_command import (
+from eagle3_workflow.trainer.command import (
     TRAINER_FIELDS_USED,
     TrainDevice,
     TrainPaths,
     build_train_command,
     resolve_device,
 )
-from eagle3_workflow.trainer_interrupt import interrupt_patch_points_present, interrupt_record
+from eagle3_workflow.trainer.cpu_shim import SHIM_PATCH_POINTS, shim_patch_points_present, with_cpu_defaults
+from eagle3_workflow.trainer.interrupt import interrupt_patch_points_present, interrupt_record
 from eagle3_workflow.training.checkpoints import (
     FoundCheckpoint,
     latest_checkpoint,
@@ -69,7 +69,7 @@ def test_cpu_command_maps_the_config_and_uses_the_shim():
     command = build_train_command(
         settings, paths(), TrainDevice("cpu"), target_layer_ids=[2, 4, 5], python="py", trust_remote_code=False
     )
-    assert command[:3] == ["py", "-m", "eagle3_workflow.trainer_entry"]
+    assert command[:3] == ["py", "-m", "eagle3_workflow.trainer.entry"]
     assert value_of(command, "--target-layer-ids") == ["2", "4", "5"]
     assert value_of(command, "--num-layers") == ["2"]
     assert value_of(command, "--ttt-steps") == ["5"]
@@ -96,7 +96,7 @@ def test_gpu_commands_use_speculators_defaults_and_torchrun_for_several_gpus():
     single = build_train_command(
         settings, paths(), TrainDevice("cuda", 1), target_layer_ids=[2, 4, 5], python="py", trust_remote_code=False
     )
-    assert single[:3] == ["py", "-m", "eagle3_workflow.trainer_entry"]
+    assert single[:3] == ["py", "-m", "eagle3_workflow.trainer.entry"]
     assert "--draft-attn-impl" not in single
     assert "--loss-implementation" not in single  # flex + fused
     multi = build_train_command(
@@ -109,7 +109,7 @@ def test_gpu_commands_use_speculators_defaults_and_torchrun_for_several_gpus():
         "--standalone",
         "--nproc-per-node=8",
         "-m",
-        "eagle3_workflow.trainer_entry",
+        "eagle3_workflow.trainer.entry",
         "--speculator-type",
     ]
     assert "--trust-remote-code" in multi
@@ -156,7 +156,7 @@ def test_cpu_ranks_launch_the_gpu_paths_torchrun_command(monkeypatch):
         settings, paths, resolve_device(2, 2, 2, 2), target_layer_ids=[2], trust_remote_code=False
     )
     assert cpu[1:8] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                        "eagle3_workflow.trainer_entry", "--speculator-type"]  # fmt: skip
+                        "eagle3_workflow.trainer.entry", "--speculator-type"]  # fmt: skip
     # the same launcher and flags, plus the CPU's attention and loss implementations
     assert cpu[: len(gpu)] == gpu
     assert cpu[len(gpu) :] == ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
@@ -185,7 +185,7 @@ def test_shim_patch_points_exist_and_cpu_defaults_do_not_override():
 
 
 def test_the_trainer_entry_applies_the_cpu_shim_only_on_cpu():
-    from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
+    from eagle3_workflow.trainer.entry import DEVICE_ENV, METRICS_ENV
 
     assert trainer_env(TrainDevice("cpu"), 2)[DEVICE_ENV] == "cpu"
     assert DEVICE_ENV not in trainer_env(TrainDevice("cuda", 1), 2)
@@ -209,7 +209,7 @@ def test_a_cpu_trainer_waits_passively_unless_the_environment_says_otherwise(mon
 def test_the_entry_refuses_a_speculators_whose_main_no_longer_sets_up_the_metric_logger(monkeypatch, tmp_path):
     import speculators.train.cli as cli
 
-    from eagle3_workflow.trainer_entry import install_metric_handler
+    from eagle3_workflow.trainer.entry import install_metric_handler
 
     def main_of_another_version(cfg):
         return cfg

@@ -25,7 +25,7 @@ from packaging.version import Version
 from eagle3_workflow.artefacts import ApiCompatReport, CheckRow, TargetInfo
 from eagle3_workflow.hidden_states import resolve_layer_ids
 from eagle3_workflow.target_config import read_target_config
-from eagle3_workflow.trainer_command import TRAINER_FIELDS_USED
+from eagle3_workflow.trainer.command import TRAINER_FIELDS_USED
 
 log = logging.getLogger("eagle3.check_api")
 
@@ -212,7 +212,7 @@ def check_trainer_fields(fields_used: list[str]) -> tuple[str, bool]:
 
 
 def check_trainer_shim() -> tuple[str, bool]:
-    shim = importlib.import_module("eagle3_workflow.cpu_train_shim")
+    shim = importlib.import_module("eagle3_workflow.trainer.cpu_shim")
     results = shim.shim_patch_points_present()
     missing = [f"{name} ({detail})" for name, ok, detail in results if not ok]
     return (f"missing {missing}" if missing else f"{len(results)} patch points present"), not missing
@@ -220,7 +220,7 @@ def check_trainer_shim() -> tuple[str, bool]:
 
 def check_interrupt_patches() -> tuple[str, bool]:
     """The speculators trainer symbols the trainer entry wraps so that a stop signal's save can be resumed from."""
-    interrupt = importlib.import_module("eagle3_workflow.trainer_interrupt")
+    interrupt = importlib.import_module("eagle3_workflow.trainer.interrupt")
     results = interrupt.interrupt_patch_points_present()
     missing = [f"{name} ({detail})" for name, ok, detail in results if not ok]
     return (f"missing {missing}" if missing else f"{len(results)} patch points present"), not missing

@@ -34,8 +34,8 @@ Layout of ``train_work/`` (kept across failures; Snakemake deletes only the decl
 - ``fingerprint.json``: what the checkpoints were trained from. When an input changes, the checkpoints and the
   mapping belong to another run: the directory is cleared and training starts afresh (logged).
 
-The trainer runs as a subprocess: ``python -m eagle3_workflow.trainer_entry`` (CPU or one GPU) or
-``torch.distributed.run ... -m eagle3_workflow.trainer_entry`` (several GPUs). The entry runs speculators' own
+The trainer runs as a subprocess: ``python -m eagle3_workflow.trainer.entry`` (CPU or one GPU) or
+``torch.distributed.run ... -m eagle3_workflow.trainer.entry`` (several GPUs). The entry runs speculators' own
 ``speculators train`` with a handler on its metric logger (``speculators.metrics``) that writes each metric
 dict as a JSON line, with ``trainer_interrupt``'s patches (a resumable interrupt save), and on CPU with the CPU
 shim's patches; the records are the same on every device.

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from eagle3_workflow.artefacts import CheckpointInfo
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.trainer_interrupt import INTERRUPTED, STATE_FILE
+from eagle3_workflow.trainer.interrupt import INTERRUPTED, STATE_FILE
 
 log = logging.getLogger("eagle3.training")
 

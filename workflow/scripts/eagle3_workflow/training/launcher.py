@@ -12,8 +12,8 @@ from pathlib import Path
 from eagle3_workflow.artefacts import CheckpointInfo
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
-from eagle3_workflow.trainer_command import TrainDevice
-from eagle3_workflow.trainer_entry import DEVICE_ENV, METRICS_ENV
+from eagle3_workflow.trainer.command import TrainDevice
+from eagle3_workflow.trainer.entry import DEVICE_ENV, METRICS_ENV
 from eagle3_workflow.training.checkpoints import latest_checkpoint, outlook_on_disk
 from eagle3_workflow.training.workdir import attempt_files
 

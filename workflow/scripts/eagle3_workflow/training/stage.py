@@ -26,7 +26,7 @@ from eagle3_workflow.errors import StageError
 from eagle3_workflow.hidden_states import hs_file
 from eagle3_workflow.prepared import open_prepared
 from eagle3_workflow.settings import TrainDraftOnlineStage, TrainSettings, rule_settings_model, stage_settings
-from eagle3_workflow.trainer_command import TrainDevice, TrainPaths, build_train_command, resolve_device
+from eagle3_workflow.trainer.command import TrainDevice, TrainPaths, build_train_command, resolve_device
 from eagle3_workflow.training.checkpoints import outlook_on_disk, prepare_resume, resume_point
 from eagle3_workflow.training.launcher import run_attempt, trainer_env
 from eagle3_workflow.training.metrics import attempt_metrics, final_metrics, metrics_table

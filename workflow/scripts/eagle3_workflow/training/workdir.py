@@ -20,7 +20,7 @@ from eagle3_workflow.artefacts import ArtefactError, TrainingFingerprint, load, 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.hidden_states import hs_file
 from eagle3_workflow.settings import TrainSettings
-from eagle3_workflow.trainer_command import TrainPaths
+from eagle3_workflow.trainer.command import TrainPaths
 
 log = logging.getLogger("eagle3.training")
 

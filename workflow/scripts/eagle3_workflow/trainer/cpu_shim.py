@@ -1,6 +1,6 @@
 """Run speculators' real ``speculators train`` on a machine with no accelerator (speculators 0.9.0).
 
-Used by the trainer entry (``python -m eagle3_workflow.trainer_entry`` with ``EAGLE3_TRAIN_DEVICE=cpu``).
+Used by the trainer entry (``python -m eagle3_workflow.trainer.entry`` with ``EAGLE3_TRAIN_DEVICE=cpu``).
 
 The trainer assumes an accelerator in a few places; this module patches exactly those and nothing else, so
 config resolution, the vocab mapping, the dataset and dataloader, the loss, the optimizer, the scheduler and

@@ -34,15 +34,7 @@ import speculators.train.data as data
 from speculators.train.recovery import SampleUnavailable
 
 from eagle3_workflow.hidden_states import check_sample
-from eagle3_workflow.online_spec import (  # noqa: F401 - re-exported: the trainer's side reads them here
-    API_KEY_ENV,
-    OnlineSampleFailure,
-    OnlineSpec,
-    failed_rows,
-    record_failure,
-    samples_checked,
-)
-from eagle3_workflow.trainer_entry import ONLINE_SPEC_ENV as SPEC_ENV
+from eagle3_workflow.trainer.online_spec import API_KEY_ENV, ONLINE_SPEC_ENV, OnlineSpec, record_failure
 
 
 class _Counter:
@@ -89,7 +81,7 @@ class CheckedArrowDataset(data.ArrowDataset):
             # take a messages column for multimodal turns and re-render it. Text-only: input_ids alone are sent
             # (the Completions API), exactly the tokens the trainer trains on.
             self.data = self.data.remove_columns(["messages"])
-        self.online = OnlineSpec.from_env(os.environ[SPEC_ENV])
+        self.online = OnlineSpec.from_env(os.environ[ONLINE_SPEC_ENV])
         self._counter: _Counter | None = None
 
     def _setup_client(self) -> None:
@@ -134,7 +126,7 @@ def apply_online_patches() -> None:
     if not hasattr(dataloader, "ArrowDataset"):
         raise RuntimeError(
             "speculators.train.dataloader has no ArrowDataset: the installed speculators differs from 0.9.0; "
-            "update eagle3_workflow/online_samples.py"
+            "update eagle3_workflow/trainer/online_samples.py"
         )
     dataloader.ArrowDataset = CheckedArrowDataset
     quiet_http_logs()

@@ -1,7 +1,7 @@
 """The entry of every trainer process the workflow starts (speculators 0.9.0).
 
-Usage: ``python -m eagle3_workflow.trainer_entry <speculators train args>``, or under torchrun
-``torch.distributed.run ... -m eagle3_workflow.trainer_entry <args>``. The arguments are ``speculators train``'s,
+Usage: ``python -m eagle3_workflow.trainer.entry <speculators train args>``, or under torchrun
+``torch.distributed.run ... -m eagle3_workflow.trainer.entry <args>``. The arguments are ``speculators train``'s,
 unchanged; the entry runs speculators' own ``cli.main(TrainConfig.resolve(argv))`` (what ``python -m
 speculators.train`` runs) with these additions, the last two chosen by the environment, so that the trainer's
 flags stay exactly speculators' (bench/gpu/bench_gpu.py compares them flag by flag):
@@ -28,9 +28,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.trainer.online_spec import ONLINE_SPEC_ENV
+
 METRICS_ENV = "EAGLE3_TRAIN_METRICS_JSONL"
 DEVICE_ENV = "EAGLE3_TRAIN_DEVICE"
-ONLINE_SPEC_ENV = "EAGLE3_ONLINE_SPEC"  # online_samples.SPEC_ENV (that module imports speculators: not imported here)
 METRICS_LOGGER = "speculators.metrics"
 # the line a CPU trainer prints when it has frozen its imported heap (freeze_imported_heap)
 FROZEN_LINE = "trainer entry (CPU): the imported heap frozen out of garbage collections"
@@ -91,7 +92,7 @@ def install_metric_handler(path: Path | None, rank: int) -> bool:
     if "setup_metric_logger(" not in inspect.getsource(cli.main):
         raise RuntimeError(
             "speculators.train.cli.main no longer calls setup_metric_logger, after which the workflow adds its "
-            "metrics handler: the installed speculators differs from 0.9.0; update eagle3_workflow/trainer_entry.py"
+            "metrics handler: the installed speculators differs from 0.9.0; update eagle3_workflow/trainer/entry.py"
         )
     configure = cli.setup_metric_logger
 
@@ -107,15 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     metrics_path = os.environ.get(METRICS_ENV)
     install_metric_handler(Path(metrics_path) if metrics_path else None, process_rank(os.environ))
-    from eagle3_workflow.trainer_interrupt import apply_interrupt_patches
+    from eagle3_workflow.trainer.interrupt import apply_interrupt_patches
 
     apply_interrupt_patches()
     if os.environ.get(ONLINE_SPEC_ENV):
-        from eagle3_workflow.online_samples import apply_online_patches
+        from eagle3_workflow.trainer.online_samples import apply_online_patches
 
         apply_online_patches()
     if os.environ.get(DEVICE_ENV) == "cpu":
-        from eagle3_workflow.cpu_train_shim import apply_cpu_patches, with_cpu_defaults
+        from eagle3_workflow.trainer.cpu_shim import apply_cpu_patches, with_cpu_defaults
 
         apply_cpu_patches()
         argv = with_cpu_defaults(argv)

@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+# the environment variables train_draft sets for the trainer: the spec (its JSON) and the key of the vLLM server
+ONLINE_SPEC_ENV = "EAGLE3_ONLINE_SPEC"
 API_KEY_ENV = "EAGLE3_VLLM_API_KEY"
 
 

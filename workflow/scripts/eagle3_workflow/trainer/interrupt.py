@@ -275,7 +275,7 @@ def apply_interrupt_patches() -> None:
     if missing:
         raise RuntimeError(
             f"the trainer entry cannot make speculators' interrupt save resumable: {missing} changed. The installed "
-            "speculators differs from 0.9.0; update eagle3_workflow/trainer_interrupt.py for it"
+            "speculators differs from 0.9.0; update eagle3_workflow/trainer/interrupt.py for it"
         )
     from speculators.train import graceful_shutdown, trainer
 

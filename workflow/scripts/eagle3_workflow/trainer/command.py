@@ -110,7 +110,7 @@ TRAINER_FIELDS_USED = list(
 
 
 # speculators train with our metrics handler (and on CPU the shim); its arguments are speculators' own
-TRAINER_ENTRY = "eagle3_workflow.trainer_entry"
+TRAINER_ENTRY = "eagle3_workflow.trainer.entry"
 
 
 def build_train_command(
