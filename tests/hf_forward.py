@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_workflow.layer_match import POST_NORM
+from eagle3_workflow.reference.layer_match import POST_NORM
 
 
 def hf_forward_states(model, ids: list[int]) -> dict[str, torch.Tensor]:

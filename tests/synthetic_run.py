@@ -76,7 +76,7 @@ def acceptance_report(num_speculative_tokens: int = 3, *, mismatches: int = 0) -
 
 def api_compat_report(target: Path, checks: list[CheckRow]) -> ApiCompatReport:
     """check_api's record: the target as its config.json says (the workflow's one reader), else an 8-layer tiny one."""
-    from eagle3_workflow.target_config import read_target_config
+    from eagle3_workflow.reference.target_config import read_target_config
 
     facts = (
         read_target_config(target).info() if (target / "config.json").exists()

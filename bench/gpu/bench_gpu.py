@@ -64,8 +64,8 @@ from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, 
 from eagle3_workflow.extraction_client import ProgressTracker, Sample, extract_samples  # noqa: E402
 from eagle3_workflow.files import write_text_atomic  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles, resolve_layer_ids  # noqa: E402
+from eagle3_workflow.reference.target_config import read_target_config  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402
-from eagle3_workflow.target_config import read_target_config  # noqa: E402
 from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec  # noqa: E402
 
 

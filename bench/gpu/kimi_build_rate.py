@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from eagle3_workflow import compressed_weights
+from eagle3_workflow.reference import compressed_weights
 from eagle3_workflow.settings import KimiShape, view_of, with_schema_defaults
 from eagle3_workflow.target_build import kimi
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from eagle3_workflow.full_depth_reference import stream_reference
-from eagle3_workflow.layer_match import RoutingProbe
+from eagle3_workflow.reference.full_depth import stream_reference
+from eagle3_workflow.reference.layer_match import RoutingProbe
 from eagle3_workflow.settings import KimiShape, view_of, with_schema_defaults
 from eagle3_workflow.target_build.kimi import OUTLIER_CHANNELS, build_kimi_k25_target
 

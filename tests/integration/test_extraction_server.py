@@ -37,8 +37,8 @@ from safetensors.torch import load_file
 
 from eagle3_workflow.extraction_client import Sample
 from eagle3_workflow.files import process_umask
+from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
-from eagle3_workflow.target_config import read_target_config
 
 
 def extraction_config(run: str, **extraction) -> dict:

@@ -58,7 +58,7 @@ def test_a_tp_worker_dying_at_its_first_forward_fails_the_stage_at_once(tp_targe
     long before its stall limit or request timeout, and quotes the type, the raising frame and the worker."""
     import datasets
 
-    from eagle3_workflow.target_config import read_target_config
+    from eagle3_workflow.reference.target_config import read_target_config
 
     prepared = tmp_path / "prepared"
     datasets.Dataset.from_dict({"input_ids": [s.input_ids for s in samples()]}).save_to_disk(str(prepared))

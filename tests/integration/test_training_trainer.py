@@ -70,7 +70,7 @@ def write_hidden_states(target: Path, prepared: Path, files_dir: Path, layer_ids
 
 def gate_records(target: Path, rows: int, hidden_size: int) -> tuple[ApiCompatReport, ValidationReport]:
     """check_api's and validate_hidden_states's records for the hidden states write_hidden_states made."""
-    from eagle3_workflow.target_config import read_target_config
+    from eagle3_workflow.reference.target_config import read_target_config
 
     api_compat = ApiCompatReport(
         passed=True, vllm_version="0.32.0", speculators_version="0.9.0", transformers_version="5",

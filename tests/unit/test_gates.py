@@ -190,7 +190,7 @@ def _candidates(tokens: int = 12, hidden: int = 16, layers: int = 8):
 )
 def test_match_slots_names_every_remapped_slot(sources):
     from eagle3_workflow.canary.check import convention_row
-    from eagle3_workflow.layer_match import match_slots, squared_distances
+    from eagle3_workflow.reference.layer_match import match_slots, squared_distances
 
     labels, candidates = _candidates()
     ids = [2, 4, 6, 8]
@@ -206,7 +206,7 @@ def test_match_slots_names_every_remapped_slot(sources):
 
 def test_match_slots_passes_a_correct_capture_and_reports_the_margin():
     from eagle3_workflow.canary.check import convention_row
-    from eagle3_workflow.layer_match import match_slots, squared_distances
+    from eagle3_workflow.reference.layer_match import match_slots, squared_distances
 
     labels, candidates = _candidates()
     ids = [2, 4, 6, 8]
@@ -235,7 +235,7 @@ def test_the_canary_opens_its_reference_while_the_server_starts_and_raises_what_
     the stage when the reference is asked for, as UnsupportedTarget. self_consistency opens none."""
     from eagle3_workflow.canary.check import opening_reference
     from eagle3_workflow.canary.slice import CanarySlice
-    from eagle3_workflow.full_depth_reference import UnsupportedTarget
+    from eagle3_workflow.reference.full_depth import UnsupportedTarget
 
     piece = CanarySlice(tmp_path / "model", 2, [1, 2], 64)
     opened = opening_reference(piece, "hf_fp32", trust_remote_code=False)

@@ -18,7 +18,7 @@ from conftest import REPO, SEED_PROMPTS, TINY_DATA
 from safetensors import safe_open
 
 from eagle3_workflow.canary.slice import build_truncated_target
-from eagle3_workflow.target_config import read_target_config, weight_files
+from eagle3_workflow.reference.target_config import read_target_config, weight_files
 
 LM = r"language_model\.model\.layers\.\d+\."
 # every tensor of the release, as a pattern; EXPERT: a routed expert's projection (its suffix differs by variant)
@@ -140,7 +140,7 @@ def test_int4_experts_are_the_bf16_experts_packed_by_compressed_tensors(kimi_sta
     twin within about half a quantization step, and packing the stack of experts equals packing each alone."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
-    from eagle3_workflow.compressed_weights import int4_group_scheme, pack_int4_group
+    from eagle3_workflow.reference.compressed_weights import int4_group_scheme, pack_int4_group
 
     bf16, int4 = tensors_of(kimi_stand_ins("none")), tensors_of(kimi_stand_ins("int4"))
     scheme = int4_group_scheme(32)
@@ -361,8 +361,8 @@ def reference_stats(target: Path) -> tuple[dict[int, torch.Tensor], dict[int, fl
     experts dequantized) with their own router probe: per layer k, the per-channel median |state| at the input of
     layer k over the median of all, and the fraction of tokens whose routing at MoE layer k is a near-tie (the gap
     between the k-th and (k+1)-th selection score below the bound bf16 serving can move it: layer_match)."""
-    from eagle3_workflow.full_depth_reference import stream_reference
-    from eagle3_workflow.layer_match import RoutingProbe
+    from eagle3_workflow.reference.full_depth import stream_reference
+    from eagle3_workflow.reference.layer_match import RoutingProbe
 
     generator = torch.Generator().manual_seed(0)
     batch = [torch.randint(10, 1000, (48,), generator=generator).tolist() for _ in range(4)]

@@ -1,4 +1,4 @@
-"""The error rule of both reference gates on mixture-of-experts targets (eagle3_workflow.layer_match): the router margin
+"""The error rule of both reference gates on mixture-of-experts targets (eagle3_workflow.reference.layer_match): the router margin
 and its bf16 bound on synthetic tensors, which tokens a near-tied routing excuses (and that a dense target's row is
 exactly the per-token maximum it always was), and the no-silent-weaker-proof rule at check_api. The canary on a real
 MoE target through vLLM: tests/integration/test_gates_canary.py."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import api_report
 
-from eagle3_workflow.layer_match import (
+from eagle3_workflow.reference.layer_match import (
     BF16_ROUNDING,
     MAX_EXCUSED_FRACTION,
     ROUTING_DRIFT,

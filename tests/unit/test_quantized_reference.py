@@ -1,4 +1,4 @@
-"""The fp32 full-depth reference of a compressed-tensors checkpoint (eagle3_workflow.compressed_weights and
+"""The fp32 full-depth reference of a compressed-tensors checkpoint (eagle3_workflow.reference.compressed_weights and
 full_depth_reference), against transformers' own decompressing load
 (``from_pretrained(..., quantization_config=CompressedTensorsConfig(run_compressed=False))``):
 
@@ -27,15 +27,15 @@ import torch
 from hf_forward import hf_forward_states
 from safetensors.torch import load_file, save_file
 
-from eagle3_workflow import compressed_weights as cw
-from eagle3_workflow.full_depth_reference import (
+from eagle3_workflow.reference import compressed_weights as cw
+from eagle3_workflow.reference.full_depth import (
     UnsupportedTarget,
     load_module,
     open_target,
     preflight,
     stream_reference,
 )
-from eagle3_workflow.layer_match import POST_NORM
+from eagle3_workflow.reference.layer_match import POST_NORM
 from eagle3_workflow.target_build.tiny import model_config
 
 GROUP = 32
@@ -153,7 +153,7 @@ def quantized_deepseek(tmp_path_factory) -> Path:
 def test_quantized_deepseek_experts_equal_transformers_dequantized_experts(quantized_deepseek):
     hf = hf_decompressed(quantized_deepseek)
     target = open_target(quantized_deepseek, trust_remote_code=False)
-    from eagle3_workflow.full_depth_reference import split_by_layer
+    from eagle3_workflow.reference.full_depth import split_by_layer
 
     _, per_layer = split_by_layer(target.names(), len(target.decoder.layers))
     for index in (1, 2):

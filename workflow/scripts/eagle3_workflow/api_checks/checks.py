@@ -24,7 +24,7 @@ from packaging.version import Version
 
 from eagle3_workflow.artefacts import ApiCompatReport, CheckRow, TargetInfo
 from eagle3_workflow.hidden_states import resolve_layer_ids
-from eagle3_workflow.target_config import read_target_config
+from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.trainer.command import TRAINER_FIELDS_USED
 
 log = logging.getLogger("eagle3.check_api")
@@ -325,7 +325,7 @@ FIX_HEADINGS = {
 
 def check_full_depth_reference(target_dir: str, trust_remote_code: bool, enabled: bool) -> tuple[str, bool]:
     """validate_hidden_states' full-depth reference can run this target (checked now, not after extraction)."""
-    from eagle3_workflow.full_depth_reference import UnsupportedTarget, preflight
+    from eagle3_workflow.reference.full_depth import UnsupportedTarget, preflight
 
     if not enabled:
         return "not checked: validation.full_depth_check is false (unsafe)", True
@@ -338,7 +338,7 @@ def check_full_depth_reference(target_dir: str, trust_remote_code: bool, enabled
 def check_canary_reference(target_dir: str, trust_remote_code: bool, proof: str) -> tuple[str, bool]:
     """The canary's fp32 reference (the same streamed reference) can run this target, unless the config asked for the
     weaker self-consistency proof: never a silent fallback at the canary."""
-    from eagle3_workflow.full_depth_reference import UnsupportedTarget, preflight
+    from eagle3_workflow.reference.full_depth import UnsupportedTarget, preflight
 
     if proof == "self_consistency":
         return "not checked: canary.reference is self_consistency (weaker: two extractions bit-identical)", True

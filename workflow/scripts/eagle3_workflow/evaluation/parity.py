@@ -169,7 +169,7 @@ def load_reference_draft(trained: TrainedDraft, target: Path) -> Any:
     model = Eagle3DraftModel(config)
     state = load_file(str(trained.checkpoint / "model.safetensors"))
     if "embed_tokens.weight" not in state:
-        from eagle3_workflow.target_config import read_tensors, text_weight_prefix
+        from eagle3_workflow.reference.target_config import read_tensors, text_weight_prefix
 
         prefix = text_weight_prefix(target)
         state["embed_tokens.weight"] = read_tensors(target, [f"{prefix}model.embed_tokens.weight"]).popitem()[1]
@@ -233,7 +233,7 @@ def aux_states(target: Path, trajectories: Sequence[Sequence[int]], layer_ids: S
     """Per trajectory [T, len(layer_ids) x H]: the fp32 reference's inputs of the aux layers (vLLM's convention)."""
     import torch
 
-    from eagle3_workflow.full_depth_reference import stream_reference
+    from eagle3_workflow.reference.full_depth import stream_reference
 
     wanted = {str(i) for i in layer_ids}
     got: dict[str, torch.Tensor] = {}

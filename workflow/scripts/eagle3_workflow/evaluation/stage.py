@@ -75,8 +75,8 @@ from eagle3_workflow.evaluation.protocol import (
     eagle3_run,
     log_prefix,
 )
+from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
-from eagle3_workflow.target_config import read_target_config
 from eagle3_workflow.vllm_server import cpu_engine_environment, generation_cuda_graphs
 
 if TYPE_CHECKING:

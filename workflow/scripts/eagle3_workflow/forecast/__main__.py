@@ -22,8 +22,8 @@ import yaml
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.forecast.model import RunShape, as_json, cost_table, forecast
 from eagle3_workflow.forecast.shape import active_params_per_token, draft_params_per_token
+from eagle3_workflow.reference.target_config import text_section
 from eagle3_workflow.settings import trains_online
-from eagle3_workflow.target_config import text_section
 
 REPO_ROOT = Path(__file__).resolve().parents[4]  # the cost tables name their reference shapes from here
 DEFAULT_COSTS = REPO_ROOT / "config" / "costs" / "h200.yaml"

@@ -78,9 +78,9 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import share_as_umask_allows
+from eagle3_workflow.reference.target_config import write_weight_index
 from eagle3_workflow.settings import KimiShape
 from eagle3_workflow.target_build.tiny import build_tokenizer
-from eagle3_workflow.target_config import write_weight_index
 
 if TYPE_CHECKING:
     import torch
@@ -180,7 +180,7 @@ def text_config(shape: KimiShape, *, vocab_size: int, bos: int, eos: int, pad: i
         "vocab_size": vocab_size,
     }
     if quantized:
-        from eagle3_workflow.compressed_weights import int4_group_config
+        from eagle3_workflow.reference.compressed_weights import int4_group_config
 
         config["quantization_config"] = int4_group_config(GROUP_SIZE, QUANT_IGNORE)
     return config
@@ -448,7 +448,7 @@ def quantized_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     library writes int64; vLLM and the library read either)."""
     import torch
 
-    from eagle3_workflow.compressed_weights import pack_int4_group
+    from eagle3_workflow.reference.compressed_weights import pack_int4_group
 
     stacks: dict[str, list[str]] = {}
     for name in sorted(tensors, key=_expert_order):

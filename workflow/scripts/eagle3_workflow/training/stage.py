@@ -337,8 +337,8 @@ def online_serving(settings: TrainDraftOnlineStage, api: ApiCompatReport, target
     """The online trainer's server: the canary's and extraction's (same builder, the run's layer ids), serving the
     target under its path (the name speculators asks the endpoint for), sized by train.online, watched for stalls
     as extraction's server is (extraction.stall_timeout_s, stall_factor)."""
+    from eagle3_workflow.reference.target_config import read_target_config
     from eagle3_workflow.runtime.child import ProgressWatch
-    from eagle3_workflow.target_config import read_target_config
     from eagle3_workflow.vllm_server import hidden_states_server_spec
 
     def server_spec(storage_dir: str) -> Any:

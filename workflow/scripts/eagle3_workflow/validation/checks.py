@@ -27,7 +27,7 @@ from eagle3_workflow.artefacts import (
 )
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.hidden_states import HiddenStateFiles, read_hidden_states
-from eagle3_workflow.target_config import read_target_config, read_tensors, text_weight_prefix, weight_files
+from eagle3_workflow.reference.target_config import read_target_config, read_tensors, text_weight_prefix, weight_files
 
 MAX_LISTED = 50
 # Final norms this check knows: plain RMSNorm x * rsqrt(mean(x^2) + eps) * w. Gemma's (1 + w) and logit

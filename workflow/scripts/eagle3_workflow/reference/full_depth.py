@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from eagle3_workflow import compressed_weights
-from eagle3_workflow.compressed_weights import QuantizedCheckpoint, UnsupportedScheme
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.layer_match import LAYER_KEY, POST_NORM
-from eagle3_workflow.target_config import (
+from eagle3_workflow.reference import compressed_weights
+from eagle3_workflow.reference.compressed_weights import QuantizedCheckpoint, UnsupportedScheme
+from eagle3_workflow.reference.layer_match import LAYER_KEY, POST_NORM
+from eagle3_workflow.reference.target_config import (
     TEXT_PREFIX,
     NotSafetensors,
     read_target_config,

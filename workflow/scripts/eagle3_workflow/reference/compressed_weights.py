@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.target_config import text_section
+from eagle3_workflow.reference.target_config import text_section
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,7 @@ READ = (
 )
 FIX = (
     "point target.path at a bf16 copy of the same model (or one stored in a format read), or extend "
-    "eagle3_workflow.compressed_weights with compressed-tensors' compressor for this format"
+    "eagle3_workflow.reference.compressed_weights with compressed-tensors' compressor for this format"
 )
 
 
