@@ -21,8 +21,8 @@ def main(args: dict) -> None:
     from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
     from eagle3_workflow.hidden_states import HiddenStateFiles
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.serving.engine import hidden_states_server_spec
     from eagle3_workflow.settings import ExtractHiddenStatesStage
-    from eagle3_workflow.vllm_server import hidden_states_server_spec
 
     settings = ExtractHiddenStatesStage.model_validate(args["settings"])
     work = Path(args["work"])

@@ -33,8 +33,9 @@ from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles  # noqa: E402
 from eagle3_workflow.prepared import open_prepared, read_input_ids  # noqa: E402
+from eagle3_workflow.serving.engine import ServerSpec, hidden_states_server_spec  # noqa: E402
+from eagle3_workflow.serving.server import VLLMServer  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402
-from eagle3_workflow.vllm_server import ServerSpec, VLLMServer, hidden_states_server_spec  # noqa: E402
 
 
 def finished_run(preset: Path) -> tuple[dict, ApiCompatReport, str, Path]:

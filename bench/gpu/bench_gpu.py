@@ -11,13 +11,13 @@ it reads a real run's.
 
 Extraction (tokens/s = prompt tokens / seconds; a server's start-up is never inside a clock):
   plain         a vLLM server without the hidden-states method, the same engine settings as the workflow's server
-                (eagle3_workflow.vllm_server.hidden_states_server_spec minus speculative/kv-transfer config),
+                (eagle3_workflow.serving.engine.hidden_states_server_spec minus speculative/kv-transfer config),
                 1-token completions from an async HTTP client at --concurrency; pass 1 cold (right after ready,
                 as the stage starts), then warm passes
   connector     the workflow's extraction server (extract_hidden_states + ExampleHiddenStatesConnector), the same
                 raw client; the clock stops when the last file's writer lock is released (file complete on disk):
                 what vLLM + its connector cost, without the workflow's client
-  workflow      the same server (warm), eagle3_workflow.extraction_client.extract_samples: the stage's client (waits for
+  workflow      the same server (warm), eagle3_workflow.serving.extraction_client.extract_samples: the stage's client (waits for
                 each file's lock, checks its header and token ids, renames it atomically)
   stage         eagle3_workflow.extraction.replica.extract_replica: the whole stage function as the rule runs it (disk
                 preflight, resume scan, own server, client, manifest); its manifest's tokens_per_s (cold)
@@ -61,12 +61,13 @@ sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
 from eagle3_workflow.artefacts import ApiCompatReport, TrainingSummary, load, write  # noqa: E402
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
-from eagle3_workflow.extraction_client import ProgressTracker, Sample, extract_samples  # noqa: E402
 from eagle3_workflow.files import write_text_atomic  # noqa: E402
 from eagle3_workflow.hidden_states import HiddenStateFiles, resolve_layer_ids  # noqa: E402
 from eagle3_workflow.reference.target_config import read_target_config  # noqa: E402
+from eagle3_workflow.serving.engine import hidden_states_server_spec  # noqa: E402
+from eagle3_workflow.serving.extraction_client import ProgressTracker, Sample, extract_samples  # noqa: E402
+from eagle3_workflow.serving.server import VLLMServer  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402
-from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec  # noqa: E402
 
 
 def log(message: str) -> None:

@@ -24,7 +24,7 @@ from eagle3_workflow.artefacts import load  # noqa: E402
 from eagle3_workflow.evaluation.launch import measurement_environment, run_measurement_process  # noqa: E402
 from eagle3_workflow.evaluation.lossless import compare_greedy, non_argmax_gaps, non_argmax_steps  # noqa: E402
 from eagle3_workflow.evaluation.protocol import MeasurementSpec, RunResult  # noqa: E402
-from eagle3_workflow.vllm_server import cpu_engine_environment  # noqa: E402
+from eagle3_workflow.serving.engine import cpu_engine_environment  # noqa: E402
 
 
 def lossless_spec(work: Path) -> MeasurementSpec:

@@ -37,7 +37,8 @@ def main() -> None:
     import conftest
     import yaml
 
-    import eagle3_workflow.vllm_server as vllm_server
+    import eagle3_workflow.serving.server as vllm_server
+    from eagle3_workflow.serving.engine import hidden_states_server_spec
     from eagle3_workflow.settings import ExtractHiddenStatesStage, KimiShape, TinyShape, view_of, with_schema_defaults
 
     assert vllm_server.__file__.startswith(str(args.scripts.resolve())), vllm_server.__file__
@@ -59,7 +60,7 @@ def main() -> None:
     config["data"]["sources"] = [{"path": str(conftest.TINY_DATA), "format": "sharegpt"}]
     settings = view_of(ExtractHiddenStatesStage, conftest.validated(config))
     (args.work / "scratch").mkdir(exist_ok=True)
-    spec = vllm_server.hidden_states_server_spec(settings, model=str(target), layer_ids=[2, 4, 5, 8],
+    spec = hidden_states_server_spec(settings, model=str(target), layer_ids=[2, 4, 5, 8],
                                                  storage_dir=str(args.work / "scratch"), device="cpu",
                                                  enable_render_endpoint=False)  # fmt: skip
 

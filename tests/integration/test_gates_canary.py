@@ -15,10 +15,10 @@ from conftest import REPO, TINY_DATA, preparation, rules_run, run_workflow, tiny
 from safetensors.torch import load_file, save_file
 
 from eagle3_workflow.canary.check import CanaryRequest, client_settings, run_canary
-from eagle3_workflow.extraction_client import Sample
 from eagle3_workflow.prepare.conversations import prepare_conversations
+from eagle3_workflow.serving.engine import hidden_states_server_spec
+from eagle3_workflow.serving.extraction_client import Sample
 from eagle3_workflow.settings import CanaryStage
-from eagle3_workflow.vllm_server import hidden_states_server_spec
 
 CANARY = tiny_settings(CanaryStage)  # the canary's settings in a tiny run (CPU)
 
@@ -215,7 +215,7 @@ def test_canary_catches_a_nan_layer(tiny_targets, tmp_path, arch):
 @pytest.mark.slow
 def test_canary_fails_loudly_on_a_scrambled_layer(tiny_targets, tmp_path):
     """A transposed weight makes vLLM's loader die: the canary reports the server's traceback, fast."""
-    from eagle3_workflow.vllm_server import ServerFailure
+    from eagle3_workflow.serving.server import ServerFailure
 
     target = copy_target(tiny_targets("llama"), tmp_path / "model")
     weights = load_file(target / "model.safetensors")

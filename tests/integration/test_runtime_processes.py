@@ -496,7 +496,8 @@ def test_a_port_taken_before_vllm_binds_it_is_retried_then_a_sigkilled_stage_lea
     stage = Stage(f"""
         import logging, socket, sys, time, urllib.request
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
-        import eagle3_workflow.vllm_server as vllm_server
+        import eagle3_workflow.serving.server as vllm_server
+        from eagle3_workflow.serving.engine import hidden_states_server_spec
         from eagle3_workflow.settings import ServingStage
         taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         taken.bind(("127.0.0.1", 0))
@@ -506,7 +507,7 @@ def test_a_port_taken_before_vllm_binds_it_is_retried_then_a_sigkilled_stage_lea
         really_free_port = vllm_server.free_port
         vllm_server.free_port = lambda: next(ports, None) or really_free_port()
         settings = ServingStage.model_validate_json({_serving().model_dump_json()!r})
-        spec = vllm_server.hidden_states_server_spec(settings, model={str(tiny_targets("llama"))!r},
+        spec = hidden_states_server_spec(settings, model={str(tiny_targets("llama"))!r},
             layer_ids=[2, 4, 5, 8], storage_dir={str(tmp_path / "hs")!r}, device="cpu", enable_render_endpoint=True)
         with vllm_server.VLLMServer(spec, {str(tmp_path / "server.log")!r}) as server:
             request = urllib.request.Request(f"{{server.base_url}}/v1/models", headers=server.headers())
@@ -612,7 +613,8 @@ def test_a_server_that_fails_at_start_quotes_the_root_cause_and_is_not_waited_fo
     """A connector module that cannot be imported (a plugin's import error) kills the EngineCore at start: the
     failure quotes the traceback down to its exception line, and the broken server is killed at once (it used
     to cost 'vLLM did not stop within 30 s')."""
-    from eagle3_workflow.vllm_server import ServerFailure, VLLMServer, hidden_states_server_spec
+    from eagle3_workflow.serving.engine import hidden_states_server_spec
+    from eagle3_workflow.serving.server import ServerFailure, VLLMServer
 
     spec = hidden_states_server_spec(_serving(), model=str(tiny_targets("llama")), layer_ids=[2, 4, 5, 8],
                                      storage_dir=str(tmp_path / "hs"), device="cpu", enable_render_endpoint=True)  # fmt: skip

@@ -37,7 +37,7 @@ def tp_target(kimi_stand_ins) -> Path:
 
 
 def samples() -> list:
-    from eagle3_workflow.extraction_client import Sample
+    from eagle3_workflow.serving.extraction_client import Sample
 
     generator = torch.Generator().manual_seed(3)
     return [Sample(row, torch.randint(10, 1000, (TOKENS,), generator=generator).tolist()) for row in range(SAMPLES)]

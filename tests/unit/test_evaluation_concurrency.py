@@ -122,7 +122,9 @@ def _use_fake_vllm(monkeypatch, calls: list, gate: Gate | None) -> None:
     """_fake_vllm as this process's vllm; the test process's heap is not frozen before the fake engine starts
     (runtime.worker.freeze_heap_for_cpu_engine, tested in tests/unit/test_extraction.py)."""
     monkeypatch.setitem(sys.modules, "vllm", _fake_vllm(calls, gate))
-    monkeypatch.setattr("eagle3_workflow.runtime.worker.freeze_heap_for_cpu_engine", lambda tensor_parallel_size: False)
+    monkeypatch.setattr(
+        "eagle3_workflow.serving.cpu_server.freeze_heap_for_cpu_engine", lambda tensor_parallel_size: False
+    )
 
 
 def _spec(**values) -> MeasurementSpec:

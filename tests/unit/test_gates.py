@@ -126,9 +126,9 @@ def test_check_api_refuses_a_target_the_full_depth_reference_cannot_run(tiny_tar
 
 
 def test_check_api_catches_a_renamed_acceptance_counter(tiny_targets, monkeypatch):
-    from eagle3_workflow import vllm_metrics as metrics
+    from eagle3_workflow.serving import engine
 
-    monkeypatch.setattr(metrics, "SPEC_COUNTERS", {**metrics.SPEC_COUNTERS, "vllm:spec_decode_renamed": "x"})
+    monkeypatch.setattr(engine, "SPEC_COUNTERS", {**engine.SPEC_COUNTERS, "vllm:spec_decode_renamed": "x"})
     report = api_report(tiny_targets("llama"))
     assert "vllm:spec_decode_renamed" in failed_rows(report)["spec-decode metrics"]
 

@@ -11,15 +11,15 @@ import pytest
 from conftest import VLLM_LOGS, tiny_settings
 
 from eagle3_workflow.runtime.child import exception_summary, first_traceback
-from eagle3_workflow.settings import ServingStage
-from eagle3_workflow.vllm_server import (
+from eagle3_workflow.serving.engine import (
     TensorParallelRefused,
     build_server_command,
     cpu_threads_bind,
-    match_fatal,
     server_environment,
     target_server_spec,
 )
+from eagle3_workflow.serving.server import match_fatal
+from eagle3_workflow.settings import ServingStage
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_a_cpu_server_of_tp_2_is_served_at_2_with_a_worker_per_core():
     cmd = build_server_command(spec, port=1, python="python")
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "mp"
-    assert cmd[1:3] == ["-m", "eagle3_workflow.cpu_vllm_server"], "its EngineCore is forked (its workers spawned)"
+    assert cmd[1:3] == ["-m", "eagle3_workflow.serving.cpu_server"], "its EngineCore is forked (its workers spawned)"
     env = server_environment(spec, "key")
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == spec.cpu_threads_bind
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
@@ -112,7 +112,7 @@ def test_the_summary_follows_the_process_of_the_traceback_through_interleaved_li
 
 def test_offline_engines_on_cpu_get_the_same_binding(monkeypatch):
     """Regeneration and evaluation start vllm.LLM in a child: at TP > 1 on CPU its environment carries the bind."""
-    from eagle3_workflow.vllm_server import cpu_engine_environment
+    from eagle3_workflow.serving.engine import cpu_engine_environment
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert cpu_engine_environment("cpu", 1, 2) == {}

@@ -82,7 +82,7 @@ def check_cpu_connector() -> tuple[str, bool]:
     """The CPU subclass imports and every parent internal it relies on still exists."""
     module = importlib.import_module(CONNECTOR_MODULE)
     parent = module.ExampleHiddenStatesConnector
-    ours = importlib.import_module("eagle3_workflow.cpu_hs_connector")
+    ours = importlib.import_module("eagle3_workflow.serving.cpu_hs_connector")
     source = inspect.getsource(parent)
     missing = []
     for attribute, kind in ours.INTERNALS_USED:
@@ -97,8 +97,8 @@ def check_cpu_connector() -> tuple[str, bool]:
 
 
 def check_cpu_server_launcher() -> tuple[str, bool]:
-    """The CPU server's launcher (its EngineCore forked: eagle3_workflow.cpu_vllm_server) finds what it patches."""
-    from eagle3_workflow.cpu_vllm_server import patch_points
+    """The CPU server's launcher (its EngineCore forked: eagle3_workflow.serving.cpu_server) finds what it patches."""
+    from eagle3_workflow.serving.cpu_server import patch_points
 
     return patch_points()
 
@@ -232,7 +232,7 @@ def check_spec_decode_metrics() -> tuple[str, bool]:
     from vllm import LLM
     from vllm.v1.spec_decode import metrics
 
-    from eagle3_workflow.vllm_metrics import PER_POSITION_METRIC, SPEC_COUNTERS
+    from eagle3_workflow.serving.engine import PER_POSITION_METRIC, SPEC_COUNTERS
 
     source = inspect.getsource(metrics)
     missing = [name for name in [*SPEC_COUNTERS, PER_POSITION_METRIC] if f'"{name}"' not in source]
@@ -416,7 +416,7 @@ def run_api_checks(
         rows.append(
             _row(
                 "CPU server launcher patch points",
-                "what eagle3_workflow.cpu_vllm_server patches exists",
+                "what eagle3_workflow.serving.cpu_server patches exists",
                 check_cpu_server_launcher,
             )  # fmt: skip
         )

@@ -18,8 +18,8 @@ from eagle3_workflow.errors import StageError, check_table
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
+    from eagle3_workflow.serving.engine import resolve_device
     from eagle3_workflow.settings import CheckApiStage, stage_settings
-    from eagle3_workflow.vllm_server import resolve_device
 
     def body(log: logging.Logger) -> None:
         settings = stage_settings(CheckApiStage, snakemake.params.settings)

@@ -40,14 +40,14 @@ import torch
 from eagle3_workflow.artefacts import CanaryReport, CheckRow, LayerMatch
 from eagle3_workflow.canary.slice import CanarySlice, build_truncated_target, canary_layer_count, canary_layer_ids
 from eagle3_workflow.errors import StageError, check_table
-from eagle3_workflow.extraction_client import ClientSettings, ProgressTracker, Sample, extract_samples
 from eagle3_workflow.hidden_states import read_hidden_states, read_sample
 from eagle3_workflow.prepared import open_prepared
 from eagle3_workflow.reference.full_depth import REFERENCE, Target, UnsupportedTarget, open_target, stream_reference
 from eagle3_workflow.reference.layer_match import MAX_EXCUSED_FRACTION, SlotComparison, SlotError, SlotMatch
 from eagle3_workflow.reference.target_config import read_target_config
+from eagle3_workflow.serving.extraction_client import ClientSettings, ProgressTracker, Sample, extract_samples
+from eagle3_workflow.serving.server import VLLMServer
 from eagle3_workflow.settings import CanaryStage, ExtractionStall
-from eagle3_workflow.vllm_server import VLLMServer
 
 log = logging.getLogger("eagle3.canary")
 
@@ -357,7 +357,7 @@ def pick_samples(prepared_dir: Path, count: int, max_tokens: int) -> tuple[list[
 
 def server_spec_factory(settings: CanaryStage, device: str) -> SpecFactory:
     """The extraction server for the slice: the same builder extraction uses, with the render endpoint on."""
-    from eagle3_workflow.vllm_server import hidden_states_server_spec
+    from eagle3_workflow.serving.engine import hidden_states_server_spec
 
     def spec_factory(model: str, layer_ids: list[int], storage_dir: str):
         return hidden_states_server_spec(settings, model=model, layer_ids=layer_ids, storage_dir=storage_dir,

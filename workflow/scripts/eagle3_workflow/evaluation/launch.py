@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.protocol import LOG_PREFIX, MeasurementResult, MeasurementSpec
+from eagle3_workflow.serving.engine import offline_engine_kwargs
 from eagle3_workflow.settings import VllmSettings
-from eagle3_workflow.vllm_server import offline_engine_kwargs
 
 if TYPE_CHECKING:
     from eagle3_workflow.runtime.worker import Job, StartedWorker

@@ -178,7 +178,8 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     gate the timing passes wait for the lock alone and warm the engine up again once they hold it."""
     from vllm import LLM, SamplingParams
 
-    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine, report_busy, report_idle
+    from eagle3_workflow.runtime.worker import report_busy, report_idle
+    from eagle3_workflow.serving.cpu_server import freeze_heap_for_cpu_engine
 
     gate = gate or Gate(None)
     prefix = spec.log_prefix

@@ -11,7 +11,7 @@ from typing import Any
 from eagle3_workflow.artefacts import AcceptanceReport, AcceptanceResult, LosslessMismatch, Throughput
 from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.evaluation.protocol import NO_SPECULATION, RunResult
-from eagle3_workflow.vllm_metrics import PER_POSITION_METRIC, SPEC_COUNTERS
+from eagle3_workflow.serving.engine import PER_POSITION_METRIC, SPEC_COUNTERS
 
 
 @dataclasses.dataclass

@@ -76,8 +76,8 @@ from eagle3_workflow.evaluation.protocol import (
     log_prefix,
 )
 from eagle3_workflow.reference.target_config import read_target_config
+from eagle3_workflow.serving.engine import cpu_engine_environment, generation_cuda_graphs
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
-from eagle3_workflow.vllm_server import cpu_engine_environment, generation_cuda_graphs
 
 if TYPE_CHECKING:
     from eagle3_workflow.runtime.worker import StartedWorker
@@ -122,7 +122,7 @@ def evaluate_draft(
     log_path: str | Path | None = None,
 ) -> AcceptanceReport:
     """Measure the trained and an untrained draft against no speculation; raise StageError if not lossless."""
-    from eagle3_workflow.vllm_server import resolve_device
+    from eagle3_workflow.serving.engine import resolve_device
 
     settings, vllm_settings = stage.evaluate, stage.vllm
     dtype, trust_remote_code = stage.target.dtype, stage.target.trust_remote_code

@@ -20,12 +20,18 @@ from typing import Any
 from eagle3_workflow.artefacts import ApiCompatReport, ExtractionManifest, GreedyProbe, write
 from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, space_of
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.extraction_client import ClientSettings, ProgressTracker, Sample, ServerStalled, extract_samples
 from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, rows_on_disk, shard_rows
 from eagle3_workflow.prepared import read_input_ids
 from eagle3_workflow.runtime.stage import StageStopped, stop_received
+from eagle3_workflow.serving.extraction_client import (
+    ClientSettings,
+    ProgressTracker,
+    Sample,
+    ServerStalled,
+    extract_samples,
+)
+from eagle3_workflow.serving.server import VLLMServer
 from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient
-from eagle3_workflow.vllm_server import VLLMServer
 
 log = logging.getLogger("eagle3.extraction")
 
@@ -301,7 +307,7 @@ def _serve_and_extract(
 
 def server_spec_factory(settings: ExtractHiddenStatesStage, api: ApiCompatReport, target: str) -> Callable[[str], Any]:
     """The extraction server for a storage folder, as the canary starts it (same builder)."""
-    from eagle3_workflow.vllm_server import hidden_states_server_spec
+    from eagle3_workflow.serving.engine import hidden_states_server_spec
 
     def spec_factory(storage_dir: str):
         return hidden_states_server_spec(settings, model=target, layer_ids=api.layer_ids, storage_dir=storage_dir,

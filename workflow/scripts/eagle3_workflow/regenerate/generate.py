@@ -38,8 +38,8 @@ from eagle3_workflow.regenerate.prompts import (
     to_sharegpt,
 )
 from eagle3_workflow.regenerate.protocol import RegenerationSpec
+from eagle3_workflow.serving.engine import cpu_engine_in_one_process, generation_cuda_graphs, offline_engine_kwargs
 from eagle3_workflow.settings import RegenerateResponsesStage, RegenerateSettings, as_config
-from eagle3_workflow.vllm_server import cpu_engine_in_one_process, generation_cuda_graphs, offline_engine_kwargs
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -308,7 +308,8 @@ def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
 def run_regeneration(spec: RegenerationSpec) -> RegenerationStats:
     """The worker's work: start vLLM on the target, regenerate, write the conversations atomically; the stats."""
     from eagle3_workflow.chat import load_chat_tokenizer
-    from eagle3_workflow.runtime.worker import freeze_heap_for_cpu_engine, report_busy
+    from eagle3_workflow.runtime.worker import report_busy
+    from eagle3_workflow.serving.cpu_server import freeze_heap_for_cpu_engine
 
     target, settings, output = Path(spec.target), spec.settings, Path(spec.output)
     tokenizer = load_chat_tokenizer(target, trust_remote_code=settings.target.trust_remote_code)

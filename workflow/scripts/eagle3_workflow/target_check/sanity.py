@@ -101,14 +101,14 @@ def ask(
 
 def server_spec(settings: CheckTargetStage, target: str, device: str) -> Any:
     """A plain server (no speculative config): the target as regeneration serves it, kept small on CPU."""
-    from eagle3_workflow.vllm_server import target_server_spec
+    from eagle3_workflow.serving.engine import target_server_spec
 
     spec = target_server_spec(settings, model=target, device=device)
     return dataclasses.replace(spec, max_num_seqs=len(SANITY_PROMPTS))
 
 
 def check_target(settings: CheckTargetStage, target: str, device: str, log_path: str | Path) -> TargetSanityReport:
-    from eagle3_workflow.vllm_server import VLLMServer
+    from eagle3_workflow.serving.server import VLLMServer
 
     questions = settings.target_check
     tokenizer = load_chat_tokenizer(target, trust_remote_code=settings.target.trust_remote_code)

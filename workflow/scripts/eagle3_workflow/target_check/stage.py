@@ -14,7 +14,7 @@ from eagle3_workflow.target_check.sanity import check_target, failure_message
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.vllm_server import resolve_device
+    from eagle3_workflow.serving.engine import resolve_device
 
     def body(log: logging.Logger) -> None:
         settings = stage_settings(CheckTargetStage, snakemake.params.settings)

@@ -24,9 +24,10 @@ from typing import Any
 from eagle3_workflow.artefacts import OnlineTrainingStats
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.runtime.child import PROGRESS_MARKER, ProgressWatch
+from eagle3_workflow.serving.engine import ServerSpec
+from eagle3_workflow.serving.server import VLLMServer
 from eagle3_workflow.settings import OnlineTraining
 from eagle3_workflow.trainer.online_spec import API_KEY_ENV, ONLINE_SPEC_ENV, OnlineSpec, failed_rows, samples_checked
-from eagle3_workflow.vllm_server import ServerSpec, VLLMServer
 
 log = logging.getLogger("eagle3.training")
 

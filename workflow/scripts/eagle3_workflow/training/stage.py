@@ -339,7 +339,7 @@ def online_serving(settings: TrainDraftOnlineStage, api: ApiCompatReport, target
     as extraction's server is (extraction.stall_timeout_s, stall_factor)."""
     from eagle3_workflow.reference.target_config import read_target_config
     from eagle3_workflow.runtime.child import ProgressWatch
-    from eagle3_workflow.vllm_server import hidden_states_server_spec
+    from eagle3_workflow.serving.engine import hidden_states_server_spec
 
     def server_spec(storage_dir: str) -> Any:
         spec = hidden_states_server_spec(settings, model=target, layer_ids=api.layer_ids, storage_dir=storage_dir,

@@ -9,7 +9,7 @@ else (scheduling, file naming, lock pre-creation, completion tracking) is the st
 It relies on private attributes of the parent class: ``INTERNALS_USED`` lists them and the `check_api` gate
 verifies each one exists before any server starts, so a vLLM bump fails at the gate, not mid-extraction.
 Load it with kv_transfer_config {"kv_connector": "CPUHiddenStatesConnector",
-"kv_connector_module_path": "eagle3_workflow.cpu_hs_connector", ...}.
+"kv_connector_module_path": "eagle3_workflow.serving.cpu_hs_connector", ...}.
 """
 
 from __future__ import annotations

