@@ -17,9 +17,9 @@ from pathlib import Path
 
 
 def main(args: dict) -> None:
-    from eagle3_workflow.artefacts import write
     from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
-    from eagle3_workflow.hidden_states import HiddenStateFiles
+    from eagle3_workflow.files.artefacts import write
+    from eagle3_workflow.files.hidden_states import HiddenStateFiles
     from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.serving.engine import hidden_states_server_spec
     from eagle3_workflow.settings import ExtractHiddenStatesStage

@@ -10,25 +10,19 @@ import os
 import time
 from pathlib import Path
 
-from eagle3_workflow.artefacts import (
+from eagle3_workflow.files.artefacts import Artefact, CheckRow, write
+from eagle3_workflow.files.data_artefacts import CanaryReport, DataManifest, ExtractionManifest, ValidationReport
+from eagle3_workflow.files.draft_artefacts import (
     AcceptanceReport,
     AcceptanceResult,
-    ApiCompatReport,
-    Artefact,
-    CanaryReport,
     CheckpointInfo,
-    CheckRow,
-    DataManifest,
-    ExtractionManifest,
     LosslessMismatch,
     MeasurementProcess,
     Provenance,
-    TargetInfo,
     Throughput,
     TrainingSummary,
-    ValidationReport,
-    write,
 )
+from eagle3_workflow.files.target_artefacts import ApiCompatReport, TargetInfo
 
 
 def _dump(path: Path, artefact: Artefact) -> Path:
@@ -220,7 +214,7 @@ def build_scratch_draft(
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
     from transformers import AutoConfig
 
-    from eagle3_workflow.hidden_states import eagle3_layer_ids
+    from eagle3_workflow.files.hidden_states import eagle3_layer_ids
 
     num_layers = AutoConfig.from_pretrained(target).num_hidden_layers
     layer_config = create_transformer_layer_config(

@@ -29,10 +29,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
-from eagle3_workflow.artefacts import ApiCompatReport, load  # noqa: E402
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
-from eagle3_workflow.hidden_states import HiddenStateFiles  # noqa: E402
-from eagle3_workflow.prepared import open_prepared, read_input_ids  # noqa: E402
+from eagle3_workflow.files.artefacts import load  # noqa: E402
+from eagle3_workflow.files.hidden_states import HiddenStateFiles  # noqa: E402
+from eagle3_workflow.files.prepared import open_prepared, read_input_ids  # noqa: E402
+from eagle3_workflow.files.target_artefacts import ApiCompatReport  # noqa: E402
 from eagle3_workflow.serving.engine import ServerSpec, hidden_states_server_spec  # noqa: E402
 from eagle3_workflow.serving.server import VLLMServer  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402

@@ -29,8 +29,8 @@ from bench_extraction import finished_run  # noqa: E402
 
 import eagle3_workflow.serving.server as vllm_server  # noqa: E402
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
-from eagle3_workflow.hidden_states import HiddenStateFiles  # noqa: E402
-from eagle3_workflow.prepared import open_prepared  # noqa: E402
+from eagle3_workflow.files.hidden_states import HiddenStateFiles  # noqa: E402
+from eagle3_workflow.files.prepared import open_prepared  # noqa: E402
 from eagle3_workflow.serving.engine import hidden_states_server_spec  # noqa: E402
 from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402
 

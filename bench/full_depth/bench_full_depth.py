@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
-from eagle3_workflow.hidden_states import eagle3_layer_ids, hs_file  # noqa: E402
+from eagle3_workflow.files.hidden_states import eagle3_layer_ids, hs_file  # noqa: E402
 from eagle3_workflow.reference.full_depth import stream_reference  # noqa: E402
 from eagle3_workflow.reference.target_config import read_target_config  # noqa: E402
 from eagle3_workflow.settings import ValidationSettings, with_schema_defaults  # noqa: E402

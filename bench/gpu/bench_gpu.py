@@ -59,10 +59,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
-from eagle3_workflow.artefacts import ApiCompatReport, TrainingSummary, load, write  # noqa: E402
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica  # noqa: E402
-from eagle3_workflow.files import write_text_atomic  # noqa: E402
-from eagle3_workflow.hidden_states import HiddenStateFiles, resolve_layer_ids  # noqa: E402
+from eagle3_workflow.files.artefacts import load, write  # noqa: E402
+from eagle3_workflow.files.draft_artefacts import TrainingSummary  # noqa: E402
+from eagle3_workflow.files.hidden_states import HiddenStateFiles, resolve_layer_ids  # noqa: E402
+from eagle3_workflow.files.target_artefacts import ApiCompatReport  # noqa: E402
+from eagle3_workflow.files.writing import write_text_atomic  # noqa: E402
 from eagle3_workflow.reference.target_config import read_target_config  # noqa: E402
 from eagle3_workflow.serving.engine import hidden_states_server_spec  # noqa: E402
 from eagle3_workflow.serving.extraction_client import ProgressTracker, Sample, extract_samples  # noqa: E402
@@ -467,7 +469,7 @@ def same_flags_or_exit(bare_cmd, settings, target: Path, wf_work: Path, *, targe
 
 def training_inputs(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path) -> dict:
     """The gate files train_draft reads (api_compat, validation) and the layer ids, written once for all runs."""
-    from eagle3_workflow.prepared import read_input_ids
+    from eagle3_workflow.files.prepared import read_input_ids
     from eagle3_workflow.provenance.collect import package_versions
     from eagle3_workflow.validation.checks import validate_files
 

@@ -20,10 +20,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 
-from eagle3_workflow.artefacts import load  # noqa: E402
 from eagle3_workflow.evaluation.launch import measurement_environment, run_measurement_process  # noqa: E402
 from eagle3_workflow.evaluation.lossless import compare_greedy, non_argmax_gaps, non_argmax_steps  # noqa: E402
 from eagle3_workflow.evaluation.protocol import MeasurementSpec, RunResult  # noqa: E402
+from eagle3_workflow.files.artefacts import load  # noqa: E402
 from eagle3_workflow.serving.engine import cpu_engine_environment  # noqa: E402
 
 

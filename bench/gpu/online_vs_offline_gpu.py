@@ -27,9 +27,11 @@ sys.path[:0] = [str(REPO / "workflow" / "scripts"), str(REPO / "bench" / "online
 
 from online_vs_offline import HighWater, emit, online_over_offline  # noqa: E402
 
-from eagle3_workflow.artefacts import ApiCompatReport, Provenance, load  # noqa: E402
 from eagle3_workflow.config_errors import validate_config  # noqa: E402
-from eagle3_workflow.hidden_states import hs_file  # noqa: E402
+from eagle3_workflow.files.artefacts import load  # noqa: E402
+from eagle3_workflow.files.draft_artefacts import Provenance  # noqa: E402
+from eagle3_workflow.files.hidden_states import hs_file  # noqa: E402
+from eagle3_workflow.files.target_artefacts import ApiCompatReport  # noqa: E402
 from eagle3_workflow.settings import (  # noqa: E402
     SCHEMA_PATH,
     TrainDraftOnlineStage,

@@ -13,7 +13,6 @@ import pytest
 from conftest import REPO, evaluation, rules_run, run_workflow, synthetic_run_config, tiny_settings
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
-from eagle3_workflow.artefacts import AcceptanceReport, load
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.launch import (
     measurement_engine_kwargs,
@@ -24,6 +23,8 @@ from eagle3_workflow.evaluation.lossless import compare_greedy, non_argmax_steps
 from eagle3_workflow.evaluation.metrics import acceptance_result
 from eagle3_workflow.evaluation.prompts import load_prompts
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec
+from eagle3_workflow.files.artefacts import load
+from eagle3_workflow.files.draft_artefacts import AcceptanceReport
 from eagle3_workflow.settings import ServingStage
 
 VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)
@@ -268,8 +269,8 @@ def test_the_lossless_pass_gives_the_parity_pass_its_steps_as_a_pass_of_its_own_
     records the parity pass's facts from them (measure.parity_in_lossless) instead of generating them again: the
     same tokens, steps and proposals as a parity pass of its own (another engine, DELTA outputs, no logprobs), and
     those prompts' lossless outputs are the stepped ones."""
-    from eagle3_workflow.chat import assistant_stop_set
     from eagle3_workflow.evaluation.protocol import eagle3_run
+    from eagle3_workflow.files.chat import assistant_stop_set
 
     settings = evaluation(prompts="heldout", num_prompts=3, max_tokens=24)
     prompt_set = load_prompts(settings, tiny_tokenizer, prepared_dir=prepared["prepared"], train_data_ratio=0.5,
@@ -311,7 +312,6 @@ def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
     (beyond its first evaluate.untrained_prompts, 1 here). Both checks fail it, with their margins in the
     AcceptanceResult: the emitted draft tokens lie steps below their step's argmax, and the two drafts' outputs
     differ."""
-    from eagle3_workflow.chat import assistant_stop_set
     from eagle3_workflow.evaluation.baseline import build_untrained_draft
     from eagle3_workflow.evaluation.protocol import eagle3_run
     from eagle3_workflow.evaluation.stage import (
@@ -324,6 +324,7 @@ def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
         plan_environment,
         plan_measurements,
     )
+    from eagle3_workflow.files.chat import assistant_stop_set
 
     monkeypatch.setenv("EAGLE3_FAULT", "accept_any_draft")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAULT_PLUGINS, os.environ.get("PYTHONPATH")])))

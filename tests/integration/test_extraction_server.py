@@ -35,7 +35,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from eagle3_workflow.files import process_umask
+from eagle3_workflow.files.writing import process_umask
 from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.serving.extraction_client import Sample
 from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
@@ -234,7 +234,7 @@ import json, logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO)
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
-from eagle3_workflow.hidden_states import HiddenStateFiles
+from eagle3_workflow.files.hidden_states import HiddenStateFiles
 from eagle3_workflow.settings import ExtractHiddenStatesStage
 from eagle3_workflow.serving.engine import hidden_states_server_spec
 settings = ExtractHiddenStatesStage.model_validate(json.loads({settings!r}))
@@ -402,7 +402,8 @@ def test_greedy_cross_check_on_the_full_model_catches_a_wrong_last_id(tiny_targe
     """The server's greedy token must equal norm+lm_head of the captured id N: a wrong id N (its state taken from
     the layer before, fault plugin) is caught. The healthy side, the same check passing on every probe of a
     clean extraction through the rules: test_clean_run_writes_progress_manifest_and_validation."""
-    from eagle3_workflow.artefacts import ExtractionManifest, load
+    from eagle3_workflow.files.artefacts import load
+    from eagle3_workflow.files.data_artefacts import ExtractionManifest
     from eagle3_workflow.validation.checks import greedy_cross_check, greedy_failure_message
 
     monkeypatch.setenv("EAGLE3_FAULT", "remap:last_from_previous")
@@ -432,7 +433,7 @@ def test_prefix_cache_hits_give_the_same_hidden_states(tiny_targets, tmp_path, m
     import httpx
 
     from eagle3_workflow.extraction.replica import client_settings
-    from eagle3_workflow.hidden_states import HiddenStateFiles
+    from eagle3_workflow.files.hidden_states import HiddenStateFiles
     from eagle3_workflow.serving.engine import hidden_states_server_spec
     from eagle3_workflow.serving.extraction_client import ProgressTracker, extract_samples
     from eagle3_workflow.serving.server import VLLMServer

@@ -15,7 +15,8 @@ import pytest
 import yaml
 from conftest import REPO, TINY_DATA, run_workflow
 
-from eagle3_workflow.artefacts import ApiCompatReport, load
+from eagle3_workflow.files.artefacts import load
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
 
 CONFIGS = [
     REPO / "config" / "presets" / "kimi-k25-stand-in.yaml",

@@ -25,7 +25,8 @@ from conftest import REPO, kill_tree, tiny_config, validated, wait_until
 from test_training_trainer import make_train_inputs, stop_training_at, train_rows
 from tiny_training import TRAIN
 
-from eagle3_workflow.artefacts import ApiCompatReport, load
+from eagle3_workflow.files.artefacts import load
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.settings import TrainDraftOnlineStage, view_of
 from eagle3_workflow.training.stage import online_serving, train_draft
 
@@ -36,7 +37,8 @@ ONLINE = {**TRAIN, "hidden_states": "online"}
 ONLINE_STAGE_RUN = r"""
 import json, sys
 from pathlib import Path
-from eagle3_workflow.artefacts import ApiCompatReport, load
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
+from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.runtime.stage import run_stage
 from eagle3_workflow.settings import TrainDraftOnlineStage, view_of
 from eagle3_workflow.training.stage import online_serving, rerun_after_stop, train_draft

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import REGENERATE_SETTINGS, REPO, fill_up, tiny_settings, wait_until
 
-from eagle3_workflow.files import write_text_atomic
+from eagle3_workflow.files.writing import write_text_atomic
 from eagle3_workflow.runtime.child import BUSY_MARKER, PROGRESS_MARKER, ChildFailure, ChildProcess, ProgressWatch
 
 SCRIPTS = REPO / "workflow" / "scripts"
@@ -179,7 +179,7 @@ def test_no_progress_while_busy_fails_with_the_stall_message():
 # ---------------------------------------------------------------- runtime.worker: spec in, typed result out (fast)
 
 TOY_PROTOCOL = """
-from eagle3_workflow.artefacts import Artefact
+from eagle3_workflow.files.artefacts import Artefact
 
 class Question(Artefact):
     numbers: list[int]

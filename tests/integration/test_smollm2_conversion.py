@@ -12,8 +12,8 @@ import logging
 
 import pytest
 
-from eagle3_workflow.artefacts import BUILD_RECORD
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.target_artefacts import BUILD_RECORD
 from eagle3_workflow.target_build.smollm2 import build_smollm2_target, locate_gguf
 
 

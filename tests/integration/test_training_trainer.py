@@ -22,10 +22,12 @@ import pytest
 from conftest import REPO, kill_tree, train_settings, wait_until
 from tiny_training import TRAIN, train_record
 
-from eagle3_workflow.artefacts import ApiCompatReport, ValidationReport, write
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.files import process_umask
-from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.files.artefacts import write
+from eagle3_workflow.files.data_artefacts import ValidationReport
+from eagle3_workflow.files.hidden_states import hs_file
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
+from eagle3_workflow.files.writing import process_umask
 from eagle3_workflow.trainer.entry import FROZEN_LINE
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft

@@ -141,7 +141,7 @@ def test_layer_id_failures_name_the_key_not_the_environment(tiny_targets):
 
 
 def test_default_layer_ids_that_collide_ask_for_explicit_ids():
-    from eagle3_workflow.hidden_states import resolve_layer_ids
+    from eagle3_workflow.files.hidden_states import resolve_layer_ids
 
     with pytest.raises(ValueError, match="default ids .* collide on a 4-layer target; set hidden_states.layer_ids"):
         resolve_layer_ids(4, None)
@@ -149,7 +149,7 @@ def test_default_layer_ids_that_collide_ask_for_explicit_ids():
 
 def test_environment_failures_name_the_package():
     from eagle3_workflow.api_checks.checks import failure_advice
-    from eagle3_workflow.artefacts import CheckRow
+    from eagle3_workflow.files.artefacts import CheckRow
 
     advice = failure_advice(
         [

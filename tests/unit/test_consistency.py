@@ -13,7 +13,6 @@ import pytest
 from conftest import REPO, evaluation, tiny_settings
 from synthetic_run import acceptance_report, training_summary
 
-from eagle3_workflow.artefacts import AcceptanceReport, TrainingSummary, load, write
 from eagle3_workflow.evaluation.consistency import (
     consistency_failure,
     consistency_table,
@@ -22,6 +21,8 @@ from eagle3_workflow.evaluation.consistency import (
 from eagle3_workflow.evaluation.launch import measurement_engine_kwargs
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec, eagle3_run
 from eagle3_workflow.evaluation.stage import keyed_run, train_serve_consistency
+from eagle3_workflow.files.artefacts import load, write
+from eagle3_workflow.files.draft_artefacts import AcceptanceReport, TrainingSummary
 from eagle3_workflow.settings import ServingStage
 
 DEFAULTS = evaluation()

@@ -14,7 +14,6 @@ import torch
 from conftest import evaluation
 from safetensors.torch import save_file
 
-from eagle3_workflow.artefacts import DraftParity
 from eagle3_workflow.evaluation.parity import (
     CAUSES,
     Predicted,
@@ -28,6 +27,7 @@ from eagle3_workflow.evaluation.parity import (
     trained_draft,
 )
 from eagle3_workflow.evaluation.protocol import MeasurementRun
+from eagle3_workflow.files.draft_artefacts import DraftParity
 
 # prompt [0, 1], served output [2, 3, 4, 5, 2]: the trajectory, and a draft of k = 2 that proposes it exactly
 PROMPT, OUTPUT, K, V, H = [0, 1], [2, 3, 4, 5, 2], 2, 6, 4
@@ -157,7 +157,7 @@ def test_the_served_files_are_compared_with_the_trainers_checkpoint(tmp_path):
 def test_the_reference_is_the_checkpoint_training_json_names(tmp_path, monkeypatch):
     from synthetic_run import training_summary
 
-    from eagle3_workflow.artefacts import write
+    from eagle3_workflow.files.artefacts import write
 
     run = tmp_path / "results" / "r"
     checkpoint = _checkpoint(run / "train_work" / "checkpoints" / "2")

@@ -641,9 +641,9 @@ def test_without_time_untrained_the_baseline_loses_only_its_timing_pass():
 
 
 def test_a_measured_engine_is_reused_only_while_its_key_holds(tmp_path):
-    from eagle3_workflow.artefacts import write
     from eagle3_workflow.evaluation.protocol import RunResult
     from eagle3_workflow.evaluation.stage import keyed_run, reusable_result
+    from eagle3_workflow.files.artefacts import write
 
     draft = tmp_path / "draft"
     draft.mkdir()

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import evaluation, tiny_settings
 
-from eagle3_workflow.chat import StopSet
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.measure import LOCK_MODES, Gate, measure_run
 from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
@@ -28,6 +27,7 @@ from eagle3_workflow.evaluation.stage import (
     measure_runs,
     plan_measurements,
 )
+from eagle3_workflow.files.chat import StopSet
 from eagle3_workflow.settings import ServingStage
 
 VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)

@@ -18,10 +18,10 @@ import torch
 from conftest import REPO, tiny_settings
 from safetensors.torch import save_file
 
-from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, disk_full_line, mount_point
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction.replica import ServerCannotWrite, disk_full_message, disk_preflight, resume_scan
-from eagle3_workflow.hidden_states import (
+from eagle3_workflow.files.disk import DiskFullEvidence, disk_full_evidence, disk_full_line, mount_point
+from eagle3_workflow.files.hidden_states import (
     HiddenStateFiles,
     check_file,
     eagle3_layer_ids,
@@ -289,7 +289,7 @@ def test_an_eager_cpu_engine_runs_torch_compile_helpers_as_written(monkeypatch):
 
 
 def test_greedy_check_row_accepts_ties_and_names_a_different_token():
-    from eagle3_workflow.artefacts import GreedyProbe
+    from eagle3_workflow.files.data_artefacts import GreedyProbe
     from eagle3_workflow.validation.checks import greedy_check_row
 
     head = torch.eye(4, 3) * torch.tensor([10.0, 10.0, 1.0])

@@ -16,7 +16,7 @@ from hf_forward import hf_forward_states
 from safetensors.torch import save_file
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.files.hidden_states import hs_file
 from eagle3_workflow.reference.full_depth import UnsupportedTarget, split_by_layer, stream_reference
 from eagle3_workflow.reference.layer_match import POST_NORM, SlotMatch
 from eagle3_workflow.settings import ValidateHiddenStatesStage

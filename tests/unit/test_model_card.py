@@ -11,20 +11,11 @@ import shlex
 import pytest
 from synthetic_run import acceptance_report, write_synthetic_run
 
-from eagle3_workflow.artefacts import (
-    BUILD_RECORD,
-    AcceptanceReport,
-    ApiCompatReport,
-    ArtefactError,
-    DataManifest,
-    GreedyAnswer,
-    Provenance,
-    SmolLM2Build,
-    TrainingSummary,
-    load,
-    write,
-)
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.artefacts import ArtefactError, load, write
+from eagle3_workflow.files.data_artefacts import DataManifest
+from eagle3_workflow.files.draft_artefacts import AcceptanceReport, Provenance, TrainingSummary
+from eagle3_workflow.files.target_artefacts import BUILD_RECORD, ApiCompatReport, GreedyAnswer, SmolLM2Build
 from eagle3_workflow.model_card.card import CARD_NAME, CardInputs, package_draft, render_model_card, sha256_of
 from eagle3_workflow.settings import PackageDraftStage, view_of, with_schema_defaults
 

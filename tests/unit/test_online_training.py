@@ -14,7 +14,7 @@ from conftest import train_settings
 from tiny_training import TRAIN
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.hidden_states import check_rows, check_sample, rows_on_disk
+from eagle3_workflow.files.hidden_states import check_rows, check_sample, rows_on_disk
 from eagle3_workflow.runtime.child import ProgressWatch
 from eagle3_workflow.trainer.command import TRAINER_FIELDS_USED, TrainDevice, TrainPaths, build_train_command
 from eagle3_workflow.trainer.online_spec import (
@@ -203,7 +203,7 @@ def test_samples_that_stop_arriving_fail_as_stalled_once_the_first_arrived_and_t
 def test_the_report_and_the_model_card_say_where_the_hidden_states_came_from(tmp_path):
     from synthetic_run import training_summary
 
-    from eagle3_workflow.artefacts import OnlineTrainingStats
+    from eagle3_workflow.files.draft_artefacts import OnlineTrainingStats
 
     offline = training_summary(tmp_path / "draft")
     assert offline.hidden_states_source() == "offline: files extracted to disk once, read every epoch"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import preparation
 
-from eagle3_workflow.chat import tokenize_conversation
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.chat import tokenize_conversation
 from eagle3_workflow.prepare.conversations import prepare_conversations, token_frequencies
 
 CHATML = (

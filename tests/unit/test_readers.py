@@ -13,8 +13,8 @@ from conftest import REPO
 from safetensors.torch import save_file
 
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.hidden_states import HiddenStateFiles, hs_file, read_hidden_states, read_sample
-from eagle3_workflow.prepared import open_prepared, read_input_ids
+from eagle3_workflow.files.hidden_states import HiddenStateFiles, hs_file, read_hidden_states, read_sample
+from eagle3_workflow.files.prepared import open_prepared, read_input_ids
 from eagle3_workflow.reference.target_config import NotSafetensors, read_target_config, read_tensors, weight_files
 
 PACKAGE = REPO / "workflow" / "scripts" / "eagle3_workflow"
@@ -143,11 +143,11 @@ def _reads(node: ast.AST, needle: str) -> bool:
 
 # each thing on disk and the one module that reads it
 OWN_READER = {
-    "load_from_disk": "prepared.py",
+    "load_from_disk": "files/prepared.py",
     "text_config": "reference/target_config.py",
     "model.safetensors.index.json": "reference/target_config.py",
-    "hs_<row>.safetensors": "hidden_states.py",
-    "a hidden-state file opened": "hidden_states.py",
+    "hs_<row>.safetensors": "files/hidden_states.py",
+    "a hidden-state file opened": "files/hidden_states.py",
 }
 
 

@@ -478,7 +478,7 @@ def test_snakemake_thread_variables_do_not_reach_vllm(monkeypatch):
 def test_the_worker_spec_carries_the_settings_as_the_config_gave_them(tmp_path):
     """The regeneration worker reads its settings from its spec file: back as the same typed model, and a key the
     config left out stays out (the stats record the section as given)."""
-    from eagle3_workflow.artefacts import load, write
+    from eagle3_workflow.files.artefacts import load, write
     from eagle3_workflow.regenerate.protocol import RegenerationSpec
     from eagle3_workflow.settings import as_config
 

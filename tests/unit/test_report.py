@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from synthetic_run import TRAINING_METRICS, acceptance_report, write_synthetic_run
 
-from eagle3_workflow.artefacts import AcceptanceReport, load, write
+from eagle3_workflow.files.artefacts import load, write
+from eagle3_workflow.files.draft_artefacts import AcceptanceReport
 from eagle3_workflow.report.figures import plot_training, read_training_metrics
 from eagle3_workflow.report.pages import acceptance_page, html_table
 from eagle3_workflow.report.stage import ReportInputs, ReportOutputs, nested_report_command, summarize_run
@@ -116,7 +117,7 @@ def test_nested_report_command_reads_the_same_workflow_without_the_lock():
 
 
 def test_the_acceptance_page_shows_the_draft_parity_and_the_lossless_reference():
-    from eagle3_workflow.artefacts import DraftParity
+    from eagle3_workflow.files.draft_artefacts import DraftParity
 
     parity = DraftParity(verdict="passed", prompts=[0, 1, 2, 3], steps_compared=149, agreeing_steps=147,
                          ties_excused=2, differing_steps=0, proposals_compared=420, dtype="bfloat16",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import api_report
 
-from eagle3_workflow.chat import assistant_stop_set
+from eagle3_workflow.files.chat import assistant_stop_set
 from eagle3_workflow.target_check.sanity import SANITY_PROMPTS, answer_problem, failure_message, judge
 
 # ---------------------------------------------------------------- the verdict (pure)
@@ -149,7 +149,7 @@ def test_a_built_tiny_target_is_group_readable(tiny_targets):
 def test_an_atomic_json_write_follows_the_umask(tmp_path):
     import os
 
-    from eagle3_workflow.artefacts import CheckRow, write
+    from eagle3_workflow.files.artefacts import CheckRow, write
 
     previous = os.umask(0o027)  # group may read, others may not
     try:
@@ -163,7 +163,7 @@ def test_safetensors_files_are_shared_as_the_umask_allows(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from eagle3_workflow.files import share_as_umask_allows
+    from eagle3_workflow.files.writing import share_as_umask_allows
 
     (tmp_path / "files").mkdir()
     save_file({"hidden_states": torch.zeros(2, 2)}, str(tmp_path / "files" / "hs_0.safetensors"))
@@ -201,9 +201,9 @@ def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, t
 
 
 def test_evaluation_sampling_carries_the_stop_set_to_the_measurement_process(tmp_path):
-    from eagle3_workflow.artefacts import load, write
     from eagle3_workflow.evaluation.measure import measured_sampling
     from eagle3_workflow.evaluation.protocol import MeasurementSpec
+    from eagle3_workflow.files.artefacts import load, write
 
     spec = MeasurementSpec(engine={}, prompts=[[1]], max_tokens=4, timing_repeats=1, runs=[], stop_token_ids=[2, 7])
     write(tmp_path / "spec.json", spec)

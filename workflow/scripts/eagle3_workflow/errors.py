@@ -6,10 +6,6 @@ Logging and `run_stage` live in eagle3_workflow.runtime.stage.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from eagle3_workflow.artefacts import CheckRow
 
 
 class StageError(RuntimeError):
@@ -47,11 +43,3 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> st
     for row in text_rows:
         out.extend(lines(row))
     return "\n".join(out)
-
-
-def check_table(rows: Iterable[CheckRow]) -> str:
-    """A gate's rows (artefacts.CheckRow) as the table its log shows: check, expected, found, PASS/FAIL."""
-    return render_table(
-        ["check", "expected", "found", "pass"],
-        [(r.name, r.expected, r.found, "PASS" if r.passed else "FAIL") for r in rows],
-    )

@@ -22,8 +22,9 @@ from typing import Any
 
 from packaging.version import Version
 
-from eagle3_workflow.artefacts import ApiCompatReport, CheckRow, TargetInfo
-from eagle3_workflow.hidden_states import resolve_layer_ids
+from eagle3_workflow.files.artefacts import CheckRow
+from eagle3_workflow.files.hidden_states import resolve_layer_ids
+from eagle3_workflow.files.target_artefacts import ApiCompatReport, TargetInfo
 from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.trainer.command import TRAINER_FIELDS_USED
 
@@ -252,7 +253,7 @@ def check_chat_template(target_dir: str, prepared_dir: str | None, trust_remote_
     """apply_chat_template(tokenize=False) returns a str and re-preparing stored rows gives the same ids."""
     from transformers import AutoTokenizer
 
-    from eagle3_workflow.chat import render, tokenize_conversation
+    from eagle3_workflow.files.chat import render, tokenize_conversation
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
@@ -260,7 +261,7 @@ def check_chat_template(target_dir: str, prepared_dir: str | None, trust_remote_
     text = render(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
     if prepared_dir is None:
         return f"renders a {len(text)}-char prompt", True
-    from eagle3_workflow.prepared import open_prepared
+    from eagle3_workflow.files.prepared import open_prepared
 
     dataset = open_prepared(prepared_dir)
     rows = min(3, len(dataset))

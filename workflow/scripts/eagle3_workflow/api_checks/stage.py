@@ -12,8 +12,8 @@ from eagle3_workflow.api_checks.checks import (
     run_api_checks,
     trainer_fields_used,
 )
-from eagle3_workflow.artefacts import write
-from eagle3_workflow.errors import StageError, check_table
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.artefacts import check_table, write
 
 
 def main(snakemake: Any) -> None:

@@ -37,11 +37,12 @@ from typing import Any, Literal
 
 import torch
 
-from eagle3_workflow.artefacts import CanaryReport, CheckRow, LayerMatch
 from eagle3_workflow.canary.slice import CanarySlice, build_truncated_target, canary_layer_count, canary_layer_ids
-from eagle3_workflow.errors import StageError, check_table
-from eagle3_workflow.hidden_states import read_hidden_states, read_sample
-from eagle3_workflow.prepared import open_prepared
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.artefacts import CheckRow, check_table
+from eagle3_workflow.files.data_artefacts import CanaryReport, LayerMatch
+from eagle3_workflow.files.hidden_states import read_hidden_states, read_sample
+from eagle3_workflow.files.prepared import open_prepared
 from eagle3_workflow.reference.full_depth import REFERENCE, Target, UnsupportedTarget, open_target, stream_reference
 from eagle3_workflow.reference.layer_match import MAX_EXCUSED_FRACTION, SlotComparison, SlotError, SlotMatch
 from eagle3_workflow.reference.target_config import read_target_config

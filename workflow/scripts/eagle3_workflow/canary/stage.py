@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import ApiCompatReport, load, write
 from eagle3_workflow.canary.check import (
     CanaryRequest,
     client_settings,
@@ -17,6 +16,8 @@ from eagle3_workflow.canary.check import (
     server_spec_factory,
 )
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.artefacts import load, write
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.settings import CanaryStage, stage_settings
 
 

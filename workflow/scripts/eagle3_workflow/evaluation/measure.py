@@ -23,7 +23,6 @@ import os
 import time
 from typing import Any, Literal
 
-from eagle3_workflow.artefacts import write
 from eagle3_workflow.evaluation.protocol import (
     LOG_PREFIX,
     ConcurrencyTiming,
@@ -32,6 +31,7 @@ from eagle3_workflow.evaluation.protocol import (
     MeasurementSpec,
     RunResult,
 )
+from eagle3_workflow.files.artefacts import write
 
 WARMUP_TOKENS = 4
 

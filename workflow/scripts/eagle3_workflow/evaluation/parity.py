@@ -47,8 +47,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import DraftParity, ParityDifference, TrainingSummary, load
 from eagle3_workflow.evaluation.lossless import dtype_step
+from eagle3_workflow.files.artefacts import load
+from eagle3_workflow.files.draft_artefacts import DraftParity, ParityDifference, TrainingSummary
 
 log = logging.getLogger("eagle3.evaluation")
 

@@ -53,7 +53,7 @@ class PromptSet:
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of the chat template with the generation prompt, as a server would render them."""
-    from eagle3_workflow.chat import render
+    from eagle3_workflow.files.chat import render
 
     text = render(tokenizer, messages, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -86,7 +86,7 @@ def select_prompts(
 
 
 def heldout_candidates(prepared_dir: Path, train_data_ratio: float) -> tuple[list[PromptCandidate], str]:
-    from eagle3_workflow.prepared import open_prepared
+    from eagle3_workflow.files.prepared import open_prepared
 
     dataset = open_prepared(prepared_dir)
     if "messages" not in dataset.column_names:
@@ -128,7 +128,7 @@ def humaneval_candidates() -> tuple[list[PromptCandidate], str]:
 def file_candidates(path: Path) -> tuple[list[PromptCandidate], str]:
     """.jsonl: each line a string, {"prompt": str}, {"messages": [...]} or ShareGPT {"conversations": [...]};
     anything else: one prompt per non-empty line."""
-    from eagle3_workflow.chat import normalize_messages
+    from eagle3_workflow.files.chat import normalize_messages
 
     if not path.exists():
         raise StageError(f"evaluate.prompt_file {path} does not exist")

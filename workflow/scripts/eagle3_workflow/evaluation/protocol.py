@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from eagle3_workflow.artefacts import Artefact
+from eagle3_workflow.files.artefacts import Artefact
 
 TOP_LOGPROBS = 5
 NO_SPECULATION = "no_speculation"

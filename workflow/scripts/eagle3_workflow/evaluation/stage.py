@@ -38,20 +38,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_workflow.artefacts import (
-    AcceptanceReport,
-    AcceptanceResult,
-    ApiCompatReport,
-    DraftConfig,
-    LosslessMismatch,
-    MeasurementProcess,
-    Throughput,
-    TrainingSummary,
-    TrainServeConsistency,
-    load,
-    write,
-)
-from eagle3_workflow.chat import StopSet, assistant_stop_set, load_chat_tokenizer
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.consistency import consistency_failure, consistency_table, judge_consistency
@@ -75,6 +61,19 @@ from eagle3_workflow.evaluation.protocol import (
     eagle3_run,
     log_prefix,
 )
+from eagle3_workflow.files.artefacts import load, write
+from eagle3_workflow.files.chat import StopSet, assistant_stop_set, load_chat_tokenizer
+from eagle3_workflow.files.draft_artefacts import (
+    AcceptanceReport,
+    AcceptanceResult,
+    DraftConfig,
+    LosslessMismatch,
+    MeasurementProcess,
+    Throughput,
+    TrainingSummary,
+    TrainServeConsistency,
+)
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.serving.engine import cpu_engine_environment, generation_cuda_graphs
 from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
@@ -626,7 +625,7 @@ def known_fingerprint(folder: Path, known: dict[Path, dict[str, str]]) -> dict[s
 
 def reusable_result(run: MeasurementRun) -> RunResult | None:
     """The result an earlier attempt left for this run, if it was measured with the same key."""
-    from eagle3_workflow.artefacts import ArtefactError
+    from eagle3_workflow.files.artefacts import ArtefactError
 
     path = Path(run.result_path or "")
     if not path.is_file():

@@ -17,11 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import ApiCompatReport, ExtractionManifest, GreedyProbe, write
-from eagle3_workflow.disk import DiskFullEvidence, disk_full_evidence, space_of
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.hidden_states import HiddenStateFiles, human_bytes, rows_on_disk, shard_rows
-from eagle3_workflow.prepared import read_input_ids
+from eagle3_workflow.files.artefacts import write
+from eagle3_workflow.files.data_artefacts import ExtractionManifest, GreedyProbe
+from eagle3_workflow.files.disk import DiskFullEvidence, disk_full_evidence, space_of
+from eagle3_workflow.files.hidden_states import HiddenStateFiles, human_bytes, rows_on_disk, shard_rows
+from eagle3_workflow.files.prepared import read_input_ids
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.runtime.stage import StageStopped, stop_received
 from eagle3_workflow.serving.extraction_client import (
     ClientSettings,

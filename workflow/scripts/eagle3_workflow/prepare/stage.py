@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import write
-from eagle3_workflow.chat import load_chat_tokenizer
+from eagle3_workflow.files.artefacts import write
+from eagle3_workflow.files.chat import load_chat_tokenizer
 from eagle3_workflow.prepare.conversations import (
     MAX_REPORTED_BAD,
     build_manifest,

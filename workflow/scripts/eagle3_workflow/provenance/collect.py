@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import Provenance
+from eagle3_workflow.files.draft_artefacts import Provenance
 
 PACKAGES = (
     "snakemake",

@@ -7,7 +7,7 @@ import json
 import logging
 from typing import Any
 
-from eagle3_workflow.artefacts import write
+from eagle3_workflow.files.artefacts import write
 from eagle3_workflow.provenance.collect import collect
 
 

@@ -19,7 +19,7 @@ from eagle3_workflow.errors import StageError
 if TYPE_CHECKING:
     import torch
 
-    from eagle3_workflow.artefacts import TargetInfo
+    from eagle3_workflow.files.target_artefacts import TargetInfo
 
 
 class NotSafetensors(StageError):
@@ -83,7 +83,7 @@ class TargetConfig:
 
     def info(self) -> TargetInfo:
         """check_api's record of the target (api_compat.json's ``target``)."""
-        from eagle3_workflow.artefacts import TargetInfo
+        from eagle3_workflow.files.target_artefacts import TargetInfo
 
         return TargetInfo(
             path=self.path,

@@ -22,9 +22,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import RegenerationStats
-from eagle3_workflow.chat import StopSet, assistant_stop_set
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.chat import StopSet, assistant_stop_set
+from eagle3_workflow.files.data_artefacts import RegenerationStats
 from eagle3_workflow.regenerate.magpie import MagpieResult, generate_magpie_prompts
 from eagle3_workflow.regenerate.prompts import (
     AnswerResult,
@@ -307,7 +307,7 @@ def vllm_generate_fn(llm: Any, chunk_size: int) -> GenerateFn:
 
 def run_regeneration(spec: RegenerationSpec) -> RegenerationStats:
     """The worker's work: start vLLM on the target, regenerate, write the conversations atomically; the stats."""
-    from eagle3_workflow.chat import load_chat_tokenizer
+    from eagle3_workflow.files.chat import load_chat_tokenizer
     from eagle3_workflow.runtime.worker import report_busy
     from eagle3_workflow.serving.cpu_server import freeze_heap_for_cpu_engine
 

@@ -10,8 +10,8 @@ import collections
 import dataclasses
 from typing import Any
 
-from eagle3_workflow.chat import render
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.chat import render
 from eagle3_workflow.regenerate.prompts import GenerateFn, PromptConversation, Sampling, answer_slots, request_seeds
 
 # Stands in for a user message's content to find where the template puts it; no template emits it itself.

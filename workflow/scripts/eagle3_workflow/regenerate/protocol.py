@@ -1,5 +1,5 @@
 """What the stage hands the regeneration worker (RegenerationSpec) through runtime.worker; the worker's result is
-the stats artefact itself (artefacts.RegenerationStats, written to data/regenerated.stats.json). Kept apart from
+the stats artefact itself (files.data_artefacts.RegenerationStats, written to data/regenerated.stats.json). Kept apart from
 generate.py, which runs as ``__main__`` in the child."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import field_serializer
 
-from eagle3_workflow.artefacts import Artefact
+from eagle3_workflow.files.artefacts import Artefact
 from eagle3_workflow.settings import RegenerateResponsesStage, as_config
 
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import RegenerationStats
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.data_artefacts import RegenerationStats
 from eagle3_workflow.regenerate.protocol import RegenerationSpec
 from eagle3_workflow.runtime.worker import Job, Watch, WorkerFiles, run_worker
 from eagle3_workflow.settings import RegenerateResponsesStage, stage_settings

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import AcceptanceReport, DataManifest, ExtractionManifest
+from eagle3_workflow.files.data_artefacts import DataManifest, ExtractionManifest
+from eagle3_workflow.files.draft_artefacts import AcceptanceReport
 
 log = logging.getLogger("eagle3.report")
 

@@ -8,16 +8,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from eagle3_workflow.artefacts import (
-    AcceptanceReport,
-    ApiCompatReport,
-    CanaryReport,
-    DataManifest,
-    ExtractionManifest,
-    Provenance,
-    TrainingSummary,
-    ValidationReport,
-)
+from eagle3_workflow.files.data_artefacts import CanaryReport, DataManifest, ExtractionManifest, ValidationReport
+from eagle3_workflow.files.draft_artefacts import AcceptanceReport, Provenance, TrainingSummary
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
 
 PAGE_STYLE = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; font-size: 14px; margin: 1em; }

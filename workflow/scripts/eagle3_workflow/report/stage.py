@@ -28,19 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import (
-    AcceptanceReport,
-    ApiCompatReport,
-    CanaryReport,
-    DataManifest,
-    ExtractionManifest,
-    Provenance,
-    TrainingSummary,
-    ValidationReport,
-    load,
-)
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.files import write_text_atomic
+from eagle3_workflow.files.artefacts import load
+from eagle3_workflow.files.data_artefacts import CanaryReport, DataManifest, ExtractionManifest, ValidationReport
+from eagle3_workflow.files.draft_artefacts import AcceptanceReport, Provenance, TrainingSummary
+from eagle3_workflow.files.target_artefacts import ApiCompatReport
+from eagle3_workflow.files.writing import write_text_atomic
 from eagle3_workflow.report.figures import (
     plot_acceptance,
     plot_data,

@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from eagle3_workflow.artefacts import Artefact, load, write
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.artefacts import Artefact, load, write
 from eagle3_workflow.runtime.child import (
     BUSY_MARKER,
     IDLE_MARKER,

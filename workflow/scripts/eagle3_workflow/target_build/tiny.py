@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.files import share_as_umask_allows
+from eagle3_workflow.files.writing import share_as_umask_allows
 from eagle3_workflow.settings import TinyShape
 
 log = logging.getLogger("eagle3.tiny_target")

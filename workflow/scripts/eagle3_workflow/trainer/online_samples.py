@@ -33,7 +33,7 @@ from typing import Any
 import speculators.train.data as data
 from speculators.train.recovery import SampleUnavailable
 
-from eagle3_workflow.hidden_states import check_sample
+from eagle3_workflow.files.hidden_states import check_sample
 from eagle3_workflow.trainer.online_spec import API_KEY_ENV, ONLINE_SPEC_ENV, OnlineSpec, record_failure
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import OnlineTrainingStats
 from eagle3_workflow.errors import StageError
+from eagle3_workflow.files.draft_artefacts import OnlineTrainingStats
 from eagle3_workflow.runtime.child import PROGRESS_MARKER, ProgressWatch
 from eagle3_workflow.serving.engine import ServerSpec
 from eagle3_workflow.serving.server import VLLMServer

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.artefacts import ArtefactError, TrainingFingerprint, load, write
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.hidden_states import hs_file
+from eagle3_workflow.files.artefacts import ArtefactError, load, write
+from eagle3_workflow.files.draft_artefacts import TrainingFingerprint
+from eagle3_workflow.files.hidden_states import hs_file
 from eagle3_workflow.settings import TrainSettings
 from eagle3_workflow.trainer.command import TrainPaths
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3_workflow.artefacts import DepthSlot, FullDepthReport
 from eagle3_workflow.errors import StageError, render_table
-from eagle3_workflow.hidden_states import human_bytes, read_hidden_states
+from eagle3_workflow.files.data_artefacts import DepthSlot, FullDepthReport
+from eagle3_workflow.files.hidden_states import human_bytes, read_hidden_states
 from eagle3_workflow.reference.full_depth import REFERENCE, stream_reference
 from eagle3_workflow.reference.layer_match import MAX_EXCUSED_FRACTION, SlotComparison, SlotError, SlotMatch
 from eagle3_workflow.settings import ValidateHiddenStatesStage

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_workflow.disk import is_disk_full
+from eagle3_workflow.files.disk import is_disk_full
 
 
 def process_umask() -> int:
