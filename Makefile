@@ -65,7 +65,7 @@ test-e2e: setup
 
 # config/README.md's table of keys, written from the schema's descriptions (tests/unit/test_config_docs.py checks it)
 config-docs: setup
-	PYTHONPATH=workflow/scripts $(PY) -m eagle3_workflow.config_docs
+	PYTHONPATH=workflow/scripts $(PY) -m eagle3_workflow.settings.docs
 
 install-profile:
 	mkdir -p "$${XDG_CONFIG_HOME:-$$HOME/.config}/snakemake"

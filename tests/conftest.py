@@ -31,16 +31,15 @@ import yaml
 # training.launcher.trainer_env). A value in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from eagle3_workflow.settings import (  # noqa: E402
+from eagle3_workflow.settings.sections import (
     DataPreparation,
     EvaluationSettings,
     OnlineTrainSettings,
     RegenerateSettings,
     TinyShape,
     TrainSettings,
-    view_of,
-    with_schema_defaults,
 )
+from eagle3_workflow.settings.views import view_of, with_schema_defaults
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -140,8 +139,8 @@ def workflow_env(env: dict | None = None) -> dict[str, str]:
 
 def validated(config: dict) -> dict:
     """A copy of `config` as the rules see it: checked by the schema, every default filled."""
-    from eagle3_workflow.config_errors import validate_config
-    from eagle3_workflow.settings import SCHEMA_PATH
+    from eagle3_workflow.settings.schema import validate_config
+    from eagle3_workflow.settings.views import SCHEMA_PATH
 
     config = copy.deepcopy(config)
     validate_config(config, SCHEMA_PATH)
@@ -337,7 +336,7 @@ def tiny_targets(tmp_path_factory):
 def kimi_stand_ins(tmp_path_factory):
     """The Kimi-K2.5 stand-in (target.build.kind kimi_k25), built lazily once per variant: kimi_stand_ins('none')
     (bf16) or kimi_stand_ins('int4') -> Path."""
-    from eagle3_workflow.settings import KimiShape
+    from eagle3_workflow.settings.sections import KimiShape
     from eagle3_workflow.target_build.kimi import build_kimi_k25_target
 
     root = tmp_path_factory.mktemp("kimi_stand_ins")

@@ -22,7 +22,7 @@ def main(args: dict) -> None:
     from eagle3_workflow.files.hidden_states import HiddenStateFiles
     from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.serving.engine import hidden_states_server_spec
-    from eagle3_workflow.settings import ExtractHiddenStatesStage
+    from eagle3_workflow.settings.stages import ExtractHiddenStatesStage
 
     settings = ExtractHiddenStatesStage.model_validate(args["settings"])
     work = Path(args["work"])

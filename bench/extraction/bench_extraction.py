@@ -36,7 +36,8 @@ from eagle3_workflow.files.prepared import open_prepared, read_input_ids  # noqa
 from eagle3_workflow.files.target_artefacts import ApiCompatReport  # noqa: E402
 from eagle3_workflow.serving.engine import ServerSpec, hidden_states_server_spec  # noqa: E402
 from eagle3_workflow.serving.server import VLLMServer  # noqa: E402
-from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402
+from eagle3_workflow.settings.stages import ExtractHiddenStatesStage  # noqa: E402
+from eagle3_workflow.settings.views import view_of  # noqa: E402
 
 
 def finished_run(preset: Path) -> tuple[dict, ApiCompatReport, str, Path]:

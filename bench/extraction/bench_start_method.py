@@ -32,7 +32,8 @@ from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, 
 from eagle3_workflow.files.hidden_states import HiddenStateFiles  # noqa: E402
 from eagle3_workflow.files.prepared import open_prepared  # noqa: E402
 from eagle3_workflow.serving.engine import hidden_states_server_spec  # noqa: E402
-from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of  # noqa: E402
+from eagle3_workflow.settings.stages import ExtractHiddenStatesStage  # noqa: E402
+from eagle3_workflow.settings.views import view_of  # noqa: E402
 
 LAUNCHER = "eagle3_workflow.serving.cpu_server"
 PLAIN = "vllm.entrypoints.openai.api_server"

@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 from eagle3_workflow.files.hidden_states import eagle3_layer_ids, hs_file  # noqa: E402
 from eagle3_workflow.reference.full_depth import stream_reference  # noqa: E402
 from eagle3_workflow.reference.target_config import read_target_config  # noqa: E402
-from eagle3_workflow.settings import ValidationSettings, with_schema_defaults  # noqa: E402
+from eagle3_workflow.settings.sections import ValidationSettings  # noqa: E402
+from eagle3_workflow.settings.views import with_schema_defaults  # noqa: E402
 from eagle3_workflow.validation.full_depth import full_depth_check, slot_table  # noqa: E402
 
 DEFAULTS = ValidationSettings.model_validate(with_schema_defaults()["validation"])
@@ -99,7 +100,8 @@ def extract(target: Path, work: Path, samples: dict[int, list[int]], layer_ids: 
     from eagle3_workflow.serving.engine import hidden_states_server_spec
     from eagle3_workflow.serving.extraction_client import ProgressTracker, Sample, extract_samples
     from eagle3_workflow.serving.server import VLLMServer
-    from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of
+    from eagle3_workflow.settings.stages import ExtractHiddenStatesStage
+    from eagle3_workflow.settings.views import view_of
 
     preset = yaml_preset("smollm2-135m")
     settings = view_of(

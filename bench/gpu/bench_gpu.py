@@ -69,7 +69,8 @@ from eagle3_workflow.reference.target_config import read_target_config  # noqa: 
 from eagle3_workflow.serving.engine import hidden_states_server_spec  # noqa: E402
 from eagle3_workflow.serving.extraction_client import ProgressTracker, Sample, extract_samples  # noqa: E402
 from eagle3_workflow.serving.server import VLLMServer  # noqa: E402
-from eagle3_workflow.settings import ExtractHiddenStatesStage, view_of, with_schema_defaults  # noqa: E402
+from eagle3_workflow.settings.stages import ExtractHiddenStatesStage  # noqa: E402
+from eagle3_workflow.settings.views import view_of, with_schema_defaults  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -565,7 +566,8 @@ def run_workflow(ctx: dict, tag: str) -> dict:
 
 def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int) -> dict:
     """A warm-up run, then --train-pairs pairs in alternating order; steady steps/s compared (compare_training)."""
-    from eagle3_workflow.settings import TrainSettings, with_schema_defaults
+    from eagle3_workflow.settings.sections import TrainSettings
+    from eagle3_workflow.settings.views import with_schema_defaults
     from eagle3_workflow.trainer.command import TrainDevice
 
     inputs = training_inputs(args, data_dir, files_dir, work)

@@ -23,7 +23,8 @@ import torch
 import yaml
 
 from eagle3_workflow.reference import compressed_weights
-from eagle3_workflow.settings import KimiShape, view_of, with_schema_defaults
+from eagle3_workflow.settings.sections import KimiShape
+from eagle3_workflow.settings.views import view_of, with_schema_defaults
 from eagle3_workflow.target_build import kimi
 
 REPO = Path(__file__).resolve().parents[2]

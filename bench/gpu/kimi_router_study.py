@@ -26,7 +26,8 @@ import yaml
 
 from eagle3_workflow.reference.full_depth import stream_reference
 from eagle3_workflow.reference.layer_match import RoutingProbe
-from eagle3_workflow.settings import KimiShape, view_of, with_schema_defaults
+from eagle3_workflow.settings.sections import KimiShape
+from eagle3_workflow.settings.views import view_of, with_schema_defaults
 from eagle3_workflow.target_build.kimi import OUTLIER_CHANNELS, build_kimi_k25_target
 
 REPO = Path(__file__).resolve().parents[2]

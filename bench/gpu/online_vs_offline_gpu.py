@@ -27,17 +27,14 @@ sys.path[:0] = [str(REPO / "workflow" / "scripts"), str(REPO / "bench" / "online
 
 from online_vs_offline import HighWater, emit, online_over_offline  # noqa: E402
 
-from eagle3_workflow.config_errors import validate_config  # noqa: E402
 from eagle3_workflow.files.artefacts import load  # noqa: E402
 from eagle3_workflow.files.draft_artefacts import Provenance  # noqa: E402
 from eagle3_workflow.files.hidden_states import hs_file  # noqa: E402
 from eagle3_workflow.files.target_artefacts import ApiCompatReport  # noqa: E402
-from eagle3_workflow.settings import (  # noqa: E402
-    SCHEMA_PATH,
-    TrainDraftOnlineStage,
-    TrainSettings,
-    view_of,
-)
+from eagle3_workflow.settings.schema import validate_config  # noqa: E402
+from eagle3_workflow.settings.sections import TrainSettings  # noqa: E402
+from eagle3_workflow.settings.stages import TrainDraftOnlineStage  # noqa: E402
+from eagle3_workflow.settings.views import SCHEMA_PATH, view_of  # noqa: E402
 from eagle3_workflow.training.stage import online_serving, train_draft  # noqa: E402
 
 

@@ -107,7 +107,7 @@ def merged_config(config_files: list[Path], repo: Path) -> dict[str, Any]:
     from snakemake.utils import update_config
 
     sys.path.insert(0, str(repo / "workflow" / "scripts"))
-    from eagle3_workflow.config_errors import validate_config
+    from eagle3_workflow.settings.schema import validate_config
 
     config = yaml.safe_load((repo / "config" / "config.yaml").read_text()) or {}
     for path in config_files:

@@ -96,7 +96,8 @@ def main() -> None:
     from tiny_training import TRAIN
 
     import eagle3_workflow.training.stage as stage
-    from eagle3_workflow.settings import TinyShape, view_of, with_schema_defaults
+    from eagle3_workflow.settings.sections import TinyShape
+    from eagle3_workflow.settings.views import view_of, with_schema_defaults
     from eagle3_workflow.target_build.tiny import build_tiny_target
 
     assert stage.__file__.startswith(str(args.scripts.resolve())), stage.__file__

@@ -26,23 +26,13 @@ LANDMARKS = (r"api_server\.py:24: DeprecationWarning|Initializing a V1 LLM engin
              r"took|Loading drafter|auxiliary layers|init engine|Supported tasks|application startup|Application startup")  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("work", type=Path)
-    parser.add_argument("--preset", choices=("tiny", "kimi"), default="tiny")
-    parser.add_argument("--scripts", type=Path, default=REPO / "workflow" / "scripts")
-    parser.add_argument("--lines", default=LANDMARKS, help="regex of the output lines to print (default: landmarks)")
-    args = parser.parse_args()
-    sys.path[:0] = [str(args.scripts.resolve()), str(REPO / "tests")]
+def built_target(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The preset's target, built under the work folder once, and the preset file."""
     import conftest
-    import yaml
 
-    import eagle3_workflow.serving.server as vllm_server
-    from eagle3_workflow.serving.engine import hidden_states_server_spec
-    from eagle3_workflow.settings import ExtractHiddenStatesStage, KimiShape, TinyShape, view_of, with_schema_defaults
+    from eagle3_workflow.settings.sections import KimiShape, TinyShape
+    from eagle3_workflow.settings.views import view_of, with_schema_defaults
 
-    assert vllm_server.__file__.startswith(str(args.scripts.resolve())), vllm_server.__file__
-    args.work.mkdir(parents=True, exist_ok=True)
     if args.preset == "tiny":
         from eagle3_workflow.target_build.tiny import build_tiny_target as build_target
 
@@ -56,11 +46,33 @@ def main() -> None:
     if not (target / "config.json").exists():
         shape = view_of(shape_type, with_schema_defaults(target={"build": build})["target"]["build"])
         build_target(target, [conftest.TINY_DATA, conftest.SEED_PROMPTS], shape)
+    return target, preset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--preset", choices=("tiny", "kimi"), default="tiny")
+    parser.add_argument("--scripts", type=Path, default=REPO / "workflow" / "scripts")
+    parser.add_argument("--lines", default=LANDMARKS, help="regex of the output lines to print (default: landmarks)")
+    args = parser.parse_args()
+    sys.path[:0] = [str(args.scripts.resolve()), str(REPO / "tests")]
+    import conftest
+    import yaml
+
+    from eagle3_workflow.serving import engine
+    from eagle3_workflow.serving import server as vllm_server
+    from eagle3_workflow.settings.stages import ExtractHiddenStatesStage
+    from eagle3_workflow.settings.views import view_of
+
+    assert vllm_server.__file__.startswith(str(args.scripts.resolve())), vllm_server.__file__
+    args.work.mkdir(parents=True, exist_ok=True)
+    target, preset = built_target(args)
     config = yaml.safe_load(preset.read_text())
     config["data"]["sources"] = [{"path": str(conftest.TINY_DATA), "format": "sharegpt"}]
     settings = view_of(ExtractHiddenStatesStage, conftest.validated(config))
     (args.work / "scratch").mkdir(exist_ok=True)
-    spec = hidden_states_server_spec(settings, model=str(target), layer_ids=[2, 4, 5, 8],
+    spec = engine.hidden_states_server_spec(settings, model=str(target), layer_ids=[2, 4, 5, 8],
                                                  storage_dir=str(args.work / "scratch"), device="cpu",
                                                  enable_render_endpoint=False)  # fmt: skip
 

@@ -27,7 +27,7 @@ from eagle3_workflow.evaluation.launch import (
 from eagle3_workflow.evaluation.parity import Served, check_parity, parity_failure
 from eagle3_workflow.evaluation.prompts import load_prompts
 from eagle3_workflow.evaluation.protocol import MeasurementSpec, eagle3_run
-from eagle3_workflow.settings import ServingStage
+from eagle3_workflow.settings.stages import ServingStage
 
 PROMPTS, MAX_TOKENS, K = 4, 48, 3  # the tiny preset's parity pass: its default 4 prompts, its max_tokens
 

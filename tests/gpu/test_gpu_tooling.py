@@ -137,7 +137,8 @@ def test_render_endpoint_flag_follows_the_installed_vllm_layout(tmp_path):
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_bench_bare_trainer_command_trains_what_the_workflow_trains(tmp_path, device):
-    from eagle3_workflow.settings import TrainSettings, view_of, with_schema_defaults
+    from eagle3_workflow.settings.sections import TrainSettings
+    from eagle3_workflow.settings.views import view_of, with_schema_defaults
     from eagle3_workflow.trainer.command import TrainDevice
 
     bench = bench_module()

@@ -13,7 +13,6 @@ import pytest
 from conftest import REPO, evaluation, rules_run, run_workflow, synthetic_run_config, tiny_settings
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.launch import (
     measurement_engine_kwargs,
     measurement_environment,
@@ -25,7 +24,8 @@ from eagle3_workflow.evaluation.prompts import load_prompts
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.files.draft_artefacts import AcceptanceReport
-from eagle3_workflow.settings import ServingStage
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import ServingStage
 
 VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)
 FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")

@@ -38,7 +38,8 @@ from safetensors.torch import load_file
 from eagle3_workflow.files.writing import process_umask
 from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.serving.extraction_client import Sample
-from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
+from eagle3_workflow.settings.stages import ExtractHiddenStatesStage
+from eagle3_workflow.settings.views import as_config
 
 
 def extraction_config(run: str, **extraction) -> dict:
@@ -235,7 +236,7 @@ from pathlib import Path
 logging.basicConfig(level=logging.INFO)
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica
 from eagle3_workflow.files.hidden_states import HiddenStateFiles
-from eagle3_workflow.settings import ExtractHiddenStatesStage
+from eagle3_workflow.settings.stages import ExtractHiddenStatesStage
 from eagle3_workflow.serving.engine import hidden_states_server_spec
 settings = ExtractHiddenStatesStage.model_validate(json.loads({settings!r}))
 spec = lambda d: hidden_states_server_spec(settings, model={str(clean_run / "results" / "x" / "target")!r},

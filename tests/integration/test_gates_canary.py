@@ -18,7 +18,7 @@ from eagle3_workflow.canary.check import CanaryRequest, client_settings, run_can
 from eagle3_workflow.prepare.conversations import prepare_conversations
 from eagle3_workflow.serving.engine import hidden_states_server_spec
 from eagle3_workflow.serving.extraction_client import Sample
-from eagle3_workflow.settings import CanaryStage
+from eagle3_workflow.settings.stages import CanaryStage
 
 CANARY = tiny_settings(CanaryStage)  # the canary's settings in a tiny run (CPU)
 

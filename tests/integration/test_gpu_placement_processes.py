@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config, without_gpu_allocation
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.gpu_placement import PlacementSettings, hold_gpus
+from eagle3_workflow.settings.errors import StageError
 
 SCRIPTS = REPO / "workflow" / "scripts"
 LOG = logging.getLogger("test_gpu_placement")

@@ -27,7 +27,8 @@ from tiny_training import TRAIN
 
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
-from eagle3_workflow.settings import TrainDraftOnlineStage, view_of
+from eagle3_workflow.settings.stages import TrainDraftOnlineStage
+from eagle3_workflow.settings.views import view_of
 from eagle3_workflow.training.stage import online_serving, train_draft
 
 SCRIPTS = REPO / "workflow" / "scripts"
@@ -40,7 +41,8 @@ from pathlib import Path
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.settings import TrainDraftOnlineStage, view_of
+from eagle3_workflow.settings.stages import TrainDraftOnlineStage
+from eagle3_workflow.settings.views import view_of
 from eagle3_workflow.training.stage import online_serving, rerun_after_stop, train_draft
 spec = json.loads(sys.argv[1])
 paths = {k: Path(v) for k, v in spec["paths"].items()}

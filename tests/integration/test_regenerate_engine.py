@@ -10,9 +10,9 @@ import json
 import pytest
 from conftest import REGENERATE_SETTINGS, SEED_PROMPTS, rules_run, run_workflow, tiny_config, tiny_settings
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.regenerate.stage import run_subprocess
-from eagle3_workflow.settings import RegenerateResponsesStage
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import RegenerateResponsesStage
 from eagle3_workflow.target_check.sanity import SANITY_PROMPTS
 
 

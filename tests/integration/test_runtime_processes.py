@@ -31,7 +31,7 @@ SCRIPTS = REPO / "workflow" / "scripts"
 
 def _serving(**vllm):
     """A serving stage's settings on the tiny preset (CPU), with `vllm` overrides."""
-    from eagle3_workflow.settings import ServingStage
+    from eagle3_workflow.settings.stages import ServingStage
 
     return tiny_settings(ServingStage, vllm=vllm)
 
@@ -192,7 +192,7 @@ class Answer(Artefact):
 TOY_WORKER = """
 import os, signal
 from toy_protocol import Answer, Question
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.runtime.worker import report_busy, report_progress, serve
 
 def add(question):
@@ -247,8 +247,8 @@ def test_a_worker_reads_its_spec_and_returns_a_typed_result(toy_worker, tmp_path
 
 
 def test_a_failing_worker_is_a_stage_error_quoting_its_traceback(toy_worker, tmp_path):
-    from eagle3_workflow.errors import StageError
     from eagle3_workflow.runtime.worker import WorkerFiles, run_worker
+    from eagle3_workflow.settings.errors import StageError
 
     protocol, job = toy_worker
     files = WorkerFiles.in_folder(tmp_path, "empty")
@@ -258,7 +258,7 @@ def test_a_failing_worker_is_a_stage_error_quoting_its_traceback(toy_worker, tmp
     message = str(failure.value)
     assert message.startswith("the toy worker exited with code 1\n")
     quoted = message.split("first traceback in the output of the toy worker:\n", 1)[1].split("\nlast ", 1)[0]
-    assert quoted.splitlines()[-1] == "eagle3_workflow.errors.StageError: nothing to add: give numbers", quoted
+    assert quoted.splitlines()[-1] == "eagle3_workflow.settings.errors.StageError: nothing to add: give numbers", quoted
     assert not files.result.exists()
 
 
@@ -440,7 +440,7 @@ def test_a_child_whose_log_is_on_a_full_disk_is_still_read_to_its_end(small_disk
 
 
 FAILING_STAGE = """
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.runtime.stage import run_stage
 def body(log):
     for i in range(50):
@@ -498,7 +498,7 @@ def test_a_port_taken_before_vllm_binds_it_is_retried_then_a_sigkilled_stage_lea
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
         import eagle3_workflow.serving.server as vllm_server
         from eagle3_workflow.serving.engine import hidden_states_server_spec
-        from eagle3_workflow.settings import ServingStage
+        from eagle3_workflow.settings.stages import ServingStage
         taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         taken.bind(("127.0.0.1", 0))
         taken.listen()  # another process's listening socket: connections hang, vLLM's bind fails
@@ -531,7 +531,7 @@ import json
 from pathlib import Path
 from eagle3_workflow.regenerate.stage import run_subprocess
 from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.settings import RegenerateResponsesStage
+from eagle3_workflow.settings.stages import RegenerateResponsesStage
 config = RegenerateResponsesStage.model_validate(json.loads({config!r}))
 run_stage("regenerate_responses", None,
           lambda log: run_subprocess(Path({target!r}), [Path({prompts!r})], config, log, output=Path({out!r}),
@@ -544,7 +544,8 @@ def _regenerate_stage(tiny_targets, tmp_path, stall_timeout_s: float) -> Stage:
 
     from conftest import tiny_settings
 
-    from eagle3_workflow.settings import RegenerateResponsesStage, as_config
+    from eagle3_workflow.settings.stages import RegenerateResponsesStage
+    from eagle3_workflow.settings.views import as_config
 
     prompts = tmp_path / "prompts.txt"
     # 2,048 requests x 256 tokens: minutes of work for the tiny target on 2 cores, so the SIGSTOP below lands while

@@ -12,8 +12,8 @@ import logging
 
 import pytest
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.target_artefacts import BUILD_RECORD
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.target_build.smollm2 import build_smollm2_target, locate_gguf
 
 
@@ -76,7 +76,7 @@ def test_vllm_serves_the_converted_target(smollm2_target, tmp_path):
     from conftest import tiny_settings
 
     from eagle3_workflow.regenerate.stage import run_subprocess
-    from eagle3_workflow.settings import RegenerateResponsesStage
+    from eagle3_workflow.settings.stages import RegenerateResponsesStage
 
     out, _ = smollm2_target
     prompts = tmp_path / "prompts.txt"

@@ -23,7 +23,8 @@ import pytest
 import torch
 from conftest import REPO, TESTS, tiny_settings
 
-from eagle3_workflow.settings import ExtractHiddenStatesStage, as_config
+from eagle3_workflow.settings.stages import ExtractHiddenStatesStage
+from eagle3_workflow.settings.views import as_config
 
 LAYER_IDS = [2, 4, 6, 8]
 TP = 2

@@ -22,12 +22,12 @@ import pytest
 from conftest import REPO, kill_tree, train_settings, wait_until
 from tiny_training import TRAIN, train_record
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import write
 from eagle3_workflow.files.data_artefacts import ValidationReport
 from eagle3_workflow.files.hidden_states import hs_file
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.files.writing import process_umask
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.entry import FROZEN_LINE
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
@@ -315,7 +315,8 @@ STAGE_RUN = r"""
 import json, sys
 from pathlib import Path
 from eagle3_workflow.runtime.stage import run_stage
-from eagle3_workflow.settings import TrainSettings, view_of, with_schema_defaults
+from eagle3_workflow.settings.sections import TrainSettings
+from eagle3_workflow.settings.views import view_of, with_schema_defaults
 from eagle3_workflow.training.stage import rerun_after_stop, train_draft
 spec = json.loads(sys.argv[1])
 paths = {k: Path(v) for k, v in spec["paths"].items()}

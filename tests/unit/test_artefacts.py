@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from synthetic_run import acceptance_report
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import ArtefactError, CheckRow, load, write
 from eagle3_workflow.files.data_artefacts import GreedyCheck, ValidationReport
 from eagle3_workflow.files.draft_artefacts import AcceptanceReport
 from eagle3_workflow.files.target_artefacts import ApiCompatReport, TargetInfo
+from eagle3_workflow.settings.errors import StageError
 
 
 def validation_report() -> ValidationReport:

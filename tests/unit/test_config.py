@@ -52,7 +52,7 @@ def test_bad_run_name_is_rejected():
 
 
 def test_unknown_top_level_key_is_named_with_the_allowed_keys():
-    from eagle3_workflow.config_errors import config_errors
+    from eagle3_workflow.settings.schema import config_errors
 
     config = tiny_config()
     config["extration"] = {"replicas": 2}
@@ -78,7 +78,7 @@ PRESET_FILES = sorted((REPO / "config" / "presets").glob("*.yaml"))
 def test_validate_config_fills_what_snakemakes_validate_fills(config):
     import copy
 
-    from eagle3_workflow.config_errors import validate_config
+    from eagle3_workflow.settings.schema import validate_config
 
     ours, snakemakes = copy.deepcopy(config), copy.deepcopy(config)
     validate_config(ours, SCHEMA)
@@ -87,7 +87,7 @@ def test_validate_config_fills_what_snakemakes_validate_fills(config):
 
 
 def test_validate_config_refuses_what_snakemakes_validate_refuses():
-    from eagle3_workflow.config_errors import validate_config
+    from eagle3_workflow.settings.schema import validate_config
 
     config = tiny_config(extraction={"replicas": 0})
     with pytest.raises(WorkflowError):
@@ -97,7 +97,7 @@ def test_validate_config_refuses_what_snakemakes_validate_refuses():
 
 
 def test_a_filled_default_is_the_configs_own_not_the_cached_schemas():
-    from eagle3_workflow.config_errors import validate_config
+    from eagle3_workflow.settings.schema import validate_config
 
     first = {"run": "x", "target": {"path": "/m"}, "data": {}}
     validate_config(first, SCHEMA)
@@ -108,7 +108,7 @@ def test_a_filled_default_is_the_configs_own_not_the_cached_schemas():
 
 
 def test_an_edited_schema_is_read_again(tmp_path):
-    from eagle3_workflow.config_errors import validate_config
+    from eagle3_workflow.settings.schema import validate_config
 
     schema = tmp_path / "config.schema.yaml"
     schema.write_text((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())

@@ -1,6 +1,6 @@
 """config/README.md's table of keys and the schema say the same thing.
 
-- The table is the one eagle3_workflow.config_docs writes from the schema (`make config-docs`), and every key of
+- The table is the one eagle3_workflow.settings.docs writes from the schema (`make config-docs`), and every key of
   the schema has a description to write.
 - Read on its own, the table lists every key of the schema, no key the schema lacks, each with the schema's
   default: a check of the README as a reader sees it, independent of the generator.
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from eagle3_workflow import config_docs
+from eagle3_workflow.settings import docs as config_docs
 
 SCHEMA = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
 README = REPO / "config" / "README.md"

@@ -23,7 +23,7 @@ from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec,
 from eagle3_workflow.evaluation.stage import keyed_run, train_serve_consistency
 from eagle3_workflow.files.artefacts import load, write
 from eagle3_workflow.files.draft_artefacts import AcceptanceReport, TrainingSummary
-from eagle3_workflow.settings import ServingStage
+from eagle3_workflow.settings.stages import ServingStage
 
 DEFAULTS = evaluation()
 RULE = dict(min_ratio=DEFAULTS.consistency_min_ratio, min_predicted=DEFAULTS.consistency_min_predicted)

@@ -177,7 +177,8 @@ def test_rules_name_their_stage_not_config_keys():
 def test_every_stage_model_field_is_a_key_of_the_schema():
     """The settings models are typed views of the schema, not declarations of their own: each field a stage
     reads names a schema key (tests/unit/test_settings.py checks their types)."""
-    from eagle3_workflow.settings import RULE_SETTINGS, View, nested_view
+    from eagle3_workflow.settings.stages import RULE_SETTINGS
+    from eagle3_workflow.settings.views import View, nested_view
 
     def paths(model: type[View], prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
         for name, field in model.model_fields.items():

@@ -13,7 +13,6 @@ import pytest
 from conftest import REPO, evaluation, tiny_settings
 from synthetic_run import build_scratch_draft
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.launch import measurement_engine_kwargs, measurement_environment
 from eagle3_workflow.evaluation.lossless import (
@@ -39,7 +38,8 @@ from eagle3_workflow.evaluation.prompts import (
     select_prompts,
 )
 from eagle3_workflow.evaluation.protocol import eagle3_run
-from eagle3_workflow.settings import ServingStage
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import ServingStage
 
 VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import evaluation, tiny_settings
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.measure import LOCK_MODES, Gate, measure_run
 from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec, eagle3_run
@@ -28,7 +27,8 @@ from eagle3_workflow.evaluation.stage import (
     plan_measurements,
 )
 from eagle3_workflow.files.chat import StopSet
-from eagle3_workflow.settings import ServingStage
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import ServingStage
 
 VLLM_SETTINGS = tiny_settings(ServingStage).vllm  # the vllm section of a tiny run (CPU)
 GPU_VLLM = VLLM_SETTINGS.model_copy(update={"device": "cuda", "kv_cache_memory_bytes": None,

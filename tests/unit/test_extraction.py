@@ -18,7 +18,6 @@ import torch
 from conftest import REPO, tiny_settings
 from safetensors.torch import save_file
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction.replica import ServerCannotWrite, disk_full_message, disk_preflight, resume_scan
 from eagle3_workflow.files.disk import DiskFullEvidence, disk_full_evidence, disk_full_line, mount_point
 from eagle3_workflow.files.hidden_states import (
@@ -33,7 +32,8 @@ from eagle3_workflow.runtime.child import first_traceback, strip_log_prefixes
 from eagle3_workflow.serving.engine import build_server_command, server_environment, target_server_spec
 from eagle3_workflow.serving.extraction_client import ProgressTracker, Sample
 from eagle3_workflow.serving.server import match_fatal
-from eagle3_workflow.settings import ServingStage
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import ServingStage
 
 
 def test_shards_are_disjoint_and_cover_every_row():
@@ -191,7 +191,7 @@ def test_a_stop_whose_exception_a_library_swallowed_still_ends_progress_as_stopp
 import os, signal
 from pathlib import Path
 from types import SimpleNamespace
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.extraction.replica import _end_failed_replica
 from eagle3_workflow.serving.extraction_client import ProgressTracker
 from eagle3_workflow.runtime.stage import install_stop_handlers, stop_received

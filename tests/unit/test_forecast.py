@@ -8,10 +8,10 @@ import json
 import pytest
 from conftest import REPO
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.forecast.__main__ import main
 from eagle3_workflow.forecast.model import CostTable, MeasuredRate, RunShape, extraction_forecast, training_forecast
 from eagle3_workflow.forecast.shape import active_params_per_token
+from eagle3_workflow.settings.errors import StageError
 
 PRESET_8B = REPO / "config" / "presets" / "llama-3.1-8b.yaml"
 SHAPE = ["--target-config", str(REPO / "bench" / "gpu" / "llama8b-shape-config.json")]

@@ -15,11 +15,11 @@ from conftest import tiny_settings
 from hf_forward import hf_forward_states
 from safetensors.torch import save_file
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.hidden_states import hs_file
 from eagle3_workflow.reference.full_depth import UnsupportedTarget, split_by_layer, stream_reference
 from eagle3_workflow.reference.layer_match import POST_NORM, SlotMatch
-from eagle3_workflow.settings import ValidateHiddenStatesStage
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import ValidateHiddenStatesStage
 from eagle3_workflow.target_build.tiny import model_config
 from eagle3_workflow.validation.full_depth import (
     check_stage,

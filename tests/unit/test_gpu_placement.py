@@ -11,7 +11,6 @@ import logging
 
 import pytest
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.gpu_placement import (
     PlacementSettings,
     count_machine_gpus,
@@ -19,6 +18,7 @@ from eagle3_workflow.gpu_placement import (
     lock_path,
     plan_placement,
 )
+from eagle3_workflow.settings.errors import StageError
 
 LOG = logging.getLogger("test_gpu_placement")
 

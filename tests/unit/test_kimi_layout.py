@@ -223,7 +223,8 @@ SHRUNK = {"moe_intermediate_size": 128}
 
 
 def kimi_shape(**build):
-    from eagle3_workflow.settings import KimiShape, view_of, with_schema_defaults
+    from eagle3_workflow.settings.sections import KimiShape
+    from eagle3_workflow.settings.views import view_of, with_schema_defaults
 
     return view_of(KimiShape, with_schema_defaults(target={"build": {"kind": "kimi_k25", **build}})["target"]["build"])
 
@@ -419,7 +420,7 @@ def test_trained_like_weights_have_outlier_channels_and_the_real_routers_near_ti
     ],
 )
 def test_a_build_the_stand_in_cannot_take_is_stopped_with_the_key_to_set(tmp_path, change, says):
-    from eagle3_workflow.errors import StageError
+    from eagle3_workflow.settings.errors import StageError
     from eagle3_workflow.target_build.kimi import build_kimi_k25_target
 
     with pytest.raises(StageError, match="Fix: set") as stopped:

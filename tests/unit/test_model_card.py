@@ -11,13 +11,14 @@ import shlex
 import pytest
 from synthetic_run import acceptance_report, write_synthetic_run
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import ArtefactError, load, write
 from eagle3_workflow.files.data_artefacts import DataManifest
 from eagle3_workflow.files.draft_artefacts import AcceptanceReport, Provenance, TrainingSummary
 from eagle3_workflow.files.target_artefacts import BUILD_RECORD, ApiCompatReport, GreedyAnswer, SmolLM2Build
 from eagle3_workflow.model_card.card import CARD_NAME, CardInputs, package_draft, render_model_card, sha256_of
-from eagle3_workflow.settings import PackageDraftStage, view_of, with_schema_defaults
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import PackageDraftStage
+from eagle3_workflow.settings.views import view_of, with_schema_defaults
 
 SECTIONS = {
     "target": {"path": None, "build": {"kind": "smollm2"}, "dtype": "bfloat16"},

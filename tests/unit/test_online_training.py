@@ -13,9 +13,9 @@ import torch
 from conftest import train_settings
 from tiny_training import TRAIN
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.hidden_states import check_rows, check_sample, rows_on_disk
 from eagle3_workflow.runtime.child import ProgressWatch
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.command import TRAINER_FIELDS_USED, TrainDevice, TrainPaths, build_train_command
 from eagle3_workflow.trainer.online_spec import (
     OnlineSampleFailure,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import preparation
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.chat import tokenize_conversation
 from eagle3_workflow.prepare.conversations import prepare_conversations, token_frequencies
+from eagle3_workflow.settings.errors import StageError
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

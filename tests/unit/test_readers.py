@@ -12,10 +12,10 @@ import torch
 from conftest import REPO
 from safetensors.torch import save_file
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.hidden_states import HiddenStateFiles, hs_file, read_hidden_states, read_sample
 from eagle3_workflow.files.prepared import open_prepared, read_input_ids
 from eagle3_workflow.reference.target_config import NotSafetensors, read_target_config, read_tensors, weight_files
+from eagle3_workflow.settings.errors import StageError
 
 PACKAGE = REPO / "workflow" / "scripts" / "eagle3_workflow"
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO, preparation, regenerate_settings, tiny_settings
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.prepare.conversations import prepare_conversations
 from eagle3_workflow.regenerate.generate import regenerate, regeneration_engine_kwargs, write_jsonl_atomic
 from eagle3_workflow.regenerate.magpie import end_of_turn_stop, generate_magpie_prompts, user_turn_template
@@ -29,7 +28,8 @@ from eagle3_workflow.regenerate.prompts import (
     read_prompt_file,
     request_seeds,
 )
-from eagle3_workflow.settings import RegenerateResponsesStage
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import RegenerateResponsesStage
 
 MAX_MODEL_LEN = 512
 
@@ -480,7 +480,7 @@ def test_the_worker_spec_carries_the_settings_as_the_config_gave_them(tmp_path):
     config left out stays out (the stats record the section as given)."""
     from eagle3_workflow.files.artefacts import load, write
     from eagle3_workflow.regenerate.protocol import RegenerationSpec
-    from eagle3_workflow.settings import as_config
+    from eagle3_workflow.settings.views import as_config
 
     settings = tiny_settings(RegenerateResponsesStage, regenerate={"magpie_prompts": 2})
     spec = RegenerationSpec(target="/t", prompt_files=["p.txt"], output=str(tmp_path / "o.jsonl"), settings=settings)

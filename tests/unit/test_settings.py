@@ -18,29 +18,22 @@ import pytest
 import yaml
 from conftest import REPO
 
-from eagle3_workflow.errors import StageError
-from eagle3_workflow.settings import (
-    ONLINE_RULE_SETTINGS,
-    RULE_SETTINGS,
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import (
     CanarySettings,
     CheckApiSettings,
     EvaluateSettings,
     HiddenStatesSettings,
     OnlineTraining,
     OnlineTrainSettings,
-    PackageDraftStage,
     RegenerateSettings,
     TargetBuild,
     TargetSettings,
     ValidationSettings,
-    View,
     VllmSettings,
-    as_config,
-    config_of,
-    rule_settings_model,
-    stage_settings,
-    with_schema_defaults,
 )
+from eagle3_workflow.settings.stages import ONLINE_RULE_SETTINGS, RULE_SETTINGS, PackageDraftStage, rule_settings_model
+from eagle3_workflow.settings.views import View, as_config, config_of, stage_settings, with_schema_defaults
 
 SCHEMA = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
 PRESETS = ["tiny", "smollm2-135m"]  # between them, every rule of the workflow

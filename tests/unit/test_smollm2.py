@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.target_build.smollm2 import GGUF_FILE, compare_saved_weights, locate_gguf
 
 

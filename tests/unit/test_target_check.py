@@ -178,7 +178,8 @@ def test_safetensors_files_are_shared_as_the_umask_allows(tmp_path):
 def test_regenerated_answers_stop_at_the_templates_end_of_turn(turn_tokenizer, tmp_path):
     from eagle3_workflow.regenerate.generate import regenerate
     from eagle3_workflow.regenerate.prompts import Completion
-    from eagle3_workflow.settings import RegenerateSettings, with_schema_defaults
+    from eagle3_workflow.settings.sections import RegenerateSettings
+    from eagle3_workflow.settings.views import with_schema_defaults
 
     tokenizer = copy.deepcopy(turn_tokenizer)
     tokenizer.chat_template = GEMMA  # ends a turn with <end_of_turn>, which is not the eos

@@ -19,7 +19,7 @@ from eagle3_workflow.serving.engine import (
     target_server_spec,
 )
 from eagle3_workflow.serving.server import match_fatal
-from eagle3_workflow.settings import ServingStage
+from eagle3_workflow.settings.stages import ServingStage
 
 
 @pytest.mark.parametrize(

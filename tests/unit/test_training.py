@@ -12,10 +12,10 @@ import pytest
 from conftest import train_settings
 from tiny_training import TRAIN, train_record
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.files.draft_artefacts import CheckpointInfo, TrainingFingerprint
 from eagle3_workflow.runtime.child import first_traceback
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.command import (
     TRAINER_FIELDS_USED,
     TrainDevice,

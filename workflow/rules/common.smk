@@ -37,8 +37,9 @@ def package_module(name):
 
 
 # The schema's check and defaults; a refusal names the key path and the allowed keys, nothing more.
-package_module("config_errors").validate_config(config, SCHEMA)
-SETTINGS = package_module("settings")
+package_module("settings.schema").validate_config(config, SCHEMA)
+SETTINGS_VIEWS = package_module("settings.views")
+STAGE_SETTINGS = package_module("settings.stages")
 
 
 RUN = config["run"]
@@ -118,9 +119,9 @@ def resolved_config_json():
 
 def stage_params(rule):
     """The config values the stage of `rule` reads, as its params.settings: the keys its settings model declares
-    (eagle3_workflow.settings.rule_settings_model: RULE_SETTINGS[rule], or its online variant), nested as in the config, keys sorted. The rule's only route
-    to config, so it reruns exactly when one of them changes."""
-    return SETTINGS.config_of(SETTINGS.rule_settings_model(rule, config), config)
+    (eagle3_workflow.settings.stages.rule_settings_model: RULE_SETTINGS[rule], or its online variant), nested as in
+    the config, keys sorted. The rule's only route to config, so it reruns exactly when one of them changes."""
+    return SETTINGS_VIEWS.config_of(STAGE_SETTINGS.rule_settings_model(rule, config), config)
 
 
 def train_job_threads():

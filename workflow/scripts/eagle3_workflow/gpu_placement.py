@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequenc
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 
 DEFAULT_LOCK_DIR = "results/.gpu_locks"
 POLL_INTERVAL_S = 1.0

@@ -12,14 +12,15 @@ from eagle3_workflow.api_checks.checks import (
     run_api_checks,
     trainer_fields_used,
 )
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import check_table, write
+from eagle3_workflow.settings.errors import StageError
 
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.serving.engine import resolve_device
-    from eagle3_workflow.settings import CheckApiStage, stage_settings
+    from eagle3_workflow.settings.stages import CheckApiStage
+    from eagle3_workflow.settings.views import stage_settings
 
     def body(log: logging.Logger) -> None:
         settings = stage_settings(CheckApiStage, snakemake.params.settings)

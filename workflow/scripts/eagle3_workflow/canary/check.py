@@ -38,7 +38,6 @@ from typing import Any, Literal
 import torch
 
 from eagle3_workflow.canary.slice import CanarySlice, build_truncated_target, canary_layer_count, canary_layer_ids
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import CheckRow, check_table
 from eagle3_workflow.files.data_artefacts import CanaryReport, LayerMatch
 from eagle3_workflow.files.hidden_states import read_hidden_states, read_sample
@@ -48,7 +47,9 @@ from eagle3_workflow.reference.layer_match import MAX_EXCUSED_FRACTION, SlotComp
 from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.serving.extraction_client import ClientSettings, ProgressTracker, Sample, extract_samples
 from eagle3_workflow.serving.server import VLLMServer
-from eagle3_workflow.settings import CanaryStage, ExtractionStall
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import ExtractionStall
+from eagle3_workflow.settings.stages import CanaryStage
 
 log = logging.getLogger("eagle3.canary")
 

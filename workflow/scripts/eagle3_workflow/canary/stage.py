@@ -15,10 +15,11 @@ from eagle3_workflow.canary.check import (
     run_canary,
     server_spec_factory,
 )
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import load, write
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
-from eagle3_workflow.settings import CanaryStage, stage_settings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import CanaryStage
+from eagle3_workflow.settings.views import stage_settings
 
 
 def main(snakemake: Any) -> None:

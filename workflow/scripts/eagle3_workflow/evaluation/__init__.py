@@ -14,7 +14,7 @@ Which module owns what (pure modules import no vllm, torch or subprocess at modu
 - ``measure``   the measurement process itself (a runtime.worker), the stage's only ``-m`` entry; the only module
   importing vLLM.
 - ``stage``     evaluate_draft (the orchestration) and the Snakemake adapter ``main(snakemake)``.
-Its settings are eagle3_workflow.settings.EvaluateDraftStage (the `evaluate` section as EvaluationSettings).
+Its settings are eagle3_workflow.settings.stages.EvaluateDraftStage (the `evaluate` section as EvaluationSettings).
 
 Measurement. Each engine first generates a few tokens (warm-up, excluded); the spec-decode counters are read
 before and after the measured pass and subtracted. Greedy decoding (temperature 0), the top-5 logprobs of every

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from eagle3_workflow.errors import render_table
 from eagle3_workflow.files.draft_artefacts import TrainServeConsistency
+from eagle3_workflow.settings.errors import render_table
 
 # fewer drafts than this and a served rate is mostly noise (a binomial 0.3 from 20 drafts: +-0.1)
 MIN_DRAFTS = 20

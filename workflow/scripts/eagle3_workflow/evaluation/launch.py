@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.protocol import LOG_PREFIX, MeasurementResult, MeasurementSpec
 from eagle3_workflow.serving.engine import offline_engine_kwargs
-from eagle3_workflow.settings import VllmSettings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import VllmSettings
 
 if TYPE_CHECKING:
     from eagle3_workflow.runtime.worker import Job, StartedWorker

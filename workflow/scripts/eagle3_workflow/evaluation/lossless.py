@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from eagle3_workflow.errors import render_table
 from eagle3_workflow.files.draft_artefacts import LosslessMismatch
+from eagle3_workflow.settings.errors import render_table
 
 # significant bits after the leading one of each floating dtype the logits can come in
 MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "half": 10, "float32": 23, "float": 23, "auto": 7}

@@ -8,10 +8,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.evaluation.protocol import NO_SPECULATION, RunResult
 from eagle3_workflow.files.draft_artefacts import AcceptanceReport, AcceptanceResult, LosslessMismatch, Throughput
 from eagle3_workflow.serving.engine import PER_POSITION_METRIC, SPEC_COUNTERS
+from eagle3_workflow.settings.errors import StageError, render_table
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
-from eagle3_workflow.settings import EvaluationSettings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import EvaluationSettings
 
 
 def heldout_rows(num_rows: int, train_data_ratio: float) -> range:

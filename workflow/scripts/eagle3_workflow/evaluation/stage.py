@@ -38,7 +38,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.consistency import consistency_failure, consistency_table, judge_consistency
 from eagle3_workflow.evaluation.launch import (
@@ -76,7 +75,10 @@ from eagle3_workflow.files.draft_artefacts import (
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.reference.target_config import read_target_config
 from eagle3_workflow.serving.engine import cpu_engine_environment, generation_cuda_graphs
-from eagle3_workflow.settings import EvaluateDraftStage, EvaluationSettings, VllmSettings, stage_settings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import EvaluationSettings, VllmSettings
+from eagle3_workflow.settings.stages import EvaluateDraftStage
+from eagle3_workflow.settings.views import stage_settings
 
 if TYPE_CHECKING:
     from eagle3_workflow.runtime.worker import StartedWorker

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import write
 from eagle3_workflow.files.data_artefacts import ExtractionManifest, GreedyProbe
 from eagle3_workflow.files.disk import DiskFullEvidence, disk_full_evidence, space_of
@@ -33,7 +32,9 @@ from eagle3_workflow.serving.extraction_client import (
     extract_samples,
 )
 from eagle3_workflow.serving.server import VLLMServer
-from eagle3_workflow.settings import ExtractHiddenStatesStage, ExtractionClient
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import ExtractionClient
+from eagle3_workflow.settings.stages import ExtractHiddenStatesStage
 
 log = logging.getLogger("eagle3.extraction")
 

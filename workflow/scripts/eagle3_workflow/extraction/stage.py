@@ -7,13 +7,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.extraction.replica import ReplicaRequest, client_settings, extract_replica, server_spec_factory
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.files.data_artefacts import CanaryReport
 from eagle3_workflow.files.hidden_states import HiddenStateFiles, human_bytes
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
-from eagle3_workflow.settings import online_check_samples, rule_settings_model, stage_settings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import online_check_samples, rule_settings_model
+from eagle3_workflow.settings.views import stage_settings
 
 
 def main(snakemake: Any) -> None:

@@ -20,8 +20,8 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.files.writing import write_text_atomic
+from eagle3_workflow.settings.errors import StageError, render_table
 
 MAX_LISTED_PROBLEMS = 8
 

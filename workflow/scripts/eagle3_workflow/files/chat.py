@@ -44,7 +44,7 @@ def load_chat_tokenizer(target: Any, *, trust_remote_code: bool) -> Any:
     """The target's tokenizer; a StageError when it has no chat template (every stage that renders needs one)."""
     from transformers import AutoTokenizer
 
-    from eagle3_workflow.errors import StageError
+    from eagle3_workflow.settings.errors import StageError
 
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):

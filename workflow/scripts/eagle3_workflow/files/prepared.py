@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 
 if TYPE_CHECKING:
     import datasets

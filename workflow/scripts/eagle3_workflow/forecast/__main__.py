@@ -19,11 +19,11 @@ from typing import Any
 
 import yaml
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.forecast.model import RunShape, as_json, cost_table, forecast
 from eagle3_workflow.forecast.shape import active_params_per_token, draft_params_per_token
 from eagle3_workflow.reference.target_config import text_section
-from eagle3_workflow.settings import trains_online
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import trains_online
 
 REPO_ROOT = Path(__file__).resolve().parents[4]  # the cost tables name their reference shapes from here
 DEFAULT_COSTS = REPO_ROOT / "config" / "costs" / "h200.yaml"
@@ -35,8 +35,8 @@ def merged_config(files: list[Path]) -> dict[str, Any]:
     keys win, recursively), with the schema's defaults filled in (the workflow's own validation)."""
     from snakemake.utils import update_config
 
-    from eagle3_workflow.config_errors import validate_config
-    from eagle3_workflow.settings import SCHEMA_PATH
+    from eagle3_workflow.settings.schema import validate_config
+    from eagle3_workflow.settings.views import SCHEMA_PATH
 
     config: dict[str, Any] = {}
     for path in files:

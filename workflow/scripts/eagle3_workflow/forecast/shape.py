@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 
 
 def _need(text: Mapping[str, Any], *keys: str) -> list[int]:

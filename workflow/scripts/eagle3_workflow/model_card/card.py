@@ -18,13 +18,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.files.data_artefacts import DataManifest, RegenerationStats
 from eagle3_workflow.files.draft_artefacts import AcceptanceReport, Provenance, TrainingSummary
 from eagle3_workflow.files.target_artefacts import BUILD_RECORD, ApiCompatReport, SmolLM2Build, TargetInfo
 from eagle3_workflow.files.writing import published_directory
-from eagle3_workflow.settings import PackageDraftStage
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import PackageDraftStage
 
 CARD_NAME = "README.md"
 

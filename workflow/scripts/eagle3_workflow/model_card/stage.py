@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.model_card.card import package_draft
-from eagle3_workflow.settings import PackageDraftStage
+from eagle3_workflow.settings.stages import PackageDraftStage
 
 
 def main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import stage_settings
+    from eagle3_workflow.settings.views import stage_settings
 
     def body(log) -> None:
         paths = {name: Path(value) for name, value in snakemake.input.items()}

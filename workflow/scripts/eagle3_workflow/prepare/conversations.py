@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.files.chat import TemplateError, normalize_messages, tokenize_conversation
 from eagle3_workflow.files.data_artefacts import DataManifest
-from eagle3_workflow.settings import DataPreparation
+from eagle3_workflow.settings.errors import StageError, render_table
+from eagle3_workflow.settings.sections import DataPreparation
 
 log = logging.getLogger("eagle3.prepare")
 

@@ -15,7 +15,8 @@ from eagle3_workflow.prepare.conversations import (
     prepare_conversations,
     write_prepared,
 )
-from eagle3_workflow.settings import PrepareDataStage, stage_settings
+from eagle3_workflow.settings.stages import PrepareDataStage
+from eagle3_workflow.settings.views import stage_settings
 
 
 def main(snakemake: Any) -> None:

@@ -24,8 +24,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.reference.target_config import text_section
+from eagle3_workflow.settings.errors import StageError
 
 if TYPE_CHECKING:
     import torch

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.reference import compressed_weights
 from eagle3_workflow.reference.compressed_weights import QuantizedCheckpoint, UnsupportedScheme
 from eagle3_workflow.reference.layer_match import LAYER_KEY, POST_NORM
@@ -41,6 +40,7 @@ from eagle3_workflow.reference.target_config import (
     text_weight_prefix,
     weight_files,
 )
+from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.full_depth")
 

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.chat import StopSet, assistant_stop_set
 from eagle3_workflow.files.data_artefacts import RegenerationStats
 from eagle3_workflow.regenerate.magpie import MagpieResult, generate_magpie_prompts
@@ -39,7 +38,10 @@ from eagle3_workflow.regenerate.prompts import (
 )
 from eagle3_workflow.regenerate.protocol import RegenerationSpec
 from eagle3_workflow.serving.engine import cpu_engine_in_one_process, generation_cuda_graphs, offline_engine_kwargs
-from eagle3_workflow.settings import RegenerateResponsesStage, RegenerateSettings, as_config
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import RegenerateSettings
+from eagle3_workflow.settings.stages import RegenerateResponsesStage
+from eagle3_workflow.settings.views import as_config
 
 log = logging.getLogger("eagle3.regenerate")
 

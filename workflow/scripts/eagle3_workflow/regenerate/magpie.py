@@ -10,9 +10,9 @@ import collections
 import dataclasses
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.chat import render
 from eagle3_workflow.regenerate.prompts import GenerateFn, PromptConversation, Sampling, answer_slots, request_seeds
+from eagle3_workflow.settings.errors import StageError
 
 # Stands in for a user message's content to find where the template puts it; no template emits it itself.
 CONTENT_SENTINEL = "MAGPIE_CONTENT_SENTINEL_7f3a9c"

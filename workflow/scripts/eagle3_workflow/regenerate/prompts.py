@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.files.chat import StopSet, normalize_messages, render
+from eagle3_workflow.settings.errors import StageError, render_table
 
 log = logging.getLogger("eagle3.regenerate")
 

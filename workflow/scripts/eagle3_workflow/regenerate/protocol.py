@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 from pydantic import field_serializer
 
 from eagle3_workflow.files.artefacts import Artefact
-from eagle3_workflow.settings import RegenerateResponsesStage, as_config
+from eagle3_workflow.settings.stages import RegenerateResponsesStage
+from eagle3_workflow.settings.views import as_config
 
 
 class RegenerationSpec(Artefact):

@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.data_artefacts import RegenerationStats
 from eagle3_workflow.regenerate.protocol import RegenerationSpec
 from eagle3_workflow.runtime.worker import Job, Watch, WorkerFiles, run_worker
-from eagle3_workflow.settings import RegenerateResponsesStage, stage_settings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import RegenerateResponsesStage
+from eagle3_workflow.settings.views import stage_settings
 
 OUTPUT_TAIL_LINES = 40
 

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.files.data_artefacts import CanaryReport, DataManifest, ExtractionManifest, ValidationReport
 from eagle3_workflow.files.draft_artefacts import AcceptanceReport, Provenance, TrainingSummary
@@ -49,6 +48,7 @@ from eagle3_workflow.report.pages import (
     provenance_page,
     summary_page,
 )
+from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.report")
 

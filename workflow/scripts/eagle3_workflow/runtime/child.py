@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.runtime")
 

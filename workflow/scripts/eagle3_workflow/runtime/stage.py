@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

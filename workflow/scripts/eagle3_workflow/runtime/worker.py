@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import Artefact, load, write
 from eagle3_workflow.runtime.child import (
     BUSY_MARKER,
@@ -46,6 +45,7 @@ from eagle3_workflow.runtime.child import (
     ChildProcess,
     ProgressWatch,
 )
+from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.runtime")
 

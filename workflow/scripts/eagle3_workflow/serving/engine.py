@@ -23,8 +23,9 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
-from eagle3_workflow.settings import ServingStage, VllmSettings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import VllmSettings
+from eagle3_workflow.settings.stages import ServingStage
 
 log = logging.getLogger("eagle3.vllm_server")
 

@@ -22,13 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import write
 from eagle3_workflow.files.data_artefacts import ProgressSnapshot
 from eagle3_workflow.files.hidden_states import HiddenStateFiles
 from eagle3_workflow.files.writing import process_umask
 from eagle3_workflow.runtime.child import stall_limit_s
 from eagle3_workflow.serving.server import ServerFailure, VLLMServer
+from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.extraction")
 

@@ -22,10 +22,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.disk import disk_full_line
 from eagle3_workflow.runtime.child import ChildProcess, strip_log_prefixes
 from eagle3_workflow.serving.engine import ServerSpec, build_server_command, server_environment
+from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.vllm_server")
 

@@ -76,10 +76,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.writing import share_as_umask_allows
 from eagle3_workflow.reference.target_config import write_weight_index
-from eagle3_workflow.settings import KimiShape
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import KimiShape
 from eagle3_workflow.target_build.tiny import build_tokenizer
 
 if TYPE_CHECKING:

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import write
 from eagle3_workflow.files.target_artefacts import BUILD_RECORD, GreedyAnswer, SmolLM2Build
 from eagle3_workflow.files.writing import share_as_umask_allows
+from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.smollm2")
 

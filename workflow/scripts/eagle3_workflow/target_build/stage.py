@@ -16,7 +16,8 @@ from eagle3_workflow.target_build.tiny import build_tiny_target
 
 def smollm2_main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import BuildSmollm2TargetStage, stage_settings
+    from eagle3_workflow.settings.stages import BuildSmollm2TargetStage
+    from eagle3_workflow.settings.views import stage_settings
 
     def body(log: logging.Logger) -> None:
         out_dir = Path(snakemake.output.target)
@@ -45,7 +46,8 @@ def smollm2_main(snakemake: Any) -> None:
 
 def tiny_main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import BuildTinyTargetStage, stage_settings
+    from eagle3_workflow.settings.stages import BuildTinyTargetStage
+    from eagle3_workflow.settings.views import stage_settings
 
     def body(log: logging.Logger) -> None:
         settings = stage_settings(BuildTinyTargetStage, snakemake.params.settings)
@@ -58,7 +60,8 @@ def tiny_main(snakemake: Any) -> None:
 
 def kimi_main(snakemake: Any) -> None:
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import BuildKimiK25TargetStage, stage_settings
+    from eagle3_workflow.settings.stages import BuildKimiK25TargetStage
+    from eagle3_workflow.settings.views import stage_settings
 
     def body(log: logging.Logger) -> None:
         out_dir = Path(snakemake.output.target)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.files.writing import share_as_umask_allows
-from eagle3_workflow.settings import TinyShape
+from eagle3_workflow.settings.sections import TinyShape
 
 log = logging.getLogger("eagle3.tiny_target")
 

@@ -16,10 +16,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.files.chat import assistant_stop_set, load_chat_tokenizer
 from eagle3_workflow.files.target_artefacts import SanityAnswer, TargetSanityReport
-from eagle3_workflow.settings import CheckTargetStage
+from eagle3_workflow.settings.errors import StageError, render_table
+from eagle3_workflow.settings.stages import CheckTargetStage
 
 log = logging.getLogger("eagle3.check_target")
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import write
-from eagle3_workflow.settings import CheckTargetStage, stage_settings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import CheckTargetStage
+from eagle3_workflow.settings.views import stage_settings
 from eagle3_workflow.target_check.sanity import check_target, failure_message
 
 

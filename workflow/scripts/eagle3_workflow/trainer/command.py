@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
-from eagle3_workflow.settings import TrainSettings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import TrainSettings
 
 log = logging.getLogger("eagle3.training")
 

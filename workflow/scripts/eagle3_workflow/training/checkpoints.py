@@ -28,8 +28,8 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.draft_artefacts import CheckpointInfo
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.interrupt import INTERRUPTED, STATE_FILE
 
 log = logging.getLogger("eagle3.training")

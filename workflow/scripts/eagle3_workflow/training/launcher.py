@@ -9,9 +9,9 @@ import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.draft_artefacts import CheckpointInfo
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.command import TrainDevice
 from eagle3_workflow.trainer.entry import DEVICE_ENV, METRICS_ENV
 from eagle3_workflow.training.checkpoints import latest_checkpoint, outlook_on_disk

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.training.workdir import attempt_files
 
 log = logging.getLogger("eagle3.training")

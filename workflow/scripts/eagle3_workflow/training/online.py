@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.draft_artefacts import OnlineTrainingStats
 from eagle3_workflow.runtime.child import PROGRESS_MARKER, ProgressWatch
 from eagle3_workflow.serving.engine import ServerSpec
 from eagle3_workflow.serving.server import VLLMServer
-from eagle3_workflow.settings import OnlineTraining
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import OnlineTraining
 from eagle3_workflow.trainer.online_spec import API_KEY_ENV, ONLINE_SPEC_ENV, OnlineSpec, failed_rows, samples_checked
 
 log = logging.getLogger("eagle3.training")

@@ -7,10 +7,10 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import load, write
 from eagle3_workflow.files.draft_artefacts import DraftConfig, TrainingSummary
 from eagle3_workflow.files.writing import published_directory
+from eagle3_workflow.settings.errors import StageError
 
 # Files of a checkpoint that only serve resuming; the rest (config, weights, provenance) goes to draft/
 RESUME_ONLY_FILES = {"optimizer_state_dict.pt", "scheduler_state_dict.pt", "training_state.json"}

@@ -13,14 +13,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.files.data_artefacts import CanaryReport, ValidationReport
 from eagle3_workflow.files.draft_artefacts import CheckpointInfo, OnlineTrainingStats, TrainingSummary
 from eagle3_workflow.files.hidden_states import hs_file
 from eagle3_workflow.files.prepared import open_prepared
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
-from eagle3_workflow.settings import TrainDraftOnlineStage, TrainSettings, rule_settings_model, stage_settings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import TrainSettings
+from eagle3_workflow.settings.stages import TrainDraftOnlineStage, rule_settings_model
+from eagle3_workflow.settings.views import stage_settings
 from eagle3_workflow.trainer.command import TrainDevice, TrainPaths, build_train_command, resolve_device
 from eagle3_workflow.training.checkpoints import outlook_on_disk, prepare_resume, resume_point
 from eagle3_workflow.training.launcher import run_attempt, trainer_env

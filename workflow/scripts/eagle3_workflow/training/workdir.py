@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import ArtefactError, load, write
 from eagle3_workflow.files.draft_artefacts import TrainingFingerprint
 from eagle3_workflow.files.hidden_states import hs_file
-from eagle3_workflow.settings import TrainSettings
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.sections import TrainSettings
 from eagle3_workflow.trainer.command import TrainPaths
 
 log = logging.getLogger("eagle3.training")

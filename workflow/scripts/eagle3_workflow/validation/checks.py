@@ -20,10 +20,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.files.data_artefacts import GreedyCheck, GreedyProbe, ValidationReport
 from eagle3_workflow.files.hidden_states import HiddenStateFiles, read_hidden_states
 from eagle3_workflow.reference.target_config import read_target_config, read_tensors, text_weight_prefix, weight_files
+from eagle3_workflow.settings.errors import StageError, render_table
 
 MAX_LISTED = 50
 # Final norms this check knows: plain RMSNorm x * rsqrt(mean(x^2) + eps) * w. Gemma's (1 + w) and logit

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3_workflow.errors import StageError, render_table
 from eagle3_workflow.files.data_artefacts import DepthSlot, FullDepthReport
 from eagle3_workflow.files.hidden_states import human_bytes, read_hidden_states
 from eagle3_workflow.reference.full_depth import REFERENCE, stream_reference
 from eagle3_workflow.reference.layer_match import MAX_EXCUSED_FRACTION, SlotComparison, SlotError, SlotMatch
-from eagle3_workflow.settings import ValidateHiddenStatesStage
+from eagle3_workflow.settings.errors import StageError, render_table
+from eagle3_workflow.settings.stages import ValidateHiddenStatesStage
 
 log = logging.getLogger("eagle3.full_depth")
 

@@ -8,11 +8,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.errors import StageError
 from eagle3_workflow.files.artefacts import load, write
 from eagle3_workflow.files.data_artefacts import ExtractionManifest
 from eagle3_workflow.files.hidden_states import HiddenStateFiles, human_bytes, rows_on_disk
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.validation.checks import (
     failure_message,
     greedy_cross_check,
@@ -26,7 +26,8 @@ def main(snakemake: Any) -> None:
 
     from eagle3_workflow.files.prepared import read_input_ids
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.settings import online_check_samples, rule_settings_model, stage_settings
+    from eagle3_workflow.settings.stages import online_check_samples, rule_settings_model
+    from eagle3_workflow.settings.views import stage_settings
     from eagle3_workflow.validation import full_depth
 
     def body(log: logging.Logger) -> None:

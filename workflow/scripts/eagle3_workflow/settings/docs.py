@@ -5,7 +5,7 @@ and its description. This module renders them as the table between the README's 
 the schema's order, a header row per section (its ``title`` and ``description``). tests/unit/test_config_docs.py
 fails when the README's table is not the one the schema gives.
 
-    PYTHONPATH=workflow/scripts python -m eagle3_workflow.config_docs [--check]
+    PYTHONPATH=workflow/scripts python -m eagle3_workflow.settings.docs [--check]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
 README_PATH = REPO / "config" / "README.md"
 BEGIN = (
