@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SEED_PROMPTS, run_workflow, tiny_config, without_gpu_allocation
 
-from eagle3_workflow.gpu_placement import PlacementSettings, hold_gpus
+from eagle3_workflow.runtime.gpu_placement import PlacementSettings, hold_gpus
 from eagle3_workflow.settings.errors import StageError
 
 SCRIPTS = REPO / "workflow" / "scripts"
@@ -32,7 +32,7 @@ WORKER = textwrap.dedent(
     """
     import json, logging, os, subprocess, sys, time
     from pathlib import Path
-    from eagle3_workflow.gpu_placement import PlacementSettings, hold_gpus
+    from eagle3_workflow.runtime.gpu_placement import PlacementSettings, hold_gpus
     from eagle3_workflow.runtime import child_environment
 
     name, gpus, machine, lock_dir, report_dir, release_file = sys.argv[1:7]
@@ -179,7 +179,7 @@ REPLICA_SCRIPT = textwrap.dedent(
     import subprocess, sys, time
     from pathlib import Path
     from eagle3_workflow.runtime.stage import run_stage
-    from eagle3_workflow.gpu_placement import holding_gpus
+    from eagle3_workflow.runtime.gpu_placement import holding_gpus
     from eagle3_workflow.runtime import child_environment
 
     @holding_gpus(snakemake)

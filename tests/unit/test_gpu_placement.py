@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from eagle3_workflow.gpu_placement import (
+from eagle3_workflow.runtime.gpu_placement import (
     PlacementSettings,
     count_machine_gpus,
     hold_gpus,

@@ -35,7 +35,7 @@ def is_stage_package(folder: Path) -> bool:
 
 STAGE_PACKAGES = sorted(folder.name for folder in PACKAGE.iterdir() if is_stage_package(folder))
 # top-level helpers an adapter hands its snakemake object to
-ADAPTER_HELPERS = {"gpu_placement.py"}
+ADAPTER_HELPERS = {"runtime/gpu_placement.py"}
 
 # (importing module, imported stage package) -> why it stays for now; an entry that no longer matches fails too
 KNOWN: dict[tuple[str, str], str] = {}

@@ -183,13 +183,13 @@ def gpu_resources(gpus):
 
 
 def gpu_placement_resource():
-    """How a GPU job picks its devices in a local run (eagle3_workflow.gpu_placement). A resource, not a
+    """How a GPU job picks its devices in a local run (eagle3_workflow.runtime.gpu_placement). A resource, not a
     param: params are rerun triggers, and where the locks live changes no result."""
     placement = config["gpu_placement"]
     return json.dumps(
         {
             "lock_dir": os.path.abspath(
-                placement["lock_dir"] or package_module("gpu_placement").DEFAULT_LOCK_DIR
+                placement["lock_dir"] or package_module("runtime.gpu_placement").DEFAULT_LOCK_DIR
             ),
             "machine_gpus": placement["machine_gpus"],
             "wait_timeout_s": placement["wait_timeout_s"],

@@ -23,7 +23,7 @@ from eagle3_workflow.settings.views import stage_settings
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.gpu_placement import holding_gpus
+    from eagle3_workflow.runtime.gpu_placement import holding_gpus
     from eagle3_workflow.runtime.stage import run_stage
 
     @holding_gpus(snakemake)

@@ -973,7 +973,7 @@ def step_time_notes(trained: AcceptanceResult, reference: list[Throughput]) -> l
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.gpu_placement import holding_gpus
+    from eagle3_workflow.runtime.gpu_placement import holding_gpus
     from eagle3_workflow.runtime.stage import run_stage
 
     @holding_gpus(snakemake)

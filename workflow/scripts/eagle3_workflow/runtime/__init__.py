@@ -1,6 +1,17 @@
-"""The environment of the processes stages start: vLLM servers and engines, the trainer.
+"""How a stage runs as a process, and every process it starts.
 
-They need the shared package on their PYTHONPATH (the CPU connector and the trainer shim are imported by
+Owns:
+- ``stage``: logging to the rule's log, one failure format, one signal policy (run_stage, StageStopped);
+- ``child``: ChildProcess, the one way to start, watch and stop a child (vLLM servers, engines, the trainer);
+- ``launcher``: the child's direct parent that makes its whole tree die with the stage (stdlib only);
+- ``worker``: a stage's work handed to a child process, spec in, typed result out (run_worker, serve);
+- ``gpu_placement``: which GPUs a job of a local run takes, and the locks that keep two jobs off one GPU;
+- this module: the environment of the processes stages start (child_environment, below).
+
+May import: files, settings (docs/architecture.md). Nothing of serving, trainer or reference: they run through
+runtime, not the other way round.
+
+The environment of the processes stages start: vLLM servers and engines, the trainer. They need the shared package on their PYTHONPATH (the CPU connector and the trainer shim are imported by
 name), unbuffered output (their log is streamed line by line) and no model hub. A CPU vLLM also needs the
 thread limits Snakemake sets for every job removed: Snakemake exports MKL_NUM_THREADS=<threads>, torch prefers
 it over OMP_NUM_THREADS, and vLLM pins its CPU worker to one core, so two torch threads fought over that core

@@ -367,7 +367,7 @@ def rerun_after_stop(work_dir: str | Path, epochs: Sequence[int] = ()) -> Callab
 
 
 def main(snakemake: Any) -> None:
-    from eagle3_workflow.gpu_placement import holding_gpus
+    from eagle3_workflow.runtime.gpu_placement import holding_gpus
     from eagle3_workflow.runtime.stage import run_stage
 
     epochs: list[int] = []  # known once the settings are read
