@@ -5,7 +5,8 @@ holding a ``stage.py``.
 
 No module outside a stage's package imports it: what two stages share (the hidden-state client of canary and
 extraction, vLLM's spec-decode metric names of check_api and evaluate_draft, the streamed full-depth reference of
-check_api and validate_hidden_states) lives in a top-level module. Tests, bench/ and the entry scripts drive the
+check_api and validate_hidden_states) lives in the package of its concern below the stages (serving, reference, ...;
+tests/unit/test_package_layout.py checks the direction). Tests, bench/ and the entry scripts drive the
 stages and may import them. An import through ``importlib.import_module("eagle3_workflow....")`` counts too.
 """
 
@@ -82,7 +83,7 @@ def stage_package_of(module: str) -> str | None:
 
 
 def owner(path: Path) -> str | None:
-    """The package folder of the eagle3_workflow module at `path` (None: a top-level module)."""
+    """The package folder of the eagle3_workflow module at `path` (None: the package's own __init__.py)."""
     parts = path.relative_to(PACKAGE).parts
     return parts[0] if len(parts) > 1 else None
 
@@ -105,7 +106,8 @@ def test_no_module_imports_another_stages_package():
     found = cross_stage_imports()
     unexplained = {key: sorted(set(modules)) for key, modules in found.items() if key not in KNOWN}
     assert unexplained == {}, (
-        "move what two stages share into a top-level module (module, stage package it imports): " + repr(unexplained)
+        "move what two stages share into the package of its concern (module, stage package it imports): "
+        + repr(unexplained)
     )
     stale = sorted(set(KNOWN) - set(found))
     assert stale == [], f"KNOWN entries that no longer match (remove them): {stale}"

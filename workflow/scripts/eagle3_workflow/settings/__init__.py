@@ -9,5 +9,5 @@ Owns:
 - ``docs``: config/README.md's table of keys from the schema (``python -m eagle3_workflow.settings.docs``);
 - ``errors``: StageError (the cause and the fix) and render_table, the plain-text table of logs.
 
-The bottom of the package: imports nothing of it (docs/architecture.md); pydantic, yaml and jsonschema only.
+May import: nothing of the package (the bottom layer, docs/architecture.md); pydantic, yaml and jsonschema only.
 """
