@@ -106,7 +106,8 @@ def test_a_plain_text_end_of_turn_is_a_stop_string(turn_tokenizer):
 
 
 def test_check_api_lists_the_architectures_this_vllm_can_capture(tiny_targets, tmp_path):
-    from eagle3_workflow.api_checks.checks import eagle3_capable_architectures, failure_advice
+    from eagle3_workflow.api_checks.checks import failure_advice
+    from eagle3_workflow.api_checks.vllm_surfaces import eagle3_capable_architectures
 
     target = tmp_path / "model"
     target.mkdir()

@@ -3,7 +3,8 @@ is loaded.
 
 Which module owns what:
 
-- ``checks`` every check as a row (name, expected, found, pass), ``run_api_checks`` (the table) and the advice for
-  failed rows
+- ``checks`` ``run_api_checks`` (every check as a row: name, expected, found, pass), the checks of speculators, the
+  target and the references, and the advice for failed rows
+- ``vllm_surfaces`` the checks of vLLM's surfaces (version, method, connector, CPU internals, architectures, metrics)
 - ``stage``  ``main(snakemake)``, the rule's adapter
 """

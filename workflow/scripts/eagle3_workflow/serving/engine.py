@@ -35,7 +35,7 @@ GPU_CONNECTOR = "ExampleHiddenStatesConnector"
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 
 # The names of vLLM's spec-decode metrics (LLM.get_metrics()): evaluate_draft reads acceptance from them
-# (evaluation/metrics.py) and check_api checks that the installed vLLM still defines them (api_checks/checks.py).
+# (evaluation/metrics.py) and check_api checks that the installed vLLM still defines them (api_checks/vllm_surfaces.py).
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
