@@ -72,8 +72,6 @@ LONG_FUNCTIONS_LEFT: dict[str, str] = {
     "evaluation/stage.py:report_notes": "evaluation split",
     "evaluation/lossless.py:lossless_failure": "evaluation split",
     "evaluation/measure.py:measure_run": "evaluation split",
-    "reference/compressed_weights.py:read_scheme": "61 lines: to shorten",
-    "reference/full_depth.py:stream_reference": "75 lines: to shorten",
     "target_build/kimi.py:text_config": "66 lines: to shorten",
 }
 

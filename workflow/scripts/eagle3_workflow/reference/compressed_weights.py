@@ -120,7 +120,6 @@ def read_scheme(config: Mapping[str, Any]) -> QuantizedCheckpoint | None:
     head = f"the checkpoint is quantized ({method}), its quantization_config in {where}"
     if method != METHOD:
         raise UnsupportedScheme(f"{head}: quant_method {method!r} is not {METHOD}")
-    from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig
 
     try:
@@ -129,46 +128,52 @@ def read_scheme(config: Mapping[str, Any]) -> QuantizedCheckpoint | None:
         raise UnsupportedScheme(f"{head}: compressed-tensors cannot read it ({exc!r})") from exc
     if getattr(parsed, "sparsity_config", None) or section.get("sparsity_config"):
         raise UnsupportedScheme(f"{head}: it is also sparse-compressed")
-    groups = []
-    for name, scheme in sorted(parsed.config_groups.items()):
-        weights = scheme.weights
-        if weights is None:
-            raise UnsupportedScheme(f"{head}: config group {name!r} quantizes no weights")
-        fmt = scheme.format or section.get("format")
-        if fmt in (None, "mixed-precision"):
-            import torch
-
-            fmt = infer_module_format(torch.nn.Linear, scheme)
-        fmt = str(getattr(fmt, "value", fmt))
-        group = WeightScheme(
-            name=name,
-            format=fmt,
-            num_bits=int(weights.num_bits),
-            type=str(getattr(weights.type, "value", weights.type)),
-            symmetric=bool(weights.symmetric),
-            strategy=str(getattr(weights.strategy, "value", weights.strategy)),
-            group_size=weights.group_size,
-            targets=tuple(scheme.targets),
-        )
-        problem = (
-            f"format {fmt!r} is not read"
-            if fmt not in FORMATS_READ
-            else f"weights of type {group.type} are not read"
-            if group.type != "int" or not 1 <= group.num_bits <= 8
-            else f"strategy {group.strategy!r} is not read"
-            if group.strategy not in STRATEGIES_READ
-            else "activation-order group indices (actorder) are not read"
-            if weights.actorder
-            else "quantized activations are not reproduced by an fp32 reference"
-            if scheme.input_activations is not None or scheme.output_activations is not None
-            else ""
-        )
-        if problem:
-            raise UnsupportedScheme(f"{head}: config group {name!r} ({group.describe()}): {problem}")
-        groups.append(group)
+    groups = [weight_scheme(name, scheme, section, head) for name, scheme in sorted(parsed.config_groups.items())]
     if not groups:
         raise UnsupportedScheme(f"{head}: it has no config_groups")
     return QuantizedCheckpoint(where=where, groups=tuple(groups), ignore=tuple(parsed.ignore or ()), raw=section)
+
+
+def weight_scheme(name: str, scheme: Any, section: Mapping[str, Any], head: str) -> WeightScheme:
+    """One config group of a parsed QuantizationConfig as the WeightScheme it declares; UnsupportedScheme (after
+    `head`, which names the checkpoint's section) when it is outside FORMATS_READ / STRATEGIES_READ."""
+    from compressed_tensors.compressors.format import infer_module_format
+
+    weights = scheme.weights
+    if weights is None:
+        raise UnsupportedScheme(f"{head}: config group {name!r} quantizes no weights")
+    fmt = scheme.format or section.get("format")
+    if fmt in (None, "mixed-precision"):
+        import torch
+
+        fmt = infer_module_format(torch.nn.Linear, scheme)
+    fmt = str(getattr(fmt, "value", fmt))
+    group = WeightScheme(
+        name=name,
+        format=fmt,
+        num_bits=int(weights.num_bits),
+        type=str(getattr(weights.type, "value", weights.type)),
+        symmetric=bool(weights.symmetric),
+        strategy=str(getattr(weights.strategy, "value", weights.strategy)),
+        group_size=weights.group_size,
+        targets=tuple(scheme.targets),
+    )
+    problem = (
+        f"format {fmt!r} is not read"
+        if fmt not in FORMATS_READ
+        else f"weights of type {group.type} are not read"
+        if group.type != "int" or not 1 <= group.num_bits <= 8
+        else f"strategy {group.strategy!r} is not read"
+        if group.strategy not in STRATEGIES_READ
+        else "activation-order group indices (actorder) are not read"
+        if weights.actorder
+        else "quantized activations are not reproduced by an fp32 reference"
+        if scheme.input_activations is not None or scheme.output_activations is not None
+        else ""
+    )
+    if problem:
+        raise UnsupportedScheme(f"{head}: config group {name!r} ({group.describe()}): {problem}")
+    return group
 
 
 LAYER_OR_EXPERT = re.compile(r"\.\d+\.")

@@ -323,6 +323,63 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+class LayerStream:
+    """The forward hooks that stream a target through one decoder layer at a time: each layer's tensors read just
+    before its forward and freed right after it, every depth handed to `visit`, the weight bytes held counted."""
+
+    def __init__(self, target: Target, target_dir: Path, visit: Visit) -> None:
+        self.target, self.target_dir, self.visit = target, target_dir, visit
+        self.layers = target.decoder.layers
+        self.num_layers = len(self.layers)
+        # each layer's tensors read (and dequantized, if stored quantized) just before its forward
+        self.outside, self.per_layer = split_by_layer(target.names(), self.num_layers)
+        self.now = self.peak = 0
+        self.started = time.monotonic()
+
+    def hold(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def before_layer(self, index: int) -> Callable[..., None]:
+        def hook(_module: Any, args: tuple, kwargs: dict) -> None:
+            if not self.per_layer[index]:
+                raise unsupported(self.target_dir, f"its checkpoint has no tensor of decoder layer {index}")
+            tensors = self.target.read(self.target_dir, self.per_layer[index])
+            self.hold(load_module(self.target.model, self.layers[index], tensors, f"decoder layer {index}"))
+            self.visit(str(index), args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    def after_layer(self, index: int) -> Callable[..., None]:
+        def hook(module: Any, _args: tuple, output: Any) -> None:
+            last = self.num_layers - 1
+            if index == last:
+                self.visit(str(self.num_layers), _first_tensor(output))
+            nbytes = weight_bytes(module)
+            free(module)
+            self.now -= nbytes
+            if (index + 1) % max(1, self.num_layers // 8) == 0 or index == last:
+                elapsed = time.monotonic() - self.started
+                log.info("full-depth reference: %d/%d layers, %.1f s", index + 1, self.num_layers, elapsed)
+
+        return hook
+
+    def after_embedding(self, module: Any, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+        self.now -= weight_bytes(module)
+        free(module)  # a large vocabulary's embedding is as big as a layer: not kept beside them
+        return output.float()  # rows of the stored dtype, exactly; from here on everything is fp32
+
+    def install(self) -> list[Any]:
+        """Every hook on the target's modules; the handles, to remove."""
+        decoder = self.target.decoder
+        hooks = [decoder.get_input_embeddings().register_forward_hook(self.after_embedding)]
+        hooks.append(decoder.norm.register_forward_hook(lambda _m, _a, out: self.visit(POST_NORM, _first_tensor(out))))
+        for index, layer in enumerate(self.layers):
+            hooks.append(layer.register_forward_pre_hook(self.before_layer(index), with_kwargs=True))
+            hooks.append(layer.register_forward_hook(self.after_layer(index)))
+        return hooks
+
+
 def stream_reference(
     target_dir: Path,
     batch: Sequence[Sequence[int]],
@@ -337,64 +394,19 @@ def stream_reference(
     past a sample's length are padding. Returns (N, the most weight bytes held at once). `opened`: the skeleton
     open_target already built for this folder (the canary builds it while its server starts), used once."""
     target = opened if opened is not None else open_target(target_dir, trust_remote_code=trust_remote_code)
-    model, decoder = target.model, target.decoder
-    layers = decoder.layers
-    num_layers = len(layers)
-    # each layer's tensors read (and dequantized, if stored quantized) just before its forward
-    outside, per_layer = split_by_layer(target.names(), num_layers)
-    held = {"now": 0, "peak": 0}
-    started = time.monotonic()
-
-    def hold(nbytes: int) -> None:
-        held["now"] += nbytes
-        held["peak"] = max(held["peak"], held["now"])
-
-    def before_layer(index: int) -> Callable[..., None]:
-        def hook(_module: Any, args: tuple, kwargs: dict) -> None:
-            if not per_layer[index]:
-                raise unsupported(target_dir, f"its checkpoint has no tensor of decoder layer {index}")
-            tensors = target.read(target_dir, per_layer[index])
-            hold(load_module(model, layers[index], tensors, f"decoder layer {index}"))
-            visit(str(index), args[0] if args else kwargs["hidden_states"])
-
-        return hook
-
-    def after_layer(index: int) -> Callable[..., None]:
-        def hook(module: Any, _args: tuple, output: Any) -> None:
-            if index == num_layers - 1:
-                visit(str(num_layers), _first_tensor(output))
-            nbytes = weight_bytes(module)
-            free(module)
-            held["now"] -= nbytes
-            if (index + 1) % max(1, num_layers // 8) == 0 or index == num_layers - 1:
-                log.info(
-                    "full-depth reference: %d/%d layers, %.1f s", index + 1, num_layers, time.monotonic() - started
-                )
-
-        return hook
-
-    embed = decoder.get_input_embeddings()
-
-    def after_embedding(module: Any, _args: tuple, output: torch.Tensor) -> torch.Tensor:
-        held["now"] -= weight_bytes(module)
-        free(module)  # a large vocabulary's embedding is as big as a layer: not kept beside them
-        return output.float()  # rows of the stored dtype, exactly; from here on everything is fp32
-
-    hooks = [embed.register_forward_hook(after_embedding)]
-    hooks.append(decoder.norm.register_forward_hook(lambda _m, _a, out: visit(POST_NORM, _first_tensor(out))))
-    for index, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(before_layer(index), with_kwargs=True))
-        hooks.append(layer.register_forward_hook(after_layer(index)))
+    stream = LayerStream(target, target_dir, visit)
+    decoder = target.decoder
+    hooks = stream.install()
     input_ids, mask = right_padded(batch, pad_id=0)
     try:
         with _quiet_loading():
-            tensors = target.read(target_dir, outside)
-            keep_stored_dtype(embed, tensors)
-            hold(load_module(model, decoder, tensors, "embedding and final norm", skip="layers"))
+            tensors = target.read(target_dir, stream.outside)
+            keep_stored_dtype(decoder.get_input_embeddings(), tensors)
+            stream.hold(load_module(target.model, decoder, tensors, "embedding and final norm", skip="layers"))
             del tensors
             with torch.inference_mode():
                 decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
     finally:
         for handle in hooks:
             handle.remove()
-    return num_layers, held["peak"]
+    return stream.num_layers, stream.peak
