@@ -25,7 +25,7 @@ import yaml
 from eagle3_workflow.reference import compressed_weights
 from eagle3_workflow.settings.sections import KimiShape
 from eagle3_workflow.settings.views import view_of, with_schema_defaults
-from eagle3_workflow.target_build import kimi
+from eagle3_workflow.target_build import kimi, kimi_layout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 def real_width_text() -> dict:
     build = yaml.safe_load((REPO / "bench" / "gpu" / "kimi-k25-real-width.yaml").read_text())["target"]["build"]
     shape = view_of(KimiShape, with_schema_defaults(target={"build": build})["target"]["build"])
-    return kimi.text_config(shape, vocab_size=163840, bos=0, eos=1, pad=2, quantized=True)
+    return kimi_layout.text_config(shape, vocab_size=163840, bos=0, eos=1, pad=2, quantized=True)
 
 
 def peak_rss_gib() -> float:
@@ -41,7 +41,7 @@ def peak_rss_gib() -> float:
 
 
 def build(out: Path, layers: list[int]) -> dict:
-    shapes = kimi.text_shapes(real_width_text())
+    shapes = kimi_layout.text_shapes(real_width_text())
     keep = {n: s for n, s in shapes.items() if any(n.startswith(f"language_model.model.layers.{i}.") for i in layers)}
     keep["language_model.model.norm.weight"] = shapes["language_model.model.norm.weight"]
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def build(out: Path, layers: list[int]) -> dict:
 def dequantize(out: Path, experts: int) -> dict:
     from safetensors import safe_open
 
-    checkpoint = compressed_weights.read_scheme(kimi.model_config(real_width_text(), media_pad=3))
+    checkpoint = compressed_weights.read_scheme(kimi_layout.model_config(real_width_text(), media_pad=3))
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     names = [n for n in index if ".layers.1.mlp.experts." in n and int(n.split(".experts.")[1].split(".")[0]) < experts]
     tensors = {}

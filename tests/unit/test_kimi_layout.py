@@ -234,11 +234,13 @@ def real_width_build() -> dict:
 
 
 def test_real_width_config_is_the_releases_but_the_experts_width():
-    from eagle3_workflow.target_build import kimi
+    from eagle3_workflow.target_build import kimi_layout
 
     overlay = yaml.safe_load(REAL_WIDTH.read_text())
     assert overlay["hidden_states"]["layer_ids"] == [2, 30, 58, 61]
-    text = kimi.text_config(kimi_shape(**real_width_build()), vocab_size=163840, bos=0, eos=1, pad=2, quantized=True)
+    text = kimi_layout.text_config(
+        kimi_shape(**real_width_build()), vocab_size=163840, bos=0, eos=1, pad=2, quantized=True
+    )
     assert text.pop("quantization_config")["ignore"] == RELEASE_IGNORE
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # our tokenizer's ids
         text.pop(key)
@@ -251,12 +253,12 @@ def test_real_width_config_is_the_releases_but_the_experts_width():
 def test_real_width_fits_one_gpu_and_its_disk():
     """The bytes the overlay's comment and docs/gpu.md plan with: 54.2 GB of checkpoint (an 80 GB H100 keeps ~20 GB),
     shard files of at most SHARD_BYTES (one held at a time), and the release's 2048 would not fit."""
-    from eagle3_workflow.target_build import kimi
+    from eagle3_workflow.target_build import kimi, kimi_layout
 
     def checkpoint(**change):
         build = real_width_build() | change
-        text = kimi.text_config(kimi_shape(**build), vocab_size=163840, bos=0, eos=1, pad=2, quantized=True)
-        shapes = kimi.text_shapes(text) | kimi.vision_shapes(kimi.vision_config(7168), 7168)
+        text = kimi_layout.text_config(kimi_shape(**build), vocab_size=163840, bos=0, eos=1, pad=2, quantized=True)
+        shapes = kimi_layout.text_shapes(text) | kimi_layout.vision_shapes(kimi_layout.vision_config(7168), 7168)
         return shapes, sum(kimi.stored_bytes(n, s, quantized=True) for n, s in shapes.items())
 
     shapes, total = checkpoint()
@@ -281,7 +283,7 @@ REDUCED = {
 
 def release_shape(name: str, text: dict) -> tuple[int, ...]:
     """The shape vLLM's deepseek_v2 loader expects for a language-model tensor, from the config alone (the formulas of
-    its MLA and MoE modules; written here apart from kimi.text_shapes)."""
+    its MLA and MoE modules; written here apart from kimi_layout.text_shapes)."""
     h, heads, nope, rope, v = (text[k] for k in ("hidden_size", "num_attention_heads", "qk_nope_head_dim",
                                                   "qk_rope_head_dim", "v_head_dim"))  # fmt: skip
     q, kv, moe = text["q_lora_rank"], text["kv_lora_rank"], text["moe_intermediate_size"]
