@@ -1,6 +1,6 @@
 """Artefacts of a finished run, written without running the stages, so the last rules (evaluate_draft,
 summarize_run, report, package_draft) can run alone through Snakemake: every file is its artefacts.py model, written
-with artefacts.write, and their mtimes follow the DAG's order so that `--rerun-triggers mtime` finds every upstream
+with files.artefacts.write, and their mtimes follow the DAG's order so that `--rerun-triggers mtime` finds every upstream
 job done."""
 
 from __future__ import annotations

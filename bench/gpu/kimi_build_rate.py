@@ -4,7 +4,7 @@ build OUT [--layers 0,1]   draw, reshape (trained_like), pack (INT4) and write t
                            bench/gpu/kimi-k25-real-width.yaml exactly as build_kimi_k25_target does
                            (kimi.write_weights on the layers' names): seconds, bytes, peak RSS
 dequantize OUT [--experts 192]
-                           the full-depth reference's dequantization (compressed_weights.dequantize) of that many
+                           the full-depth reference's dequantization (reference.compressed_weights.dequantize) of that many
                            routed experts of layer 1 of a `build` folder: seconds (half a layer keeps memory low)
 
 PYTHONPATH=workflow/scripts .venv/bin/python bench/gpu/kimi_build_rate.py build /tmp/rate

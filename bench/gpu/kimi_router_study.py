@@ -2,8 +2,8 @@
 
 Builds (target_build/kimi.py, the workflow's own builder) an N-layer slice of bench/gpu/kimi-k25-real-width.yaml at
 hidden 7168 with narrow bf16 experts (their width does not enter the router), or that slice with the toy stand-in's
-router (8 experts, top-2), then runs the gates' own fp32 reference over it (full_depth_reference.stream_reference,
-one layer in memory at a time) with their own router probe (layer_match.RoutingProbe). Prints JSON: per MoE layer
+router (8 experts, top-2), then runs the gates' own fp32 reference over it (reference.full_depth.stream_reference,
+one layer in memory at a time) with their own router probe (reference.layer_match.RoutingProbe). Prints JSON: per MoE layer
 the fraction of tokens whose k-th and (k+1)-th selection scores are closer than bf16 serving can move them (the
 canary's and full-depth check's "ambiguous"), the fraction ambiguous at some MoE layer up to each layer (what an id
 at that depth may excuse), and the outlier channels' size over the median channel.

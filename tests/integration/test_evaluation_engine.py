@@ -36,7 +36,7 @@ FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")
 
 @pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")  # the bad spec is written unchecked on purpose
 def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
-    # prompts that are not token ids, written unchecked: the child's artefacts.load refuses the spec before it
+    # prompts that are not token ids, written unchecked: the child's files.artefacts.load refuses the spec before it
     # imports vLLM, and exits 1 with the cause and its traceback in the log
     spec = MeasurementSpec.model_construct(engine={}, prompts=["not token ids"], max_tokens=4, timing_repeats=1,
                                            runs=[], top_logprobs=5, stop_token_ids=[], stop=[],

@@ -299,7 +299,7 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
     assert (model.d2t.cpu().numpy() == d2t).all()
     assert summary.resumed_from is None
     assert summary.attempts == 1
-    # the CPU trainer froze its imported heap before training (trainer_entry.freeze_imported_heap)
+    # the CPU trainer froze its imported heap before training (trainer.entry.freeze_imported_heap)
     assert FROZEN_LINE in (tmp_path / "train_work" / "logs" / "trainer-attempt-01.log").read_text()
 
     again = run_training(train_inputs, tmp_path)  # a forced rerun: publishes the finished run, trains nothing

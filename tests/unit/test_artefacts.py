@@ -1,4 +1,4 @@
-"""artefacts.load and artefacts.write: a good file round-trips; a missing key, a wrong type, a file that is not JSON
+"""files.artefacts.load and files.artefacts.write: a good file round-trips; a missing key, a wrong type, a file that is not JSON
 (or is absent) fails with one message naming the file, each bad field and the rule to rerun; keys a newer writer
 added are ignored. Every stage reads its inputs through load, so these are the failures a person sees."""
 

@@ -6,7 +6,7 @@ This walks the schema and fails where the workflow's code (workflow/, Snakefile,
   settings model (common.smk's stage_params), so no rule names keys;
 - a default written again: in a rule file, `.get("key", value)` or `lookup(..., default=...)`; in Python, a
   parameter, a class field or a `.get("key", value)` named as a config key whose value is that key's schema
-  default. Code that needs a default without a config reads the schema (settings.with_schema_defaults).
+  default. Code that needs a default without a config reads the schema (settings.views.with_schema_defaults).
 
 Tests are not scanned: a value a test sets is a statement of what it tests. KNOWN is empty: a copy that has to stay
 for a while is named there with its reason, and an entry that no longer matches fails, so the list only shrinks.

@@ -120,7 +120,7 @@ def _fake_vllm(calls: list, gate: Gate | None) -> types.ModuleType:
 
 def _use_fake_vllm(monkeypatch, calls: list, gate: Gate | None) -> None:
     """_fake_vllm as this process's vllm; the test process's heap is not frozen before the fake engine starts
-    (runtime.worker.freeze_heap_for_cpu_engine, tested in tests/unit/test_extraction.py)."""
+    (serving.cpu_server.freeze_heap_for_cpu_engine, tested in tests/unit/test_extraction.py)."""
     monkeypatch.setitem(sys.modules, "vllm", _fake_vllm(calls, gate))
     monkeypatch.setattr(
         "eagle3_workflow.serving.cpu_server.freeze_heap_for_cpu_engine", lambda tensor_parallel_size: False
@@ -246,7 +246,7 @@ def fake_vllm(tmp_path, monkeypatch):
     package = tmp_path / "fake_site" / "vllm"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_VLLM)
-    # the stand-in's platform is the CPU (runtime.worker.freeze_heap_for_cpu_engine asks vllm.platforms)
+    # the stand-in's platform is the CPU (serving.cpu_server.freeze_heap_for_cpu_engine asks vllm.platforms)
     (package / "platforms.py").write_text(
         "class _Cpu:\n    def is_cpu(self):\n        return True\n\n\ncurrent_platform = _Cpu()\n"
     )

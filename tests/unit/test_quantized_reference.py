@@ -13,7 +13,7 @@ full_depth_reference), against transformers' own decompressing load
   ``text_config``, the quantization_config inside it) gives bit-identical states, and check_api's preflight names
   the scheme;
 - schemes it does not read, and a config that does not describe its tensors, are refused with the cause and fix.
-Checkpoints are built in tmp_path with compressed-tensors' own quantization (compressed_weights.pack_int4_group).
+Checkpoints are built in tmp_path with compressed-tensors' own quantization (reference.compressed_weights.pack_int4_group).
 """
 
 from __future__ import annotations

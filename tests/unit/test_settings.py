@@ -2,7 +2,7 @@
 
 - Every rule's params.settings (its stage_params("<rule>"), loaded through Snakemake's API for the presets that
   have every rule) validates into its stage's model, and carries exactly the keys the model declares: the rule
-  names itself, and the derivation (settings.config_of) loses no key and adds none.
+  names itself, and the derivation (settings.views.config_of) loses no key and adds none.
 - Every model field mirrors the schema: the key exists, same JSON type(s), same enum, null where the schema allows
   it; a section modelled whole has every key of the section; no field has a default.
 """

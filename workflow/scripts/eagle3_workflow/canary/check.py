@@ -8,7 +8,7 @@
    [2, K//2, K-2, K] (gaps between all ids, last = K). A contiguous 1..K set would hide any remap that keeps
    the number of ids (issue 13: id k taken from layer k+1 whenever k+1 < N).
 3. Compare with an independent fp32 reference (canary.reference: hf_fp32, the default): transformers' own forward
-   of the slice, streamed one decoder layer at a time (full_depth_reference.stream_reference, the full-depth
+   of the slice, streamed one decoder layer at a time (reference.full_depth.stream_reference, the full-depth
    check's reference: one reference for both gates, quantized checkpoints included where it reads them), in the
    documented convention (id k < K = the input of layer k, id K = pre-norm output of the last layer), for EVERY
    layer 0..K plus the post-norm output. Each captured slot is matched to the reference it is nearest to (distance

@@ -85,7 +85,7 @@ def load(model: type[A], path: str | Path) -> A:
 
 def write(path: str | Path, artefact: Artefact, *, in_place_when_full: bool = False) -> None:
     """The one writer: JSON (indent 2, keys in field order), atomically, as readable as the umask allows.
-    in_place_when_full: a status file's last word, written in place on a full disk (files.write_text_atomic)."""
+    in_place_when_full: a status file's last word, written in place on a full disk (files.writing.write_text_atomic)."""
     text = json.dumps(artefact.model_dump(), indent=2, default=str) + "\n"
     write_text_atomic(path, text, in_place_when_full=in_place_when_full)
 

@@ -74,7 +74,7 @@ def unsupported(
 
 
 def checkpoint_files(target_dir: Path) -> dict[str, str]:
-    """Tensor name -> the safetensors file that holds it (target_config.weight_files); UnsupportedTarget without
+    """Tensor name -> the safetensors file that holds it (reference.target_config.weight_files); UnsupportedTarget without
     safetensors."""
     try:
         return weight_files(target_dir)
@@ -136,7 +136,7 @@ class Target:
 
 def quantization(target_dir: Path) -> QuantizedCheckpoint | None:
     """The compressed-tensors scheme config.json declares (top level or text_config), None for plain weights;
-    UnsupportedTarget for a quantization the reference does not read (compressed_weights.FORMATS_READ)."""
+    UnsupportedTarget for a quantization the reference does not read (reference.compressed_weights.FORMATS_READ)."""
     try:
         raw = read_target_config(target_dir).raw
     except StageError as exc:

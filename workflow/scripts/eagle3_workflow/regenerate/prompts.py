@@ -2,7 +2,7 @@
 
 Pure: the target is reached only through the `GenerateFn` it is given (vLLM's in generate.py, a fake in tests).
 Prompt files are ``.txt`` (one prompt per line) or ``.jsonl``/``.json`` records with ShareGPT ``conversations`` or
-OpenAI ``messages``, normalised by chat.normalize_messages (the same roles as prepare_data reads).
+OpenAI ``messages``, normalised by files.chat.normalize_messages (the same roles as prepare_data reads).
 """
 
 from __future__ import annotations

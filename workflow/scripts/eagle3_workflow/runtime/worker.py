@@ -5,7 +5,7 @@ Parent side (the stage):
   dies with the stage even on SIGKILL; its lines go into the rule's log; a wall-clock limit and the progress watch
   come from ``job.watch``; a non-zero exit is a StageError quoting the first traceback and the last lines.
 - ``run_worker(module, spec, result_type, files=..., job=...)``: ``python -m <module> --spec S --result R`` through
-  run_command, the spec (an artefacts.Artefact) written to S first; the result read back from R as `result_type`.
+  run_command, the spec (a files.artefacts.Artefact) written to S first; the result read back from R as `result_type`.
 - ``start_worker(module, files=..., job=...)``: the same process started before its spec is known (``--await-spec``):
   it runs its ``prepare`` (imports vLLM, say) while the stage still builds the spec, then waits for S;
   ``finish(spec, result_type)`` writes S and waits as run_worker does. Left unfinished, it is stopped.

@@ -55,7 +55,7 @@ class PrepareDataStage(View):
 
 class ServingStage(View):
     """A stage that serves the target with vLLM: how it loads the target, the vllm section, and the TP it uses
-    (vllm_server.target_server_spec sizes the server from these)."""
+    (serving.engine.target_server_spec sizes the server from these)."""
 
     extraction: ExtractionParallel
     target: TargetLoad

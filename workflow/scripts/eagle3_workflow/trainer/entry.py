@@ -6,15 +6,15 @@ unchanged; the entry runs speculators' own ``cli.main(TrainConfig.resolve(argv))
 speculators.train`` runs) with these additions, the last two chosen by the environment, so that the trainer's
 flags stay exactly speculators' (bench/gpu/bench_gpu.py compares them flag by flag):
 
-- always, ``trainer_interrupt``'s patches: a stop signal saves ``checkpoints/interrupted`` with the epoch and step
+- always, ``trainer.interrupt``'s patches: a stop signal saves ``checkpoints/interrupted`` with the epoch and step
   it holds (speculators records none there), at a step boundary, so that the rerun can resume from it;
 - ``EAGLE3_TRAIN_METRICS_JSONL=<path>``: rank 0 appends each record of speculators' ``speculators.metrics``
   logger that carries a step (``extra={"step": ...}``: train steps and validation epochs) to ``<path>`` as one
   JSON line ``{"step": <step>, "metrics": <the record's dict>}``. The metrics are read from the trainer's own
   dicts, not from its console text;
-- ``EAGLE3_TRAIN_DEVICE=cpu``: the CPU shim's patches and defaults (``cpu_train_shim``), for a machine with no
+- ``EAGLE3_TRAIN_DEVICE=cpu``: the CPU shim's patches and defaults (``trainer.cpu_shim``), for a machine with no
   accelerator. On CUDA the entry adds only the metrics handler and the interrupt patches;
-- ``EAGLE3_ONLINE_SPEC=<json>`` (train.hidden_states: online): ``online_samples``' dataset, which checks each sample
+- ``EAGLE3_ONLINE_SPEC=<json>`` (train.hidden_states: online): ``trainer.online_samples``' dataset, which checks each sample
   generated on demand and applies train.online.max_failed_samples.
 """
 

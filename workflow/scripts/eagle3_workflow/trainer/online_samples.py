@@ -9,7 +9,7 @@ not):
 
 - the server's API key on the client speculators creates (it hard-codes ``api_key="EMPTY"``);
 - our check of every sample as it arrives, before training sees it: keys, shape [T, L, H] with the run's layer
-  count and hidden size, the target's dtype, token ids, finite and not constant (``hidden_states.check_sample``,
+  count and hidden size, the target's dtype, token ids, finite and not constant (``files.hidden_states.check_sample``,
   the same checks validate_hidden_states runs on files). A failed check counts as a failed round, so
   speculators generates the sample again (``--generation-validation-retries``);
 - the sample policy: a sample still failing after the retries is appended to ``failures_path`` (row, reason,

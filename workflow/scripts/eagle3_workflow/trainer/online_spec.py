@@ -1,4 +1,4 @@
-"""What train_draft (the stage) and the online trainer's dataset (``online_samples``) share about online hidden
+"""What train_draft (the stage) and the online trainer's dataset (``trainer.online_samples``) share about online hidden
 states: the spec the trainer reads, the failures file and the per-process counts. Free of speculators: the stage
 imports this, and importing speculators costs ~8 s on a 2-core machine (measured 2026-12-02), paid again by the
 trainer it starts."""

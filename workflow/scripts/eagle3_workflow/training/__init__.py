@@ -2,7 +2,7 @@
 
 Which module owns what:
 
-- the trainer's command line from the ``train`` settings lives in the shared ``trainer_command`` (check_api checks
+- the trainer's command line from the ``train`` settings lives in the shared ``trainer.command`` (check_api checks
   its flags against the installed speculators);
 - ``workdir``: the resumable ``train_work/``: fingerprint, data links, vocab mapping, launch files;
 - ``checkpoints``: which saved state is the newest complete one (``interrupted/`` included), putting it where
@@ -13,7 +13,7 @@ Which module owns what:
 - ``publish``: draft/ (final checkpoint, metrics.csv, training.json), verified, all or nothing;
 - ``online``: train.hidden_states: online, the stage's side: the trainer's own vLLM server for each launch, the
   job's GPUs split between server and trainer, the watch that ends training when the server dies (the trainer's
-  side, every sample checked as it arrives and the failure policy: ``online_samples``);
+  side, every sample checked as it arrives and the failure policy: ``trainer.online_samples``);
 - ``stage``: ``train_draft`` (the steps in order) and ``main(snakemake)``, the rule's adapter.
 
 Layout of ``train_work/`` (kept across failures; Snakemake deletes only the declared ``draft/``):
@@ -24,7 +24,7 @@ Layout of ``train_work/`` (kept across failures; Snakemake deletes only the decl
   ``d2t-<size>.npy`` / ``t2d-<size>.npy`` (built once from the token frequencies, then only ever read);
 - ``checkpoints/<epoch>/``: speculators' checkpoints (end of an epoch, or inside it with ``checkpoint_freq`` < 1),
   and ``checkpoints/interrupted/``, its save on SIGTERM/SIGINT (with the epoch and step the trainer entry records
-  there, ``trainer_interrupt``); a rerun resumes from whichever holds the most steps;
+  there, ``trainer.interrupt``); a rerun resumes from whichever holds the most steps;
 - ``logs/trainer-attempt-<n>.log``: the trainer's full output, one file per launch;
 - ``logs/metrics-attempt-<n>.jsonl``: the metric records of that launch, one JSON line each, written by the
   trainer's rank 0 (metrics.csv is built from these, so the steps of a killed attempt are not lost);
@@ -37,6 +37,6 @@ Layout of ``train_work/`` (kept across failures; Snakemake deletes only the decl
 The trainer runs as a subprocess: ``python -m eagle3_workflow.trainer.entry`` (CPU or one GPU) or
 ``torch.distributed.run ... -m eagle3_workflow.trainer.entry`` (several GPUs). The entry runs speculators' own
 ``speculators train`` with a handler on its metric logger (``speculators.metrics``) that writes each metric
-dict as a JSON line, with ``trainer_interrupt``'s patches (a resumable interrupt save), and on CPU with the CPU
+dict as a JSON line, with ``trainer.interrupt``'s patches (a resumable interrupt save), and on CPU with the CPU
 shim's patches; the records are the same on every device.
 """

@@ -10,7 +10,7 @@ What speculators 0.9.0 writes there (``Trainer.maybe_save_checkpoint``):
   then ``training_state.json`` last (``epoch``, ``local_step``: steps done in the epoch, 0 = the epoch finished,
   ``global_step``: steps done in all);
 - ``interrupted/`` on SIGTERM/SIGINT: the same files without ``training_state.json``; the trainer entry
-  (``trainer_interrupt``) writes one there after the save, last.
+  (``trainer.interrupt``) writes one there after the save, last.
 
 On start speculators resumes from the highest-numbered folder without checking it, and ignores ``interrupted/``. So
 before each launch ``prepare_resume`` removes what must not be resumed from (half-written folders, each with a

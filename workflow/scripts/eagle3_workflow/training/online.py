@@ -1,8 +1,8 @@
 """train.hidden_states: online, the stage's side: the trainer's own vLLM server, how the job's GPUs are split between
 server and trainer, the trainer's extra flags and environment, and the watch that ends training when the server
-dies (the trainer's side, the per-sample checks and the failure policy: ``online_samples``).
+dies (the trainer's side, the per-sample checks and the failure policy: ``trainer.online_samples``).
 
-The server is the one the canary proved: ``vllm_server.hidden_states_server_spec`` with the run's layer ids, a
+The server is the one the canary proved: ``serving.engine.hidden_states_server_spec`` with the run's layer ids, a
 storage folder under ``train_work/online/`` and the target's path as its served name (speculators checks that
 the endpoint serves the model it was given). It is a runtime child like every other server: stopped with the
 stage, killed with it on SIGKILL, its log streamed into the rule's log, a fatal line or its exit ending training

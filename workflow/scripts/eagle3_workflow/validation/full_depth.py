@@ -6,11 +6,11 @@ samples (the longest and the shortest) is compared with an fp32 reference of the
 input of each layer 0..N-1 (HF ``output_hidden_states[k]``), the pre-norm output of the last layer (id N) and the
 final norm's output. With the canary's matching (layer_match), each slot must be nearest to the layer it claims
 (so also nearer than its neighbours) and within tolerance of it; every wrong slot is named. The error rule is the
-canary's too (layer_match.SlotComparison): on an MoE target a token above the tolerance is excused only where the
+canary's too (reference.layer_match.SlotComparison): on an MoE target a token above the tolerance is excused only where the
 reference's own router margins show a near-tie bf16 serving may have routed the other way (counted per slot; at
-most layer_match.MAX_EXCUSED_FRACTION of the tokens), so both gates agree.
+most reference.layer_match.MAX_EXCUSED_FRACTION of the tokens), so both gates agree.
 
-The reference is streamed one decoder layer at a time (memory of one layer; full_depth_reference.py, shared with
+The reference is streamed one decoder layer at a time (memory of one layer; reference/full_depth.py, shared with
 check_api's preflight); each reference state is compared with the slots as it streams by, none is kept. No vLLM here,
 no subprocess.
 """
