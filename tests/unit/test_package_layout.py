@@ -14,6 +14,7 @@ each one fails where it must.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -216,12 +217,66 @@ def declared_imports(init: Path) -> frozenset[str] | None:
     return frozenset() if names[0].startswith("nothing") else frozenset(names)
 
 
+FROM_IMPORT = re.compile(r"^\s*from (eagle3_workflow(?:\.\w+)*) import \(?([\w, \n]+?)\)?\s*(?:#.*)?$", re.MULTILINE)
+
+
+@functools.cache
+def module_names(path: Path) -> set[str]:
+    """The names a module defines at its top level (in if/try blocks too): what ``from it import X`` can name."""
+    names: set[str] = set()
+    todo = list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
+            todo += [n for handler in getattr(node, "handlers", []) for n in handler.body]
+    return names
+
+
+def unresolved_imports(root: Path, sources: list[Path]) -> list[str]:
+    """Every ``from <package>[.x] import a, b`` line in `sources` (code, and the scripts tests write as strings) whose
+    module is not a module of `root` or whose names it neither defines nor holds as submodules."""
+    problems = []
+    for source in sources:
+        for match in FROM_IMPORT.finditer(source.read_text()):
+            parts = match.group(1).split(".")[1:]
+            folder = root.joinpath(*parts)
+            module = folder / "__init__.py" if folder.is_dir() else folder.with_suffix(".py")
+            if not module.is_file():
+                problems.append(f"{source}: {match.group(1)} is no module")
+                continue
+            defined = module_names(module)
+            for name in (n.strip().split(" as ")[0] for n in match.group(2).replace("\n", ",").split(",")):
+                if (
+                    name
+                    and name not in defined
+                    and not (folder / f"{name}.py").is_file()
+                    and not (folder / name).is_dir()
+                ):
+                    problems.append(f"{source}: {match.group(1)} has no {name}")
+    return problems
+
+
 # ------------------------------------------------------------------------------------------------ the package
 
 
 def test_every_package_has_a_layer_and_no_import_goes_against_the_direction():
     assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(MAY_IMPORT)
     assert import_violations(PACKAGE, MAY_IMPORT) == []
+
+
+def test_every_import_of_the_package_names_what_exists():
+    """After a module moves or splits, no import (in the package, tests, bench, or a script a test writes) still names
+    it at its old place: found here, without importing anything (an import of vLLM or speculators takes seconds)."""
+    sources = [p for folder in ("workflow", "tests", "bench") for p in sorted((REPO / folder).rglob("*.py"))]
+    assert unresolved_imports(PACKAGE, [p for p in sources if "/results/" not in p.as_posix()]) == []
 
 
 def test_no_circle_between_packages():
@@ -339,6 +394,24 @@ def test_a_circle_between_packages_is_found_even_where_the_rows_allow_it(tmp_pat
     lax = {"files": frozenset({"settings"}), "settings": frozenset({"files"}), "runtime": frozenset({"settings"})}
     assert import_violations(package, lax) == []
     assert package_cycles(package) == [["files", "settings"]]
+
+
+def test_an_import_of_a_name_that_moved_is_found(tmp_path):
+    package = write_tree(
+        tmp_path,
+        {"files/artefacts.py": "class CheckRow:\n    pass\n", "settings/errors.py": "if True:\n    X = 1\n"},
+    )
+    user = tmp_path / "user.py"
+    user.write_text(
+        "from eagle3_workflow.files.artefacts import CheckRow, check_table\n"
+        "from eagle3_workflow.settings.errors import X\n"
+        "from eagle3_workflow.files import artefacts\n"
+        'SCRIPT = """\nfrom eagle3_workflow.errors import StageError\n"""\n'
+    )
+    assert unresolved_imports(package, [user]) == [
+        f"{user}: eagle3_workflow.files.artefacts has no check_table",
+        f"{user}: eagle3_workflow.errors is no module",
+    ]
 
 
 def test_long_modules_and_functions_are_found(tmp_path):

@@ -6,12 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from eagle3_workflow.api_checks.checks import (
-    eagle3_capable_architectures,
-    failure_advice,
-    run_api_checks,
-    trainer_fields_used,
-)
+from eagle3_workflow.api_checks.checks import failure_advice, run_api_checks, trainer_fields_used
+from eagle3_workflow.api_checks.vllm_surfaces import eagle3_capable_architectures
 from eagle3_workflow.files.artefacts import check_table, write
 from eagle3_workflow.settings.errors import StageError
 
