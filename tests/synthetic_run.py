@@ -1,5 +1,5 @@
 """Artefacts of a finished run, written without running the stages, so the last rules (evaluate_draft,
-summarize_run, report, package_draft) can run alone through Snakemake: every file is its artefacts.py model, written
+summarize_run, report, package_draft) can run alone through Snakemake: every file is its files/*_artefacts.py model, written
 with files.artefacts.write, and their mtimes follow the DAG's order so that `--rerun-triggers mtime` finds every upstream
 job done."""
 

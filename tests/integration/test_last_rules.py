@@ -1,5 +1,5 @@
 """The last rules alone through Snakemake, on a finished run written without its stages (tests/synthetic_run.py
-writes the artefacts.py models): package_draft publishes the draft with its model card, report makes a real
+writes the files/*_artefacts.py models): package_draft publishes the draft with its model card, report makes a real
 `snakemake --report` HTML. What they render, on their own: tests/unit/test_model_card.py, tests/unit/test_report.py."""
 
 from __future__ import annotations

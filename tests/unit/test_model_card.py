@@ -1,5 +1,5 @@
 """The published draft's model card (rule package_draft): made from the run's artefacts as they are written today
-(tests/synthetic_run.py writes the artefacts.py models), and pure rendering checked on its own. The rule through Snakemake:
+(tests/synthetic_run.py writes the files/*_artefacts.py models), and pure rendering checked on its own. The rule through Snakemake:
 tests/integration/test_last_rules.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The report: figures and tables from the run's artefacts (artefacts.py models; tolerant of missing training
+"""The report: figures and tables from the run's artefacts (files/*_artefacts.py models; tolerant of missing training
 metrics and unfamiliar columns). Through Snakemake, a real `snakemake --report` HTML made by rule `report`:
 tests/integration/test_last_rules.py."""
 
