@@ -270,7 +270,7 @@ def plan_measurements(
 ) -> list[PlannedProcess]:
     """Which engines run in which process. Production numerics: one engine per label runs the lossless pass and
     the timing passes. Batch-invariant: each label gets a timing engine (production settings) and a lossless
-    engine in batch-invariant processes. Engines share a process unless evaluate.isolate_runs. Without
+    engine in batch-invariant processes, eager (its outputs are what it measures). Engines share a process unless evaluate.isolate_runs. Without
     evaluate.time_untrained the untrained baseline has no timing pass (its acceptance and lossless verdict come
     from its lossless pass either way). With the untrained draft as the lossless reference, the speculative
     engines' lossless passes generate one prompt at a time (MeasurementRun.lossless_alone)."""
@@ -302,7 +302,11 @@ def plan_measurements(
             for run in labelled
             if timed(run)
         ]
-        exact = [run.model_copy(update={"timing_pass": False, "engine_overrides": lossless_kwargs}) for run in labelled]
+        # the lossless engines measure outputs, not speed: eager whatever vllm.enforce_eager says. With CUDA graphs each
+        # paid its own torch.compile and graph capture for the batch-invariant kernels (8B shape, H100, 2026-12-06:
+        # engine starts of 113.6, 92.7 and 36.4 s, compilation 77.7, 51.3 and 17.9 s of them)
+        exact_kwargs = lossless_kwargs | {"enforce_eager": True}
+        exact = [run.model_copy(update={"timing_pass": False, "engine_overrides": exact_kwargs}) for run in labelled]
         groups = [(timing, False), (exact, True)]
     # on a GPU a spec-decode engine left its 16 GiB KV cache allocated after vLLM's own cleanup, so the next engine
     # of that process failed vLLM's free-memory check (H200, vLLM 0.26, 2026-12-01): one engine per process there
