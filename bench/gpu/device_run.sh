@@ -150,7 +150,7 @@ step_pipeline() {
   return "$rc"
 }
 
-# an earlier lease's regenerated data into this lease's run (docs/gpu.md, "Across leases"): the target is built
+# an earlier lease's regenerated data into this lease's run (docs/gpu.md, "2. The SmolLM2-135M preset"): the target is built
 # by its own rule first, restore_run.py refuses a bundle whose target, settings or bytes differ, and Snakemake's
 # plan must then start at prepare_data
 step_restore() {
