@@ -111,7 +111,7 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert "stage evaluate_draft: done" in log
     # the measurement process was started before the prompts and the untrained draft, and it is the one that ran
     assert log.index("the measurement process (no_speculation, trained, untrained), started before its spec") < (
-        log.index("untrained baseline: ")
+        log.index("untrained baseline (built): ")
     )
     assert "started early, is not the process" not in log and "started early, got no spec" not in log
     assert log.count(" imported in ") == 1 and log.count("measurement process measure_0 done") == 1
@@ -130,7 +130,8 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert again.processes == []
     assert again.trained.mean_acceptance_length == report.trained.mean_acceptance_length
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
-    assert log.count("reusing ") == 3
+    # and the untrained draft is not built again (its files' mtimes are part of the keys at the 8B shape)
+    assert log.count("reusing ") == 3 and "untrained baseline (kept: built by an earlier attempt" in log
     assert "measure_0, started early, got no spec (every run's result reused" in log
 
 

@@ -507,7 +507,7 @@ def test_the_spec_not_the_environment_chooses_the_kernels(monkeypatch):
 @pytest.mark.parametrize(
     ("modules", "absent"),
     [
-        (["prompts", "metrics", "lossless", "protocol"], ["vllm", "torch", "subprocess"]),
+        (["prompts", "metrics", "lossless", "protocol", "fingerprint"], ["vllm", "torch", "subprocess"]),
         (["stage", "launch", "baseline", "measure"], ["vllm", "torch"]),  # vLLM re-imports the stage as __main__
     ],
 )
@@ -544,6 +544,97 @@ def test_untrained_draft_has_the_trained_shape_vocab_and_frozen_tensors(scratch_
     config = json.loads((baseline.path / "config.json").read_text())  # speculators' file, checked key by key
     assert config["speculators_model_type"] == "eagle3"
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(Path(prepared["target"]).resolve())
+
+
+def untrained_key(untrained_dir: Path, target: Path, work_dir: Path) -> str:
+    """The key of the untrained engine's result (what decides whether a resumed stage reuses it)."""
+    from eagle3_workflow.evaluation.stage import keyed_run
+
+    run = eagle3_run("untrained", untrained_dir, 3)
+    return keyed_run(run, {"model": str(target)}, {"prompts": [[1, 2]], "max_tokens": 8}, batch_invariant=False,
+                     work_dir=work_dir).key  # fmt: skip
+
+
+@pytest.fixture
+def size_mtime_fingerprints(monkeypatch):
+    """Every file fingerprinted by size:mtime, as an 8B target's weights and its 1.77 GiB untrained draft are."""
+    import eagle3_workflow.evaluation.fingerprint as fingerprint
+
+    monkeypatch.setattr(fingerprint, "CONTENT_HASH_LIMIT", 0)
+
+
+@pytest.mark.usefixtures("size_mtime_fingerprints")
+def test_a_resumed_stage_keeps_the_untrained_draft_and_so_its_engines_keys(scratch_draft, prepared, tmp_path):
+    """At the 8B shape the untrained draft's model.safetensors (1.77 GiB) is above CONTENT_HASH_LIMIT, so its
+    fingerprint is size:mtime: rebuilt on every attempt, its new mtime changed the key of both untrained engines
+    and each resume measured them again (86 s + 36 s of engine starts on an H100, 2026-12-06). The limit at 0 puts
+    the tiny draft on that path: a second build from the same recipe keeps the files and the key."""
+    import eagle3_workflow.evaluation.fingerprint as fingerprint
+
+    out = tmp_path / "untrained"
+    first = build_untrained_draft(scratch_draft, prepared["target"], out, seed=1)
+    key = untrained_key(out, prepared["target"], tmp_path / "work")
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert all(":" in v for v in fingerprint.model_fingerprint(out).values())  # size:mtime, not content
+
+    again = build_untrained_draft(scratch_draft, prepared["target"], out, seed=1)
+    assert untrained_key(out, prepared["target"], tmp_path / "work") == key
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == written  # not one file written again
+    assert (first.kept, again.kept) == (False, True)
+    assert (again.path, again.description, again.frozen_tensors_differing) == (
+        first.path, first.description, first.frozen_tensors_differing)  # fmt: skip
+
+
+def roll_d2t(draft: Path) -> None:
+    """Another vocabulary mapping in the draft's weights, as a retrained draft may have."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    weights = draft / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(weights))
+    ids = torch.arange(len(tensors["d2t"]), dtype=tensors["d2t"].dtype)
+    tensors["d2t"] = torch.roll(ids + tensors["d2t"], -1) - ids
+    save_file(tensors, str(weights), metadata=metadata)
+
+
+@pytest.mark.usefixtures("size_mtime_fingerprints")
+@pytest.mark.parametrize("change", ["retrained draft", "another target", "seed", "build cut short", "files touched"])
+def test_the_untrained_draft_is_built_again_when_what_decides_its_bytes_changed(change, scratch_draft, prepared,
+                                                                               tmp_path, caplog):  # fmt: skip
+    """A kept baseline must still be the one its inputs make: a retrained draft (its d2t/t2d, config, dtype),
+    another verifier (embed_tokens, lm_head, its path in the config) or seed rebuild it, and so does a folder whose
+    build was cut before recipe.json (written last) or whose files changed since (size:mtime, as at the 8B shape)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    draft = Path(shutil.copytree(scratch_draft, tmp_path / "draft"))
+    target, seed, out = Path(prepared["target"]), 1, tmp_path / "untrained"
+    build_untrained_draft(draft, target, out, seed)
+    key = untrained_key(out, target, tmp_path / "work")
+    if change == "retrained draft":
+        roll_d2t(draft)
+    elif change == "another target":
+        target = Path(shutil.copytree(target, tmp_path / "target"))
+    elif change == "seed":
+        seed = 2
+    elif change == "build cut short":
+        (out / "recipe.json").unlink()
+    else:
+        (out / "config.json").write_text((out / "config.json").read_text())  # same bytes, a new mtime
+    with caplog.at_level("INFO", logger="eagle3.evaluation"):
+        rebuilt = build_untrained_draft(draft, target, out, seed)
+    assert not rebuilt.kept
+    assert "building it again" in caplog.text
+    assert untrained_key(out, target, tmp_path / "work") != key
+    fresh = load_file(out / "model.safetensors")
+    assert (fresh["d2t"] == load_file(draft / "model.safetensors")["d2t"]).all()  # the mapping it has now
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == str(
+        target.resolve())  # fmt: skip
+    assert build_untrained_draft(draft, target, out, seed).kept  # and that build is kept in turn
 
 
 # ---------------------------------------------------------------- the plan: which engines, which kernels, reuse

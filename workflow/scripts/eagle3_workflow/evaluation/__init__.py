@@ -8,7 +8,9 @@ Which module owns what (pure modules import no vllm, torch or subprocess at modu
 - ``lossless``  the greedy comparison, its first divergences and the failure message with their table (pure).
 - ``consistency``  train/serve consistency: served per-position acceptance against what the draft's own validation
   accuracy (speculators' full_acc_k) predicts, its verdict and failure message (pure).
-- ``baseline``  the untrained draft (torch, speculators).
+- ``baseline``  the untrained draft (torch, speculators), built once per recipe (recipe.json beside it) and kept
+  across attempts, so the keys of its measured engines hold.
+- ``fingerprint``  what identifies a model folder's bytes: content up to 1 GiB, else size:mtime (pure).
 - ``protocol``  spec.json / result.json exchanged with the measurement process (artefacts.py models, pure).
 - ``launch``    the stage's side of a measurement process: engine kwargs, environment, its runtime.worker Job.
 - ``measure``   the measurement process itself (a runtime.worker), the stage's only ``-m`` entry; the only module

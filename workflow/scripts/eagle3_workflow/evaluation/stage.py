@@ -23,6 +23,12 @@ Processes that run one after another: the first is started before the stage load
 builds the untrained draft (start_first_process, runtime.worker.start_worker), so its vLLM import runs beside that
 work; it gets its spec once the prompts are known, or is stopped when an earlier attempt's results leave it nothing
 to do.
+
+A resumed attempt reuses each engine's result whose key (keyed_run: the engine, the passes, the prompts, the models'
+fingerprints) holds. The untrained draft is kept from the attempt that built it while its recipe holds (baseline):
+rebuilt, its 1.77 GiB of weights at the 8B shape (fingerprinted by size:mtime) changed both untrained engines' keys
+and each resume measured them again (H100, 2026-12-06). The judgement after the engines (the lossless verdict, the
+train/serve consistency, draft parity with its fp32 reference of the whole target) keeps nothing and runs again.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from eagle3_workflow.chat import StopSet, assistant_stop_set, load_chat_tokenize
 from eagle3_workflow.errors import StageError
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
 from eagle3_workflow.evaluation.consistency import consistency_failure, consistency_table, judge_consistency
+from eagle3_workflow.evaluation.fingerprint import model_fingerprint
 from eagle3_workflow.evaluation.launch import (
     Launch,
     measurement_engine_kwargs,
@@ -170,7 +177,8 @@ def evaluate_draft(
         log.info("answers stop at token ids %s, strings %s", stop.token_ids, stop.strings)
 
         untrained = build_untrained_draft(draft, target, untrained_dir, settings.seed)
-        log.info("untrained baseline: %s", untrained.description)
+        log.info("untrained baseline (%s): %s", "kept: built by an earlier attempt from the same recipe" if untrained.kept
+                 else "built", untrained.description)  # fmt: skip
         evaluation = Evaluation(settings, vllm_settings, device, prompt_set, stop, work_dir, concurrent=concurrent)
         measured = measure_evaluation(plan, engine, evaluation, log_path=log_path, env=env, first=first,
                                       reference=reference)  # fmt: skip
@@ -604,22 +612,6 @@ def explain_changed_key(path: Path, content: dict[str, Any]) -> None:
                      path.name.removesuffix(".key.json"), ", ".join(changed))  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(content, sort_keys=True, indent=1))
-
-
-# files up to this size are hashed by content (drafts, a small target); larger ones by size and mtime
-CONTENT_HASH_LIMIT = 1 << 30
-
-
-def model_fingerprint(folder: Path) -> dict[str, str]:
-    """What identifies a model folder's weights and config: a rebuilt draft with other weights changes it."""
-    out = {}
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        stat = path.stat()
-        if stat.st_size <= CONTENT_HASH_LIMIT:
-            out[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
-        else:
-            out[path.name] = f"{stat.st_size}:{stat.st_mtime_ns}"
-    return out
 
 
 def known_fingerprint(folder: Path, known: dict[Path, dict[str, str]]) -> dict[str, str]:
