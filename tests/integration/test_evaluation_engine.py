@@ -314,17 +314,15 @@ def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
     differ."""
     from eagle3_workflow.chat import assistant_stop_set
     from eagle3_workflow.evaluation.baseline import build_untrained_draft
-    from eagle3_workflow.evaluation.protocol import eagle3_run
-    from eagle3_workflow.evaluation.stage import (
+    from eagle3_workflow.evaluation.judge import draft_results, lossless_verdict
+    from eagle3_workflow.evaluation.measurements import (
         UNTRAINED_DIVERGENT,
         Evaluation,
-        draft_results,
-        lossless_verdict,
         measure_runs,
         measure_untrained_reference,
-        plan_environment,
-        plan_measurements,
     )
+    from eagle3_workflow.evaluation.plan import plan_environment, plan_measurements
+    from eagle3_workflow.evaluation.protocol import eagle3_run
 
     monkeypatch.setenv("EAGLE3_FAULT", "accept_any_draft")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAULT_PLUGINS, os.environ.get("PYTHONPATH")])))

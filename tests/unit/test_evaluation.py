@@ -264,8 +264,9 @@ def _lossless_run(label: str, outputs: list[list[int]], top_logits: list[list[di
 
 def _judge(runs: dict[str, tuple[list[list[int]], list[list[dict[int, float]]]]], reference: str, tie_steps: int = 0):
     """lossless_verdict and draft_results on hand-made runs of 2 prompts: each draft's AcceptanceResult."""
+    from eagle3_workflow.evaluation.judge import draft_results, lossless_verdict
+    from eagle3_workflow.evaluation.measurements import Measured
     from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
-    from eagle3_workflow.evaluation.stage import Measured, draft_results, lossless_verdict
 
     lossless = {label: _lossless_run(label, *run) for label, run in runs.items()}
     prompt_set = PromptSet(prompts=[EvalPrompt(token_ids=[1], origin=f"row {i}") for i in range(2)], source="heldout",
@@ -340,16 +341,9 @@ def test_the_untrained_reference_is_needed_only_where_the_output_differs_from_th
     pass, each prompt where the trained draft's output differs from the run without speculation: the verdict
     judges the trained draft there against that pass, names the prompt by its index in the evaluation, and refuses
     to judge a differing prompt the untrained draft did not generate."""
+    from eagle3_workflow.evaluation.judge import draft_results, lossless_verdict, report_notes
+    from eagle3_workflow.evaluation.measurements import UNTRAINED_DIVERGENT, Evaluation, Measured, differing_prompts
     from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
-    from eagle3_workflow.evaluation.stage import (
-        UNTRAINED_DIVERGENT,
-        Evaluation,
-        Measured,
-        differing_prompts,
-        draft_results,
-        lossless_verdict,
-        report_notes,
-    )
 
     plain = (
         [[1, 2], [1, 2, 8, 3], [4, 5]],
@@ -431,7 +425,7 @@ def test_a_wrong_acceptance_fails_both_ways_with_its_margin():
 
 
 def test_the_reference_follows_the_device_and_refuses_a_tie_allowance_it_cannot_use():
-    from eagle3_workflow.evaluation.stage import lossless_reference, plan_measurements
+    from eagle3_workflow.evaluation.plan import lossless_reference, plan_measurements
 
     assert lossless_reference("auto", "cpu", tie_steps=0) == "untrained"
     assert lossless_reference("auto", "cuda", tie_steps=3) == "no_speculation"
@@ -507,8 +501,12 @@ def test_the_spec_not_the_environment_chooses_the_kernels(monkeypatch):
 @pytest.mark.parametrize(
     ("modules", "absent"),
     [
-        (["prompts", "metrics", "lossless", "protocol", "fingerprint"], ["vllm", "torch", "subprocess"]),
-        (["stage", "launch", "baseline", "measure"], ["vllm", "torch"]),  # vLLM re-imports the stage as __main__
+        (
+            ["prompts", "metrics", "lossless", "protocol", "fingerprint", "resume", "parity_reference"],
+            ["vllm", "torch", "subprocess"],
+        ),
+        # vLLM re-imports the stage as __main__
+        (["stage", "plan", "measurements", "judge", "launch", "baseline", "measure"], ["vllm", "torch"]),
     ],
 )
 def test_evaluation_modules_import_no_engine_at_module_level(modules, absent):
@@ -548,7 +546,7 @@ def test_untrained_draft_has_the_trained_shape_vocab_and_frozen_tensors(scratch_
 
 def untrained_key(untrained_dir: Path, target: Path, work_dir: Path) -> str:
     """The key of the untrained engine's result (what decides whether a resumed stage reuses it)."""
-    from eagle3_workflow.evaluation.stage import keyed_run
+    from eagle3_workflow.evaluation.resume import keyed_run
 
     run = eagle3_run("untrained", untrained_dir, 3)
     return keyed_run(run, {"model": str(target)}, {"prompts": [[1, 2]], "max_tokens": 8}, batch_invariant=False,
@@ -648,7 +646,7 @@ def _labelled():
 
 
 def test_cpu_runs_the_lossless_and_timing_passes_on_one_engine_per_label_in_one_process():
-    from eagle3_workflow.evaluation.stage import lossless_numerics, plan_measurements
+    from eagle3_workflow.evaluation.plan import lossless_numerics, plan_measurements
 
     settings = evaluation()
     assert lossless_numerics("auto", "cpu") == "production"
@@ -664,7 +662,7 @@ def test_cpu_runs_the_lossless_and_timing_passes_on_one_engine_per_label_in_one_
 
 
 def test_cuda_times_with_cuda_graphs_and_checks_losslessness_in_batch_invariant_processes():
-    from eagle3_workflow.evaluation.stage import all_eager, lossless_numerics, plan_measurements
+    from eagle3_workflow.evaluation.plan import all_eager, lossless_numerics, plan_measurements
 
     settings = evaluation(timing_concurrency=[1, 8])
     vllm_settings = VLLM_SETTINGS.model_copy(update={"enforce_eager": True, "generation_cuda_graphs": True})
@@ -697,8 +695,8 @@ def test_cuda_times_with_cuda_graphs_and_checks_losslessness_in_batch_invariant_
 
 def test_without_time_untrained_the_baseline_loses_only_its_timing_pass():
     from eagle3_workflow.evaluation.metrics import acceptance_result, summary_table
+    from eagle3_workflow.evaluation.plan import plan_measurements
     from eagle3_workflow.evaluation.protocol import ConcurrencyTiming, RunResult
-    from eagle3_workflow.evaluation.stage import plan_measurements
 
     settings = evaluation(time_untrained=False, timing_concurrency=[1, 8])
     cpu = plan_measurements(_labelled(), settings=settings, vllm_settings=VLLM_SETTINGS, device="cpu",
@@ -740,7 +738,7 @@ def test_without_time_untrained_the_baseline_loses_only_its_timing_pass():
 def test_a_measured_engine_is_reused_only_while_its_key_holds(tmp_path):
     from eagle3_workflow.artefacts import write
     from eagle3_workflow.evaluation.protocol import RunResult
-    from eagle3_workflow.evaluation.stage import keyed_run, reusable_result
+    from eagle3_workflow.evaluation.resume import keyed_run, reusable_result
 
     draft = tmp_path / "draft"
     draft.mkdir()

@@ -1,4 +1,4 @@
-"""What identifies a model folder's bytes: the measurement keys (stage.keyed_run) and the untrained draft's recipe
+"""What identifies a model folder's bytes: the measurement keys (resume.keyed_run) and the untrained draft's recipe
 (baseline) both use it. Pure: hashlib and the file system only."""
 
 from __future__ import annotations
