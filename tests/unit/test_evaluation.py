@@ -502,7 +502,7 @@ def test_the_spec_not_the_environment_chooses_the_kernels(monkeypatch):
     ("modules", "absent"),
     [
         (
-            ["prompts", "metrics", "lossless", "protocol", "fingerprint", "resume", "parity_reference"],
+            ["prompts", "metrics", "lossless", "protocol", "fingerprint", "resume", "parity_reference", "gate"],
             ["vllm", "torch", "subprocess"],
         ),
         # vLLM re-imports the stage as __main__

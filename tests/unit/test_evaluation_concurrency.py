@@ -17,7 +17,8 @@ from conftest import evaluation, tiny_settings
 
 from eagle3_workflow.chat import StopSet
 from eagle3_workflow.errors import StageError
-from eagle3_workflow.evaluation.measure import LOCK_MODES, Gate, measure_run
+from eagle3_workflow.evaluation.gate import LOCK_MODES, Gate
+from eagle3_workflow.evaluation.measure import measure_run
 from eagle3_workflow.evaluation.measurements import Evaluation, measure_runs
 from eagle3_workflow.evaluation.plan import PlannedProcess, concurrent_processes, engine_memory, plan_measurements
 from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet

@@ -28,6 +28,7 @@ at module level):
 - ``fingerprint``  what identifies a model folder's bytes: content up to 1 GiB, else size:mtime (pure).
 - ``protocol``  spec.json / result.json exchanged with the measurement process (artefacts.py models, pure).
 - ``launch``    the stage's side of a measurement process: engine kwargs, environment, its runtime.worker Job.
+- ``gate``      the lock file that measurement processes running at once share: each timing pass alone (pure).
 - ``measure``   the measurement process itself (a runtime.worker), the stage's only ``-m`` entry; the only module
   importing vLLM.
 Imports run one way: stage -> judge -> measurements -> plan and resume; none of these imports one above it.

@@ -11,7 +11,7 @@ in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``): an engine t
 
 On CUDA with a fixed KV cache (``evaluate.concurrent_processes: null``, concurrent_processes()) those processes
 start all at once: their imports and engine starts (torch.compile, CUDA graphs: most of a 135M target's
-evaluation) overlap, and a lock file keeps each timing pass alone (measure.Gate). Each engine passes vLLM's
+evaluation) overlap, and a lock file keeps each timing pass alone (gate.Gate). Each engine passes vLLM's
 start-up free-memory check beside the others with its share of the GPU (engine_memory()).
 
 The lossless pass's kernels (lossless_numerics) and its reference (lossless_reference) are settled here too: with

@@ -78,7 +78,7 @@ class MeasurementSpec(Artefact):
     # vLLM's batch-invariant kernels for the whole process: the process sets VLLM_BATCH_INVARIANT before it imports
     # vLLM (vLLM reads it when it starts an engine and cannot switch back)
     batch_invariant: bool = False
-    # processes measuring at once share this lock file (measure.Gate: shared to import, start and run lossless
+    # processes measuring at once share this lock file (gate.Gate: shared to import, start and run lossless
     # passes, exclusive to time); None: the process runs alone and takes no lock
     lock_path: str | None = None
     # before each line the process prints (and the parent before each of its other lines): processes running at
