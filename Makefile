@@ -22,7 +22,7 @@ demo: setup
 	@echo "report: results/$$($(PY) -c 'import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))["run"])' $(PRESET))/report.html"
 
 # One GPU machine, no scheduler: Snakemake runs at most GPUS GPUs' worth of jobs at a time, and each job locks
-# its own devices (docs/gpu.md, "GPU placement in local runs"). GPUS defaults to the machine's count. It runs
+# its own devices (docs/gpu-local.md, "GPU placement in local runs"). GPUS defaults to the machine's count. It runs
 # the `snakemake` of the active GPU environment (envs/gpu.yaml), not the CPU .venv that `setup` builds.
 GPUS ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 GPU_SNAKEMAKE ?= snakemake

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What runs on the lent GPU machine, one step per device call (docs/gpu.md has the whole sequence).
 #   bash bench/gpu/device_run.sh copy       copy the carried chunk folders (wheels-gpu/c*) to $W
-#   bash bench/gpu/device_run.sh build      start building the 8B-shape target in the background (needs only the
-#                                           image's torch + transformers; runs while the next chunks travel)
+#   bash bench/gpu/device_run.sh build      start building the 8B-shape target in the background (~20 s); after
+#                                           install: its tokenizer comes from eagle3_workflow, which needs pydantic
 #   bash bench/gpu/device_run.sh install    reassemble + verify + install the wheels into $T (bench/gpu/install.sh)
 #   bash bench/gpu/device_run.sh pipeline   the real Snakemake rules on $CONFIG (default bench/gpu/llama8b-shape.yaml),
 #                                           run in $WORK (/root/work), outside the carried tree: results survive
@@ -50,6 +50,10 @@ step_copy() {
 
 step_build() {
   if [ -f "$TARGET/.built.json" ]; then stamp "target exists: $(cat "$TARGET/.built.json")"; return 0; fi
+  # the build imports eagle3_workflow (its tokenizer), and that needs the carried wheels (pydantic): the image lacks
+  # them (2026-12-06: a build started before install died at `import pydantic`, and pipeline waited on it)
+  [ -f "$T/ENV.sh" ] || { stamp "build: the wheels are not installed yet ($T/ENV.sh). Fix: run install first (install build ...)"; return 2; }
+  use_site
   mkdir -p "$(dirname "$TARGET")"
   stamp "building $TARGET in the background (log /root/build_target.log)"
   # setsid: the build outlives this call (the machine keeps it while it is warm)
@@ -146,7 +150,7 @@ step_pipeline() {
   return "$rc"
 }
 
-# an earlier lease's regenerated data into this lease's run (docs/gpu.md, "Across leases"): the target is built
+# an earlier lease's regenerated data into this lease's run (docs/gpu.md, "2. The SmolLM2-135M preset"): the target is built
 # by its own rule first, restore_run.py refuses a bundle whose target, settings or bytes differ, and Snakemake's
 # plan must then start at prepare_data
 step_restore() {

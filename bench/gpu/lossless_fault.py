@@ -76,7 +76,7 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [plugins, os.environ.get("PYTHONPATH")]))
     tensor_parallel = int(spec.engine["tensor_parallel_size"])  # every engine spec holds it (offline_engine_kwargs)
     env = measurement_environment(device=args.device, cpu_threads=None, in_process=tensor_parallel == 1)
-    if args.device == "cpu":  # as the stage's CPU lossless pass runs (stage.plan_environment)
+    if args.device == "cpu":  # as the stage's CPU lossless pass runs (evaluation.plan.plan_environment)
         env |= cpu_engine_environment("cpu", tensor_parallel, None) | {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
     result, wall_s = run_measurement_process(spec, fault_dir, "fault", env=env, log_path=fault_dir / "fault.log",
                                              timeout_s=900)  # fmt: skip

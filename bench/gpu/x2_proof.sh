@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 14 on two real GPUs (nvidia-h200-x2), one step per device call, after device_run.sh's copy/build/install
-# (docs/gpu.md, "Two GPUs"). Every run uses the real rules with --resources gpu=2, so the GPU placement decides
+# (docs/gpu-local.md, "Two GPUs"). Every run uses the real rules with --resources gpu=2, so the GPU placement decides
 # which device each job gets. Figures and logs go to $OUT/x2/.
 #   tp1       check_api + canary + extraction, 1 replica x TP=1 (run gpu-x2-tp1)
 #   tp2       the same with tensor_parallel_size 2 on 2 GPUs (run gpu-x2-tp2)

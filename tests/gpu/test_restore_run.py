@@ -1,4 +1,4 @@
-"""bench/gpu/restore_run.py: an earlier lease's regenerated data into a later lease (docs/gpu.md, "Across leases").
+"""bench/gpu/restore_run.py: an earlier lease's regenerated data into a later lease (docs/gpu.md, "2. The SmolLM2-135M preset": later leases restore).
 
 On CPU, with the tiny preset and regeneration switched on: the bundle round-trips byte for byte; a rebuilt target
 with another tokenizer, a config that asks for other data, or a corrupted bundle are refused before anything is

@@ -36,7 +36,7 @@ FAULT_PLUGINS = str(REPO / "tests" / "fault_plugins")
 
 @pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")  # the bad spec is written unchecked on purpose
 def test_a_failing_measurement_process_quotes_its_traceback(tmp_path):
-    # prompts that are not token ids, written unchecked: the child's files.artefacts.load refuses the spec before it
+    # prompts that are not token ids, written unchecked: the child's artefacts.load refuses the spec before it
     # imports vLLM, and exits 1 with the cause and its traceback in the log
     spec = MeasurementSpec.model_construct(engine={}, prompts=["not token ids"], max_tokens=4, timing_repeats=1,
                                            runs=[], top_logprobs=5, stop_token_ids=[], stop=[],
@@ -112,7 +112,7 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert "stage evaluate_draft: done" in log
     # the measurement process was started before the prompts and the untrained draft, and it is the one that ran
     assert log.index("the measurement process (no_speculation, trained, untrained), started before its spec") < (
-        log.index("untrained baseline: ")
+        log.index("untrained baseline (built): ")
     )
     assert "started early, is not the process" not in log and "started early, got no spec" not in log
     assert log.count(" imported in ") == 1 and log.count("measurement process measure_0 done") == 1
@@ -131,7 +131,8 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     assert again.processes == []
     assert again.trained.mean_acceptance_length == report.trained.mean_acceptance_length
     log = (tmp_path / "results/t/logs/evaluate_draft.log").read_text()
-    assert log.count("reusing ") == 3
+    # and the untrained draft is not built again (its files' mtimes are part of the keys at the 8B shape)
+    assert log.count("reusing ") == 3 and "untrained baseline (kept: built by an earlier attempt" in log
     assert "measure_0, started early, got no spec (every run's result reused" in log
 
 
@@ -313,17 +314,15 @@ def test_a_wrongly_accepted_eagle3_draft_fails_the_cpu_verdict_with_its_margin(
     AcceptanceResult: the emitted draft tokens lie steps below their step's argmax, and the two drafts' outputs
     differ."""
     from eagle3_workflow.evaluation.baseline import build_untrained_draft
-    from eagle3_workflow.evaluation.protocol import eagle3_run
-    from eagle3_workflow.evaluation.stage import (
+    from eagle3_workflow.evaluation.judge import draft_results, lossless_verdict
+    from eagle3_workflow.evaluation.measurements import (
         UNTRAINED_DIVERGENT,
         Evaluation,
-        draft_results,
-        lossless_verdict,
         measure_runs,
         measure_untrained_reference,
-        plan_environment,
-        plan_measurements,
     )
+    from eagle3_workflow.evaluation.plan import plan_environment, plan_measurements
+    from eagle3_workflow.evaluation.protocol import eagle3_run
     from eagle3_workflow.files.chat import assistant_stop_set
 
     monkeypatch.setenv("EAGLE3_FAULT", "accept_any_draft")

@@ -18,9 +18,10 @@ from eagle3_workflow.evaluation.consistency import (
     consistency_table,
     judge_consistency,
 )
+from eagle3_workflow.evaluation.judge import train_serve_consistency
 from eagle3_workflow.evaluation.launch import measurement_engine_kwargs
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec, eagle3_run
-from eagle3_workflow.evaluation.stage import keyed_run, train_serve_consistency
+from eagle3_workflow.evaluation.resume import keyed_run
 from eagle3_workflow.files.artefacts import load, write
 from eagle3_workflow.files.draft_artefacts import AcceptanceReport, TrainingSummary
 from eagle3_workflow.settings.stages import ServingStage

@@ -16,16 +16,14 @@ from safetensors.torch import save_file
 
 from eagle3_workflow.evaluation.parity import (
     CAUSES,
-    Predicted,
     Served,
-    TrainedDraft,
     config_differences,
     judge_parity,
     parity_failure,
     roundings,
     tie_bound,
-    trained_draft,
 )
+from eagle3_workflow.evaluation.parity_reference import Predicted, TrainedDraft, trained_draft
 from eagle3_workflow.evaluation.protocol import MeasurementRun
 from eagle3_workflow.files.draft_artefacts import DraftParity
 
@@ -221,7 +219,7 @@ def test_the_reference_predicts_each_step_from_the_context_before_it(prepared, t
     proposals only up to there), so a trajectory cut after that predicts the same logits."""
     from synthetic_run import build_scratch_draft
 
-    from eagle3_workflow.evaluation.parity import aux_states, load_reference_draft, predict, target_ids
+    from eagle3_workflow.evaluation.parity_reference import aux_states, load_reference_draft, predict, target_ids
 
     draft = build_scratch_draft(prepared["target"], prepared["token_freq"], tmp_path / "d")
     layer_ids = json.loads((draft / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]

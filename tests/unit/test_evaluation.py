@@ -264,8 +264,9 @@ def _lossless_run(label: str, outputs: list[list[int]], top_logits: list[list[di
 
 def _judge(runs: dict[str, tuple[list[list[int]], list[list[dict[int, float]]]]], reference: str, tie_steps: int = 0):
     """lossless_verdict and draft_results on hand-made runs of 2 prompts: each draft's AcceptanceResult."""
+    from eagle3_workflow.evaluation.judge import draft_results, lossless_verdict
+    from eagle3_workflow.evaluation.measurements import Measured
     from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
-    from eagle3_workflow.evaluation.stage import Measured, draft_results, lossless_verdict
 
     lossless = {label: _lossless_run(label, *run) for label, run in runs.items()}
     prompt_set = PromptSet(prompts=[EvalPrompt(token_ids=[1], origin=f"row {i}") for i in range(2)], source="heldout",
@@ -340,16 +341,9 @@ def test_the_untrained_reference_is_needed_only_where_the_output_differs_from_th
     pass, each prompt where the trained draft's output differs from the run without speculation: the verdict
     judges the trained draft there against that pass, names the prompt by its index in the evaluation, and refuses
     to judge a differing prompt the untrained draft did not generate."""
+    from eagle3_workflow.evaluation.judge import draft_results, lossless_verdict, report_notes
+    from eagle3_workflow.evaluation.measurements import UNTRAINED_DIVERGENT, Evaluation, Measured, differing_prompts
     from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
-    from eagle3_workflow.evaluation.stage import (
-        UNTRAINED_DIVERGENT,
-        Evaluation,
-        Measured,
-        differing_prompts,
-        draft_results,
-        lossless_verdict,
-        report_notes,
-    )
 
     plain = (
         [[1, 2], [1, 2, 8, 3], [4, 5]],
@@ -431,7 +425,7 @@ def test_a_wrong_acceptance_fails_both_ways_with_its_margin():
 
 
 def test_the_reference_follows_the_device_and_refuses_a_tie_allowance_it_cannot_use():
-    from eagle3_workflow.evaluation.stage import lossless_reference, plan_measurements
+    from eagle3_workflow.evaluation.plan import lossless_reference, plan_measurements
 
     assert lossless_reference("auto", "cpu", tie_steps=0) == "untrained"
     assert lossless_reference("auto", "cuda", tie_steps=3) == "no_speculation"
@@ -507,8 +501,12 @@ def test_the_spec_not_the_environment_chooses_the_kernels(monkeypatch):
 @pytest.mark.parametrize(
     ("modules", "absent"),
     [
-        (["prompts", "metrics", "lossless", "protocol"], ["vllm", "torch", "subprocess"]),
-        (["stage", "launch", "baseline", "measure"], ["vllm", "torch"]),  # vLLM re-imports the stage as __main__
+        (
+            ["prompts", "metrics", "lossless", "protocol", "fingerprint", "resume", "parity_reference", "gate"],
+            ["vllm", "torch", "subprocess"],
+        ),
+        # vLLM re-imports the stage as __main__
+        (["stage", "plan", "measurements", "judge", "launch", "baseline", "measure"], ["vllm", "torch"]),
     ],
 )
 def test_evaluation_modules_import_no_engine_at_module_level(modules, absent):
@@ -546,6 +544,97 @@ def test_untrained_draft_has_the_trained_shape_vocab_and_frozen_tensors(scratch_
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(Path(prepared["target"]).resolve())
 
 
+def untrained_key(untrained_dir: Path, target: Path, work_dir: Path) -> str:
+    """The key of the untrained engine's result (what decides whether a resumed stage reuses it)."""
+    from eagle3_workflow.evaluation.resume import keyed_run
+
+    run = eagle3_run("untrained", untrained_dir, 3)
+    return keyed_run(run, {"model": str(target)}, {"prompts": [[1, 2]], "max_tokens": 8}, batch_invariant=False,
+                     work_dir=work_dir).key  # fmt: skip
+
+
+@pytest.fixture
+def size_mtime_fingerprints(monkeypatch):
+    """Every file fingerprinted by size:mtime, as an 8B target's weights and its 1.77 GiB untrained draft are."""
+    import eagle3_workflow.evaluation.fingerprint as fingerprint
+
+    monkeypatch.setattr(fingerprint, "CONTENT_HASH_LIMIT", 0)
+
+
+@pytest.mark.usefixtures("size_mtime_fingerprints")
+def test_a_resumed_stage_keeps_the_untrained_draft_and_so_its_engines_keys(scratch_draft, prepared, tmp_path):
+    """At the 8B shape the untrained draft's model.safetensors (1.77 GiB) is above CONTENT_HASH_LIMIT, so its
+    fingerprint is size:mtime: rebuilt on every attempt, its new mtime changed the key of both untrained engines
+    and each resume measured them again (86 s + 36 s of engine starts on an H100, 2026-12-06). The limit at 0 puts
+    the tiny draft on that path: a second build from the same recipe keeps the files and the key."""
+    import eagle3_workflow.evaluation.fingerprint as fingerprint
+
+    out = tmp_path / "untrained"
+    first = build_untrained_draft(scratch_draft, prepared["target"], out, seed=1)
+    key = untrained_key(out, prepared["target"], tmp_path / "work")
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert all(":" in v for v in fingerprint.model_fingerprint(out).values())  # size:mtime, not content
+
+    again = build_untrained_draft(scratch_draft, prepared["target"], out, seed=1)
+    assert untrained_key(out, prepared["target"], tmp_path / "work") == key
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == written  # not one file written again
+    assert (first.kept, again.kept) == (False, True)
+    assert (again.path, again.description, again.frozen_tensors_differing) == (
+        first.path, first.description, first.frozen_tensors_differing)  # fmt: skip
+
+
+def roll_d2t(draft: Path) -> None:
+    """Another vocabulary mapping in the draft's weights, as a retrained draft may have."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    weights = draft / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(weights))
+    ids = torch.arange(len(tensors["d2t"]), dtype=tensors["d2t"].dtype)
+    tensors["d2t"] = torch.roll(ids + tensors["d2t"], -1) - ids
+    save_file(tensors, str(weights), metadata=metadata)
+
+
+@pytest.mark.usefixtures("size_mtime_fingerprints")
+@pytest.mark.parametrize("change", ["retrained draft", "another target", "seed", "build cut short", "files touched"])
+def test_the_untrained_draft_is_built_again_when_what_decides_its_bytes_changed(change, scratch_draft, prepared,
+                                                                               tmp_path, caplog):  # fmt: skip
+    """A kept baseline must still be the one its inputs make: a retrained draft (its d2t/t2d, config, dtype),
+    another verifier (embed_tokens, lm_head, its path in the config) or seed rebuild it, and so does a folder whose
+    build was cut before recipe.json (written last) or whose files changed since (size:mtime, as at the 8B shape)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    draft = Path(shutil.copytree(scratch_draft, tmp_path / "draft"))
+    target, seed, out = Path(prepared["target"]), 1, tmp_path / "untrained"
+    build_untrained_draft(draft, target, out, seed)
+    key = untrained_key(out, target, tmp_path / "work")
+    if change == "retrained draft":
+        roll_d2t(draft)
+    elif change == "another target":
+        target = Path(shutil.copytree(target, tmp_path / "target"))
+    elif change == "seed":
+        seed = 2
+    elif change == "build cut short":
+        (out / "recipe.json").unlink()
+    else:
+        (out / "config.json").write_text((out / "config.json").read_text())  # same bytes, a new mtime
+    with caplog.at_level("INFO", logger="eagle3.evaluation"):
+        rebuilt = build_untrained_draft(draft, target, out, seed)
+    assert not rebuilt.kept
+    assert "building it again" in caplog.text
+    assert untrained_key(out, target, tmp_path / "work") != key
+    fresh = load_file(out / "model.safetensors")
+    assert (fresh["d2t"] == load_file(draft / "model.safetensors")["d2t"]).all()  # the mapping it has now
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == str(
+        target.resolve())  # fmt: skip
+    assert build_untrained_draft(draft, target, out, seed).kept  # and that build is kept in turn
+
+
 # ---------------------------------------------------------------- the plan: which engines, which kernels, reuse
 
 
@@ -557,7 +646,7 @@ def _labelled():
 
 
 def test_cpu_runs_the_lossless_and_timing_passes_on_one_engine_per_label_in_one_process():
-    from eagle3_workflow.evaluation.stage import lossless_numerics, plan_measurements
+    from eagle3_workflow.evaluation.plan import lossless_numerics, plan_measurements
 
     settings = evaluation()
     assert lossless_numerics("auto", "cpu") == "production"
@@ -573,7 +662,7 @@ def test_cpu_runs_the_lossless_and_timing_passes_on_one_engine_per_label_in_one_
 
 
 def test_cuda_times_with_cuda_graphs_and_checks_losslessness_in_batch_invariant_processes():
-    from eagle3_workflow.evaluation.stage import all_eager, lossless_numerics, plan_measurements
+    from eagle3_workflow.evaluation.plan import all_eager, lossless_numerics, plan_measurements
 
     settings = evaluation(timing_concurrency=[1, 8])
     vllm_settings = VLLM_SETTINGS.model_copy(update={"enforce_eager": True, "generation_cuda_graphs": True})
@@ -588,20 +677,26 @@ def test_cuda_times_with_cuda_graphs_and_checks_losslessness_in_batch_invariant_
     assert all(r.timing_pass and not r.lossless_pass for r in timing)
     assert all(r.engine_overrides == {"enforce_eager": False, "max_num_seqs": 8} for r in timing)
     assert all(r.lossless_pass and not r.timing_pass for r in exact)
-    assert all(r.engine_overrides == {"logprobs_mode": "raw_logits"} for r in exact)  # eager per the config
+    assert all(r.engine_overrides == {"logprobs_mode": "raw_logits", "enforce_eager": True} for r in exact)
     shared = plan_measurements(_labelled(), settings=evaluation(isolate_runs=False), vllm_settings=vllm_settings,
                                device="cuda", numerics="batch_invariant")  # fmt: skip
     assert [(len(p.runs), p.batch_invariant) for p in shared] == [(3, False), (3, True)]
     # eager engines only (no torch.compile wanted in their process: runtime.child_environment) for the lossless ones
     assert not all_eager({"enforce_eager": True}, [p.runs[0] for p in plan])
     assert all_eager({"enforce_eager": True}, exact)
-    assert not all_eager({"enforce_eager": False}, exact)
+    # eager also where the config serves with CUDA graphs: they measure outputs, and each paid a compilation
+    # (8B shape, H100: 113.6 s for the no-speculation lossless engine's start)
+    assert all_eager({"enforce_eager": False}, exact)
+    served = VLLM_SETTINGS.model_copy(update={"enforce_eager": False})
+    graphs = plan_measurements(_labelled(), settings=settings, vllm_settings=served, device="cuda",
+                               numerics="batch_invariant")  # fmt: skip
+    assert [all_eager({"enforce_eager": False}, p.runs) for p in graphs] == [False] * 3 + [True] * 3
 
 
 def test_without_time_untrained_the_baseline_loses_only_its_timing_pass():
     from eagle3_workflow.evaluation.metrics import acceptance_result, summary_table
+    from eagle3_workflow.evaluation.plan import plan_measurements
     from eagle3_workflow.evaluation.protocol import ConcurrencyTiming, RunResult
-    from eagle3_workflow.evaluation.stage import plan_measurements
 
     settings = evaluation(time_untrained=False, timing_concurrency=[1, 8])
     cpu = plan_measurements(_labelled(), settings=settings, vllm_settings=VLLM_SETTINGS, device="cpu",
@@ -642,7 +737,7 @@ def test_without_time_untrained_the_baseline_loses_only_its_timing_pass():
 
 def test_a_measured_engine_is_reused_only_while_its_key_holds(tmp_path):
     from eagle3_workflow.evaluation.protocol import RunResult
-    from eagle3_workflow.evaluation.stage import keyed_run, reusable_result
+    from eagle3_workflow.evaluation.resume import keyed_run, reusable_result
     from eagle3_workflow.files.artefacts import write
 
     draft = tmp_path / "draft"

@@ -15,17 +15,12 @@ from pathlib import Path
 import pytest
 from conftest import evaluation, tiny_settings
 
-from eagle3_workflow.evaluation.measure import LOCK_MODES, Gate, measure_run
+from eagle3_workflow.evaluation.gate import LOCK_MODES, Gate
+from eagle3_workflow.evaluation.measure import measure_run
+from eagle3_workflow.evaluation.measurements import Evaluation, measure_runs
+from eagle3_workflow.evaluation.plan import PlannedProcess, concurrent_processes, engine_memory, plan_measurements
 from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
 from eagle3_workflow.evaluation.protocol import MeasurementRun, MeasurementSpec, eagle3_run
-from eagle3_workflow.evaluation.stage import (
-    Evaluation,
-    PlannedProcess,
-    concurrent_processes,
-    engine_memory,
-    measure_runs,
-    plan_measurements,
-)
 from eagle3_workflow.files.chat import StopSet
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.settings.stages import ServingStage

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from conftest import REPO
 
 from eagle3_workflow.forecast.__main__ import main
@@ -82,10 +83,32 @@ def test_the_plan_of_the_published_8b_preset(capsys, tmp_path, monkeypatch):
     )
     assert code == 0, capsys.readouterr().err
     stages = {(s["stage"], s["quantity"]): s for s in json.loads(out.read_text())["stages"]}
-    # the reference shape itself: 100,000 tokens at the measured 39,723.2 tok/s on 8 replicas of one GPU
-    assert stages["extract_hidden_states", "wall"]["forecast"] == pytest.approx(57.1 + 100_000 / 39_723.2 / 8, rel=1e-4)
+    # the reference shape itself: 100,000 tokens at the measured rate on 8 replicas of one GPU, each paying the
+    # server's start with compilation and CUDA graphs (the preset serves with vllm.enforce_eager false)
+    rate = yaml.safe_load((REPO / "config" / "costs" / "h200.yaml").read_text())["extraction"]
+    per_token = 100_000 / rate["tokens_per_s"] / 8
+    assert stages["extract_hidden_states", "per_token"]["forecast"] == pytest.approx(per_token, rel=1e-3)
+    assert stages["extract_hidden_states", "start"]["forecast"] == rate["start_s"] != rate["eager_start_s"]
+    assert stages["extract_hidden_states", "wall"]["forecast"] == pytest.approx(rate["start_s"] + per_token, rel=1e-4)
     assert stages["extract_hidden_states", "disk"]["forecast"] == 100_000 * 4 * 4096 * 2
     assert "evaluate_draft" in capsys.readouterr().out  # listed, without a figure
+
+
+def test_an_eager_run_pays_the_eager_start_and_each_forecast_keeps_its_two_parts():
+    costs = CostTable(
+        machine="test",
+        extraction=MeasuredRate(tokens_per_s=1000.0, params_per_token=10**9, start_s=100.0, source="x", eager_start_s=40.0),
+        training=COSTS.training,
+    )  # fmt: skip
+    served = extraction_forecast(run_shape(), costs)
+    eager = extraction_forecast(run_shape(eager=True), costs)
+    assert (served.start_s, eager.start_s) == (100.0, 40.0)
+    assert served.per_token_s == eager.per_token_s == pytest.approx(2000 / 4)
+    assert eager.wall_s == pytest.approx(40 + 500)
+    # a table without an eager start (an older one) keeps its one start for both
+    assert extraction_forecast(run_shape(eager=True), COSTS).start_s == 50.0
+    trained = training_forecast(run_shape(), COSTS)
+    assert trained.start_s + trained.per_token_s == pytest.approx(trained.wall_s)
 
 
 def test_a_plan_without_the_data_size_or_for_a_cpu_preset_says_what_to_give(capsys, tmp_path, monkeypatch):

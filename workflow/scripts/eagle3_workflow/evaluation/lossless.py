@@ -5,7 +5,7 @@ The criterion:
 - every token any run emitted is the argmax of that run's own logits at that step (a wrong acceptance, a draft
   token the verifier did not choose, fails here whatever the setting); the margin of a failure is how many dtype
   steps the emitted token lies below the argmax (non_argmax_gaps);
-- the reference (``evaluate.lossless_reference``, stage.lossless_reference): the untrained draft's run, both
+- the reference (``evaluate.lossless_reference``, plan.lossless_reference): the untrained draft's run, both
   speculative passes one prompt at a time so that every verification has the same 1 + k rows, compared exactly
   on each prompt where the trained draft's output is not token for token the one without speculation (where it
   is, it is lossless by definition); or the run without speculation, where ``evaluate.lossless_tie_steps``
@@ -188,23 +188,35 @@ def lossless_failure(
     first = next(((lbl, m) for lbl, ms in results.items() for m in ms if not m.tie), None)
     if first is not None:
         parts.append(f"First divergence that is not a tie:\n{describe_mismatch(*first, reference=reference)}")
+    table = divergence_table(results)
+    if table:
+        parts.append(f"All first divergences (gaps in steps of the logits' dtype):\n{table}")
+    parts.append(lossless_advice(reference, tie_steps))
+    return "\n\n".join(parts)
+
+
+def divergence_table(results: dict[str, list[LosslessMismatch]]) -> str:
+    """Every judged draft's first divergences as a table ("" when there is none)."""
     rows = [
         (label, m.prompt_index, m.origin, m.position, m.expected_token, m.found_token,
          _steps_text(m.reference_gap_steps), _steps_text(m.candidate_gap_steps), "yes" if m.tie else "NO")
         for label, mismatches in results.items()
         for m in mismatches
     ]  # fmt: skip
-    if rows:
-        headers = ["draft", "prompt", "origin", "token", "expected", "found", "gap (ref)", "gap (spec)", "tie"]
-        parts.append(f"All first divergences (gaps in steps of the logits' dtype):\n{render_table(headers, rows)}")
+    headers = ["draft", "prompt", "origin", "token", "expected", "found", "gap (ref)", "gap (spec)", "tie"]
+    return render_table(headers, rows) if rows else ""
+
+
+def lossless_advice(reference: str, tie_steps: int) -> str:
+    """What a lossless failure against `reference` points at, and what to do."""
     if reference == "none":
-        parts.append(
+        return (
             "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
             "points at the spec-decode path of this vLLM (or the draft config). With evaluate.lossless_reference: "
             "none no other run is compared: see docs/faults.md, 'The lossless verdict'."
         )
-    elif reference == "untrained":
-        parts.append(
+    if reference == "untrained":
+        return (
             "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
             "points at the spec-decode path of this vLLM (or the draft config). Both speculative runs generated "
             "one prompt at a time, so each of their verification steps had the same 1 + k rows: the verifier's "
@@ -216,12 +228,10 @@ def lossless_failure(
             "acceptance changes the rounding; there evaluate.lossless_reference: none judges by the argmax check "
             "alone. See docs/faults.md, 'The lossless verdict'."
         )
-    else:
-        parts.append(
-            "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
-            "points at the spec-decode path of this vLLM (or the draft config). Divergences where both runs "
-            f"emitted their own argmax are numerics: evaluate.lossless_numerics: batch_invariant (CUDA) removes "
-            f"batch-composition effects; evaluate.lossless_tie_steps (now {tie_steps}) accepts ties within that "
-            "many dtype steps after you have read them."
-        )
-    return "\n\n".join(parts)
+    return (
+        "EAGLE-3 verification must reproduce greedy decoding exactly. A token that is not its run's own argmax "
+        "points at the spec-decode path of this vLLM (or the draft config). Divergences where both runs "
+        f"emitted their own argmax are numerics: evaluate.lossless_numerics: batch_invariant (CUDA) removes "
+        f"batch-composition effects; evaluate.lossless_tie_steps (now {tie_steps}) accepts ties within that "
+        "many dtype steps after you have read them."
+    )

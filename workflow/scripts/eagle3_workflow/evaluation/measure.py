@@ -10,19 +10,19 @@ Greedy decoding (temperature 0). The lossless pass asks for the top-5 raw logits
 by the logits of both runs. The timing passes ask for no logprobs, as a user serving the draft would not.
 
 Processes that run at once (``evaluate.concurrent_processes``) share one lock file (``MeasurementSpec.lock_path``,
-a Gate): each holds it shared while it imports vLLM, starts an engine, warms it up and runs a lossless pass, and
+gate.Gate): each holds it shared while it imports vLLM, starts an engine, warms it up and runs a lossless pass, and
 exclusive for a timing pass, so tokens/s are measured while no other process compiles, captures graphs or
 generates. Without a lock path every Gate call is a no-op: the process runs as it did alone."""
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import gc
 import os
 import time
-from typing import Any, Literal
+from typing import Any
 
+from eagle3_workflow.evaluation.gate import Gate
 from eagle3_workflow.evaluation.protocol import (
     LOG_PREFIX,
     ConcurrencyTiming,
@@ -34,51 +34,6 @@ from eagle3_workflow.evaluation.protocol import (
 from eagle3_workflow.files.artefacts import write
 
 WARMUP_TOKENS = 4
-
-LockMode = Literal["shared", "exclusive"]
-# what each phase of a measurement process holds the lock as: a timing pass (its warm-up and measured passes)
-# alone, everything else beside the others' imports, starts and lossless passes
-LOCK_MODES: dict[str, LockMode] = {
-    "import": "shared",
-    "engine_start": "shared",
-    "lossless": "shared",
-    "timing": "exclusive",
-}
-
-
-class Gate:
-    """The lock file that processes measuring at once share (fcntl.flock; the kernel drops it when the process ends,
-    however it ends). `hold(phase)` takes it in that phase's mode (LOCK_MODES), releasing the other mode first, so a
-    process that waits for the lock holds none of it: two processes that each kept their shared lock while asking
-    for the exclusive one would wait for each other. The lock is never given back between phases of the same mode,
-    nor at the end: the process's teardown (engine shutdown, CUDA context) keeps whatever it holds. `waited_s` sums
-    the seconds spent waiting for each mode. No path: no lock, every call a no-op."""
-
-    def __init__(self, path: str | None, prefix: str = LOG_PREFIX):
-        self.path, self.prefix = path, prefix
-        self.mode: LockMode | None = None
-        self.waited_s: dict[str, float] = {}
-        self._fd: int | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.path is not None
-
-    def hold(self, phase: str) -> None:
-        mode = LOCK_MODES[phase]
-        if self.path is None or self.mode == mode:
-            return
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        if self.mode is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            self.mode = None
-        started = time.perf_counter()
-        fcntl.flock(self._fd, fcntl.LOCK_SH if mode == "shared" else fcntl.LOCK_EX)
-        waited = time.perf_counter() - started
-        self.mode = mode
-        self.waited_s[mode] = round(self.waited_s.get(mode, 0.0) + waited, 3)
-        print(f"{self.prefix}lock {mode} for {phase} after {waited:.1f} s", flush=True)
 
 
 def _spec_metrics(llm: Any) -> list[dict[str, Any]]:
@@ -176,25 +131,13 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     """One engine: start it, warm it up (excluded), run its passes; shut it down even on failure. The result is
     written to run.result_path at once, so a cut later in this process loses nothing measured. With an active
     gate the timing passes wait for the lock alone and warm the engine up again once they hold it."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from eagle3_workflow.runtime.worker import report_busy, report_idle
-    from eagle3_workflow.serving.cpu_server import freeze_heap_for_cpu_engine
+    from eagle3_workflow.runtime.worker import report_busy
 
     gate = gate or Gate(None)
     prefix = spec.log_prefix
-    kwargs = dict(spec.engine) | dict(run.engine_overrides)
-    if run.speculative_config:
-        kwargs["speculative_config"] = dict(run.speculative_config)
-    report_idle()  # loading an engine (or waiting for the lock) is bounded by evaluate.timeout_s, not the stall watch
-    gate.hold("engine_start")
-    print(f"{prefix}{run.label}: starting the engine ({kwargs})", flush=True)
-    # vLLM's start-up collections skip what is alive now (the previous engine released); at TP > 1 on CPU its
-    # EngineCore is forked from here
-    freeze_heap_for_cpu_engine(kwargs["tensor_parallel_size"])
-    t0 = time.perf_counter()
-    llm = LLM(**kwargs)
-    engine_start_s = time.perf_counter() - t0
+    llm, engine_start_s = start_engine(spec, run, gate)
     prompts = [{"prompt_token_ids": ids} for ids in spec.prompts]
     indices = lossless_indices(run, len(prompts))
     lossless = LosslessPass(outputs=[], generate_s=0.0, before=[], after=[])
@@ -214,17 +157,7 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
         if run.parity_prompts and run.speculative_config and (run.lossless_pass or not run.timing_pass) and not stepped:
             parity = parity_pass(llm, spec.prompts[: run.parity_prompts], spec)
         if run.timing_pass:
-            if gate.active:
-                report_idle()  # waiting for the others' starts, lossless and timing passes is not a stall
-                gate.hold("timing")
-                report_busy()
-                # warmed up again once alone: the first measured pass finds the engine as the others will
-                llm.generate(prompts[:1], warm_up, use_tqdm=progress_bar)
-            timed = prompts[: spec.timing_prompts or len(prompts)]
-            sampling = SamplingParams(**(measured_sampling(spec) | {"logprobs": None}))
-            timings = [timed_at_concurrency(llm, timed, sampling, concurrency=c, repeats=spec.timing_repeats,
-                                            progress_bar=progress_bar, prefix=prefix)
-                       for c in spec.timing_concurrency]  # fmt: skip
+            timings = timing_passes(llm, spec, prompts, gate=gate, warm_up=warm_up, progress_bar=progress_bar)
     finally:
         _shutdown(llm)
         del llm
@@ -237,6 +170,50 @@ def measure_run(spec: MeasurementSpec, run: MeasurementRun, progress_bar: Any, g
     if run.result_path:
         write(run.result_path, result)
     return result
+
+
+def start_engine(spec: MeasurementSpec, run: MeasurementRun, gate: Gate) -> tuple[Any, float]:
+    """The run's engine (vllm.LLM: the spec's engine kwargs with the run's overrides and draft), started once the
+    gate lets it, and its start time in seconds."""
+    from vllm import LLM
+
+    from eagle3_workflow.runtime.worker import report_idle
+    from eagle3_workflow.serving.cpu_server import freeze_heap_for_cpu_engine
+
+    kwargs = dict(spec.engine) | dict(run.engine_overrides)
+    if run.speculative_config:
+        kwargs["speculative_config"] = dict(run.speculative_config)
+    report_idle()  # loading an engine (or waiting for the lock) is bounded by evaluate.timeout_s, not the stall watch
+    gate.hold("engine_start")
+    print(f"{spec.log_prefix}{run.label}: starting the engine ({kwargs})", flush=True)
+    # vLLM's start-up collections skip what is alive now (the previous engine released); at TP > 1 on CPU its
+    # EngineCore is forked from here
+    freeze_heap_for_cpu_engine(kwargs["tensor_parallel_size"])
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    return llm, time.perf_counter() - t0
+
+
+def timing_passes(
+    llm: Any, spec: MeasurementSpec, prompts: list[dict[str, Any]], *, gate: Gate, warm_up: Any, progress_bar: Any
+) -> list[ConcurrencyTiming]:
+    """The timing passes at each of the spec's concurrencies; with an active gate once the lock is held alone, the
+    engine warmed up again first."""
+    from vllm import SamplingParams
+
+    from eagle3_workflow.runtime.worker import report_busy, report_idle
+
+    if gate.active:
+        report_idle()  # waiting for the others' starts, lossless and timing passes is not a stall
+        gate.hold("timing")
+        report_busy()
+        # warmed up again once alone: the first measured pass finds the engine as the others will
+        llm.generate(prompts[:1], warm_up, use_tqdm=progress_bar)
+    timed = prompts[: spec.timing_prompts or len(prompts)]
+    sampling = SamplingParams(**(measured_sampling(spec) | {"logprobs": None}))
+    return [timed_at_concurrency(llm, timed, sampling, concurrency=c, repeats=spec.timing_repeats,
+                                 progress_bar=progress_bar, prefix=spec.log_prefix)
+            for c in spec.timing_concurrency]  # fmt: skip
 
 
 def parity_in_lossless(run: MeasurementRun, spec: MeasurementSpec) -> int:

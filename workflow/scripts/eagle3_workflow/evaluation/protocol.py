@@ -1,5 +1,5 @@
 """What the stage and its measurement process exchange: spec.json (MeasurementSpec) and result.json
-(MeasurementResult), artefacts written with artefacts.write and read with artefacts.load on either side. Kept
+(MeasurementResult), artefacts written with files.artefacts.write and read with files.artefacts.load on either side. Kept
 apart from measure.py, which runs as ``__main__`` in the child: classes defined there would be
 ``__main__.MeasurementSpec`` in the child and another class in the stage."""
 
@@ -40,10 +40,10 @@ class MeasurementRun(Artefact):
     timing_pass: bool = True
     # the lossless pass generates each prompt alone (one request in flight), so every step of a speculative engine
     # verifies exactly 1 + k rows whatever its draft proposes or how soon its other requests end: two speculative
-    # runs then put the same batch shapes through the verifier (stage.lossless_reference, docs/faults.md)
+    # runs then put the same batch shapes through the verifier (plan.lossless_reference, docs/faults.md)
     lossless_alone: bool = False
     # the prompts (indices into the spec's, in this order) the lossless pass generates; None: every prompt. The
-    # untrained draft as the CPU reference generates only a few (stage.untrained_reference_runs)
+    # untrained draft as the CPU reference generates only a few (measurements.measure_untrained_reference)
     lossless_prompts: list[int] | None = None
     engine_overrides: dict[str, Any] = Field(default_factory=dict)
     # the draft parity pass (evaluation/parity.py): the first N prompts one at a time, each engine step's tokens
@@ -60,7 +60,7 @@ def eagle3_run(label: str, draft: Path, num_speculative_tokens: int) -> Measurem
 
 class MeasurementSpec(Artefact):
     """<work_dir>/measure_<i>.spec.json: what one measurement process runs. Every path in it is absolute (the
-    builders resolve them: measurement_engine_kwargs, eagle3_run, stage.keyed_run), so the spec means the same
+    builders resolve them: measurement_engine_kwargs, eagle3_run, resume.keyed_run), so the spec means the same
     from any working directory."""
 
     written_by: ClassVar[str] = "evaluate_draft"
@@ -78,7 +78,7 @@ class MeasurementSpec(Artefact):
     # vLLM's batch-invariant kernels for the whole process: the process sets VLLM_BATCH_INVARIANT before it imports
     # vLLM (vLLM reads it when it starts an engine and cannot switch back)
     batch_invariant: bool = False
-    # processes measuring at once share this lock file (measure.Gate: shared to import, start and run lossless
+    # processes measuring at once share this lock file (gate.Gate: shared to import, start and run lossless
     # passes, exclusive to time); None: the process runs alone and takes no lock
     lock_path: str | None = None
     # before each line the process prints (and the parent before each of its other lines): processes running at

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from eagle3_workflow.files.artefacts import Artefact
 
@@ -88,6 +88,39 @@ class TrainingFingerprint(Artefact):
     validation_sha256: str
     hidden_state_samples_sha256: dict[str, str]
     speculators_version: str
+
+
+class UntrainedDraftInputs(BaseModel):
+    """What decides the untrained baseline's bytes (evaluation/baseline.py): the builder, the seed, the trained draft
+    (config, d2t/t2d, dtype) and the verifier (embed_tokens, lm_head, its path in the config), by fingerprint
+    (evaluation/fingerprint.py), and the libraries that initialise the fresh weights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    builder: int
+    seed: int
+    trained_draft: str
+    trained_draft_files: dict[str, str]
+    target: str
+    target_files: dict[str, str]
+    torch_version: str
+    transformers_version: str
+    speculators_version: str
+
+
+class UntrainedDraftRecipe(Artefact):
+    """eval/work/untrained_draft/recipe.json: what the untrained baseline in that folder was built from and the
+    fingerprint of the files the build wrote. Written last, atomically: a folder without it (a build cut short),
+    with other inputs, or whose files changed since, is built again; else the draft is kept as it is, so its files'
+    size:mtime, and with them the keys of its measured engines, stay the same."""
+
+    model_config = ConfigDict(extra="forbid")
+    written_by: ClassVar[str] = "evaluate_draft"
+
+    inputs: UntrainedDraftInputs
+    files: dict[str, str]
+    description: str
+    frozen_tensors_differing: list[str]
 
 
 class DraftConfig(Artefact):

@@ -100,6 +100,7 @@ def run_shape(config: dict[str, Any], text: dict[str, Any], samples: int, tokens
         train_gpus=int(train["gpus"]),
         epochs=int(train["epochs"]),
         train_data_ratio=float(train["train_data_ratio"]),
+        eager=bool(config["vllm"]["enforce_eager"]),
     )
 
 

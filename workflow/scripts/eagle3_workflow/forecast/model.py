@@ -5,12 +5,15 @@ How each figure is made, and what it assumes (each assumption is one the next GP
 - extract_hidden_states: the measured prefill rate of the reference target (tokens/s on one GPU, the workflow's own
   extraction server) scaled by parameters per token (compute-bound prefill: the GPU time of a token grows with the
   weights it multiplies). A replica of g GPUs runs g GPUs' worth of tokens (tensor parallelism assumed to scale
-  linearly), each replica pays the measured server start once. Disk: every token's captured states (ids x hidden x 2
+  linearly), each replica pays the measured server start once: the start measured with CUDA graphs on a fresh
+  node (empty compile caches) unless the run serves eager (vllm.enforce_eager). Disk: every token's captured states (ids x hidden x 2
   bytes), exact.
 - train_draft: the measured steady rate of the reference draft (tokens/s on one GPU, steps after the first) scaled
   by the draft's parameters per token, times epochs over the training rows' tokens; the GPUs share the tokens
-  (data-parallel, linear); one measured fixed cost per run (DataLoader start, compilation, saves: the measured run's
-  wall minus its steady steps).
+  (data-parallel, linear); one measured fixed cost per run (staging, trainer start, the first step's compilation on
+  a fresh node, validation passes and saves: the measured run's wall minus its steady steps).
+Each forecast keeps its two parts (`start_s`, paid once; `per_token_s`, the rest) so that a measured run says which
+part missed (bench/gpu/forecast_check.py).
 - The other stages have no cost measured at a shape that scales: they are listed, not forecast.
 """
 
@@ -24,12 +27,15 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class MeasuredRate:
     """One rate measured on one GPU: `tokens_per_s` for a model of `params_per_token`, `start_s` paid once per
-    process (server start, or a training run's fixed cost)."""
+    process (server start, or a training run's fixed cost); `eager_start_s`, where measured, the server's start with
+    enforce_eager (no compilation, no graph capture)."""
 
     tokens_per_s: float
     params_per_token: int
     start_s: float
     source: str  # what, where, when: the cost table's entry, for the printout
+    eager_start_s: float | None = None
+    start_date: str | None = None  # when the start-up costs were measured, where not with the rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +62,7 @@ class RunShape:
     train_gpus: int
     epochs: int
     train_data_ratio: float
+    eager: bool = False  # vllm.enforce_eager: the extraction server starts without compilation or CUDA graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +72,23 @@ class StageForecast:
     wall_s: float | None
     disk_bytes: int | None
     basis: str  # how the figures were made, or why there are none
+    start_s: float | None = None  # the wall's part paid once
+    per_token_s: float | None = None  # the wall's part that grows with the tokens
 
 
 NOT_FORECAST = ("check_api", "canary", "validate_hidden_states", "evaluate_draft")
+
+
+def start_when(rate: MeasuredRate) -> str:
+    return f" (start measured {rate.start_date})" if rate.start_date else ""
 
 
 def extraction_forecast(run: RunShape, costs: CostTable) -> StageForecast:
     rate = costs.extraction
     gpu_s = run.tokens * run.target_params_per_token / (rate.tokens_per_s * rate.params_per_token)
     gpus = run.replicas * run.gpus_per_replica
-    wall = rate.start_s + gpu_s / gpus
+    start = rate.eager_start_s if run.eager and rate.eager_start_s is not None else rate.start_s
+    wall = start + gpu_s / gpus
     return StageForecast(
         stage="extract_hidden_states",
         gpu_hours=gpus * wall / 3600,
@@ -83,8 +97,11 @@ def extraction_forecast(run: RunShape, costs: CostTable) -> StageForecast:
         basis=(
             f"{run.tokens:,} tokens x {run.target_params_per_token / 1e9:.2f}B params/token at "
             f"{rate.tokens_per_s:,.0f} tok/s per GPU for {rate.params_per_token / 1e9:.2f}B ({rate.source}); "
-            f"{run.replicas} replica(s) x {run.gpus_per_replica} GPU(s), each starting in {rate.start_s:.0f} s"
+            f"{run.replicas} replica(s) x {run.gpus_per_replica} GPU(s), each starting in {start:.0f} s"
+            f"{' (vllm.enforce_eager)' if start != rate.start_s else ''}{start_when(rate)}"
         ),
+        start_s=start,
+        per_token_s=gpu_s / gpus,
     )
 
 
@@ -102,8 +119,10 @@ def training_forecast(run: RunShape, costs: CostTable) -> StageForecast:
             f"{run.epochs} epoch(s) x {run.tokens * run.train_data_ratio:,.0f} training tokens x "
             f"{run.draft_params_per_token / 1e9:.3f}B draft params/token at {rate.tokens_per_s:,.0f} tok/s per GPU "
             f"for {rate.params_per_token / 1e9:.3f}B ({rate.source}); {run.train_gpus} GPU(s), "
-            f"{rate.start_s:.0f} s fixed per run"
+            f"{rate.start_s:.0f} s fixed per run{start_when(rate)}"
         ),
+        start_s=rate.start_s,
+        per_token_s=gpu_s / run.train_gpus,
     )
 
 
@@ -124,6 +143,8 @@ def as_json(rows: list[StageForecast], run: RunShape, costs: CostTable) -> dict[
             ("gpu_hours", row.gpu_hours, "GPU-h"),
             ("wall", row.wall_s, "s"),
             ("disk", row.disk_bytes, "bytes"),
+            ("start", row.start_s, "s"),
+            ("per_token", row.per_token_s, "s"),
         ):
             if value is not None:
                 stages.append({"stage": row.stage, "quantity": quantity, "forecast": round(value, 4), "unit": unit})
@@ -141,6 +162,8 @@ def cost_table(raw: Mapping[str, Any], params_per_token: Callable[[str, int | No
             params_per_token=params_per_token(entry["shape"], int(entry["draft_vocab_size"]) if draft else None),
             start_s=float(entry["start_s"]),
             source=f"{entry['date']}, {entry['source']}",
+            eager_start_s=float(entry["eager_start_s"]) if entry.get("eager_start_s") is not None else None,
+            start_date=str(entry["start_date"]) if entry.get("start_date") else None,
         )
 
     return CostTable(machine=str(raw["machine"]), extraction=rate("extraction", False), training=rate("training", True))
