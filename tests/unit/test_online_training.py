@@ -139,6 +139,15 @@ def test_failed_samples_are_recorded_and_skipped_up_to_the_limit_then_fail_with_
     assert [json.loads(line)["row"] for line in lines] == [7, 7, 3, 11]
 
 
+def test_a_row_given_as_a_numpy_integer_is_recorded(tmp_path):
+    """speculators' batch sampler yields each batch's indices as a numpy array: the failed row arrives as numpy.int64,
+    which json cannot write (the policy then ended training with a TypeError instead of skipping the sample)."""
+    import numpy as np
+
+    record_failure(spec(tmp_path, max_failed=1), np.int64(5), "timed out")
+    assert failed_rows(tmp_path / "failed.jsonl") == {5: "timed out"}
+
+
 def test_no_failure_is_allowed_by_default(tmp_path):
     with pytest.raises(OnlineSampleFailure, match="failed for 1 sample"):
         record_failure(spec(tmp_path, max_failed=0), 0, "boom")
