@@ -160,3 +160,36 @@ def test_a_stopped_online_server_fails_the_stage_as_stalled_and_leaves_nothing_b
     assert "online training stalled: no generated sample arrived for" in text
     assert "extraction.stall_timeout_s" in text and "vllm_server.log" in text
     wait_until(lambda: not processes_of(work), 60, "nothing of the stage to be left")
+
+
+@pytest.mark.slow
+def test_a_worker_keeps_several_requests_in_flight_and_a_failing_sample_among_them_follows_the_policy(
+    train_inputs, tmp_path, monkeypatch
+):
+    """train.online.requests_in_flight: the trainer (num_workers 0: the training process is the DataLoader's only
+    fetcher) generates a batch's samples at once, and a sample that fails among them is retried, recorded and
+    skipped under train.online.max_failed_samples while the others are checked and counted. The probe counts the
+    requests inside speculators' client at once (its first request waits for a second: no clock decides); the
+    fault makes the server write NaN hidden states for one training row, every round."""
+    from datasets import load_from_disk
+
+    lengths = list(load_from_disk(str(train_inputs["prepared"]))["seq_len"])
+    train_rows_count = int(len(lengths) * ONLINE["train_data_ratio"])
+    failing = next(r for r in range(train_rows_count) if lengths.count(lengths[r]) == 1)  # a length of its own
+    probe = tmp_path / "in_flight"
+    pythonpath = [str(SCRIPTS), str(REPO / "tests" / "fault_plugins"), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(pythonpath))
+    monkeypatch.setenv("EAGLE3_FAULT", f"nan_hidden_states_for_length:{lengths[failing]}")
+    monkeypatch.setenv("EAGLE3_PROBE_REQUESTS_IN_FLIGHT", str(probe))
+    train = {**ONLINE, "epochs": 1, "online": {"requests_in_flight": 3, "max_failed_samples": 1}}
+
+    summary = run_online(train_inputs, tmp_path, train)
+
+    peaks = [json.loads(path.read_text())["peak"] for path in probe.glob("in-flight-*.json")]
+    assert peaks and 2 <= max(peaks) <= 3, f"requests in flight at once per process: {peaks}"
+    online = summary.online
+    assert list(online.failed_samples) == [str(failing)], online.failed_samples
+    assert "Hidden states contain non-finite values" in online.failed_samples[str(failing)]
+    assert online.samples_checked == len(lengths) - 1  # one epoch: every other row once, each counted once
+    assert online.tokens_checked == sum(lengths) - lengths[failing]
+    assert not list((tmp_path / "train_work" / "online" / "hidden_states").glob("*.safetensors"))

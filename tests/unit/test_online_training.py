@@ -117,7 +117,7 @@ def test_a_generated_sample_is_checked_for_shape_dtype_tokens_and_values():
 
 def spec(tmp_path: Path, max_failed: int) -> OnlineSpec:
     return OnlineSpec(layer_count=4, hidden_size=8, dtype="bfloat16", failures_path=str(tmp_path / "failed.jsonl"),
-                      counts_dir=str(tmp_path / "counts"), max_failed_samples=max_failed)  # fmt: skip
+                      counts_dir=str(tmp_path / "counts"), max_failed_samples=max_failed, requests_in_flight=1)  # fmt: skip
 
 
 def test_failed_samples_are_recorded_and_skipped_up_to_the_limit_then_fail_with_the_rows_and_the_fix(tmp_path):

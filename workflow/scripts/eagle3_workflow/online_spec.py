@@ -28,6 +28,7 @@ class OnlineSpec:
     failures_path: str
     counts_dir: str
     max_failed_samples: int
+    requests_in_flight: int  # at once per DataLoader worker (train.online.requests_in_flight)
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))
