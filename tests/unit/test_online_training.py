@@ -148,6 +148,19 @@ def test_a_row_given_as_a_numpy_integer_is_recorded(tmp_path):
     assert failed_rows(tmp_path / "failed.jsonl") == {5: "timed out"}
 
 
+def test_a_speculators_without_the_recovery_guard_the_concurrent_fetch_locks_is_refused(monkeypatch):
+    """The concurrent fetch (train.online.requests_in_flight) serializes speculators' consecutive-failure count by
+    overriding two of its guard's private methods: a speculators that renamed them is refused at the trainer's start,
+    not left unguarded."""
+    from speculators.train.recovery import GenerationRecoveryGuard
+
+    from eagle3_workflow.online_samples import apply_online_patches
+
+    monkeypatch.delattr(GenerationRecoveryGuard, "_record_success")
+    with pytest.raises(RuntimeError, match=r"lack \['_record_success'\].*differs from 0.9.0"):
+        apply_online_patches()
+
+
 def test_no_failure_is_allowed_by_default(tmp_path):
     with pytest.raises(OnlineSampleFailure, match="failed for 1 sample"):
         record_failure(spec(tmp_path, max_failed=0), 0, "boom")

@@ -29,6 +29,7 @@ not):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -184,6 +185,16 @@ def apply_online_patches() -> None:
         raise RuntimeError(
             "speculators.train.dataloader has no ArrowDataset: the installed speculators differs from 0.9.0; "
             "update eagle3_workflow/online_samples.py"
+        )
+    guarded = ("_record_exhausted", "_record_success", "retries", "max_consecutive_failures")
+    probe = GenerationRecoveryGuard(retries=0, max_consecutive_failures=1)
+    missing = [name for name in guarded if not hasattr(probe, name)]
+    missing += [] if "generation_recovery" in inspect.getsource(data.ArrowDataset.__init__) else ["generation_recovery"]
+    if missing:
+        raise RuntimeError(
+            f"speculators' GenerationRecoveryGuard / ArrowDataset lack {missing}, which the workflow's concurrent "
+            "fetch (train.online.requests_in_flight) guards with a lock: the installed speculators differs from "
+            "0.9.0; update eagle3_workflow/online_samples.py"
         )
     dataloader.ArrowDataset = CheckedArrowDataset
     quiet_http_logs()
