@@ -44,10 +44,10 @@ test_a_sigterm_that_reaches_one_rank_mid_step_stops_every_rank_at_that_steps_end
 EAGLE3_FAULT=ddp_skips_gradient_sync makes every DistributedDataParallel module skip its gradient all-reduce (what
 ``no_sync()`` does, for the whole run): each trainer rank steps on its own gradients and the ranks' weights part.
 
-EAGLE3_FAULT=nan_hidden_states_for_length:<n> makes vLLM's hidden-states connector (the stock one on GPU, ours on
-CPU: both write through the stock module's ``save_file``) write NaN hidden states for every request of exactly n
-prompt tokens, the other requests untouched: a test picks a row of a length no other row has, and that one sample
-fails every round of online generation.
+EAGLE3_FAULT=nan_hidden_states_for_length:<n>[,<n>...] makes vLLM's hidden-states connector (the stock one on GPU,
+ours on CPU: both write through the stock module's ``save_file``) write NaN hidden states for every request of exactly
+n prompt tokens, the other requests untouched: a test picks rows of lengths no other row has, and those samples fail
+every round of online generation.
 
 EAGLE3_PROBE_REQUESTS_IN_FLIGHT=<folder> is a probe, not a fault: in a process that runs speculators' online dataset
 (the trainer, or each DataLoader worker), it counts the hidden-state requests inside speculators'
@@ -398,14 +398,14 @@ def _tp_worker_dies_at_first_forward(deepseek_v2):
     deepseek_v2.DeepseekV2DecoderLayer.forward = decoder_layer_forward
 
 
-def _nan_hidden_states_for_length(length):
+def _nan_hidden_states_for_length(lengths):
     def install(connector):
         import torch
 
         save = connector.save_file
 
         def save_nan_for_length(tensors, filename, *args, **kwargs):
-            if tensors["token_ids"].shape[0] == length:
+            if tensors["token_ids"].shape[0] in lengths:
                 tensors = {**tensors, "hidden_states": torch.full_like(tensors["hidden_states"], float("nan"))}
             return save(tensors, filename, *args, **kwargs)
 
@@ -525,7 +525,7 @@ def _hooks(fault):
         _rank, _count = fault.split(":", 1)[1].split(":")
         return {"torch.nn.modules.module": _sigterm_rank_at_forward(int(_rank), int(_count))}
     elif fault.startswith("nan_hidden_states_for_length:"):
-        return {CONNECTOR: _nan_hidden_states_for_length(int(fault.split(":", 1)[1]))}
+        return {CONNECTOR: _nan_hidden_states_for_length({int(n) for n in fault.split(":", 1)[1].split(",")})}
     elif fault == "ddp_skips_gradient_sync":
         return {"torch.nn.parallel.distributed": _ddp_skips_gradient_sync}
     else:

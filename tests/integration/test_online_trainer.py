@@ -26,6 +26,8 @@ from test_training_trainer import make_train_inputs, stop_training_at, train_row
 from tiny_training import TRAIN
 
 from eagle3_workflow.artefacts import ApiCompatReport, load
+from eagle3_workflow.errors import StageError
+from eagle3_workflow.online_spec import failed_rows
 from eagle3_workflow.settings import TrainDraftOnlineStage, view_of
 from eagle3_workflow.training.stage import online_serving, train_draft
 
@@ -162,6 +164,23 @@ def test_a_stopped_online_server_fails_the_stage_as_stalled_and_leaves_nothing_b
     wait_until(lambda: not processes_of(work), 60, "nothing of the stage to be left")
 
 
+def rows_of_their_own_length(inputs: dict, count: int) -> tuple[list[int], list[int]]:
+    """The prepared rows' lengths, and the first `count` training rows whose length no other row has (the NaN
+    fault picks samples by length)."""
+    from datasets import load_from_disk
+
+    lengths = [int(n) for n in load_from_disk(str(inputs["prepared"]))["seq_len"]]
+    train_rows_count = int(len(lengths) * ONLINE["train_data_ratio"])
+    return lengths, [r for r in range(train_rows_count) if lengths.count(lengths[r]) == 1][:count]
+
+
+def with_fault_plugins(monkeypatch, fault: str) -> None:
+    """The stage's children (the server, the trainer) load tests/fault_plugins with `fault`."""
+    pythonpath = [str(SCRIPTS), str(REPO / "tests" / "fault_plugins"), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(pythonpath))
+    monkeypatch.setenv("EAGLE3_FAULT", fault)
+
+
 @pytest.mark.slow
 def test_a_worker_keeps_several_requests_in_flight_and_a_failing_sample_among_them_follows_the_policy(
     train_inputs, tmp_path, monkeypatch
@@ -171,15 +190,9 @@ def test_a_worker_keeps_several_requests_in_flight_and_a_failing_sample_among_th
     skipped under train.online.max_failed_samples while the others are checked and counted. The probe counts the
     requests inside speculators' client at once (its first request waits for a second: no clock decides); the
     fault makes the server write NaN hidden states for one training row, every round."""
-    from datasets import load_from_disk
-
-    lengths = list(load_from_disk(str(train_inputs["prepared"]))["seq_len"])
-    train_rows_count = int(len(lengths) * ONLINE["train_data_ratio"])
-    failing = next(r for r in range(train_rows_count) if lengths.count(lengths[r]) == 1)  # a length of its own
+    lengths, (failing,) = rows_of_their_own_length(train_inputs, 1)
+    with_fault_plugins(monkeypatch, f"nan_hidden_states_for_length:{lengths[failing]}")
     probe = tmp_path / "in_flight"
-    pythonpath = [str(SCRIPTS), str(REPO / "tests" / "fault_plugins"), os.environ.get("PYTHONPATH", "")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(pythonpath))
-    monkeypatch.setenv("EAGLE3_FAULT", f"nan_hidden_states_for_length:{lengths[failing]}")
     monkeypatch.setenv("EAGLE3_PROBE_REQUESTS_IN_FLIGHT", str(probe))
     train = {**ONLINE, "epochs": 1, "online": {"requests_in_flight": 3, "max_failed_samples": 1}}
 
@@ -193,3 +206,26 @@ def test_a_worker_keeps_several_requests_in_flight_and_a_failing_sample_among_th
     assert online.samples_checked == len(lengths) - 1  # one epoch: every other row once, each counted once
     assert online.tokens_checked == sum(lengths) - lengths[failing]
     assert not list((tmp_path / "train_work" / "online" / "hidden_states").glob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_one_failed_sample_past_the_limit_among_concurrent_requests_ends_training_naming_every_row(
+    train_inputs, tmp_path, monkeypatch
+):
+    """The other side of the policy with requests in flight: two rows fail every round, one is allowed, so the second
+    raises OnlineSampleFailure in its fetch thread, which ends the trainer and fails the stage with the rows, the
+    limit and the fix (not a hang, not a sample silently dropped)."""
+    lengths, failing = rows_of_their_own_length(train_inputs, 2)
+    with_fault_plugins(monkeypatch, "nan_hidden_states_for_length:" + ",".join(str(lengths[r]) for r in failing))
+    train = {**ONLINE, "epochs": 1, "online": {"requests_in_flight": 4, "max_failed_samples": 1}}
+
+    with pytest.raises(StageError) as stopped:
+        run_online(train_inputs, tmp_path, train)
+
+    log = next((tmp_path / "train_work" / "logs").glob("trainer-attempt-*.log")).read_text(encoding="utf-8")
+    message = f"{stopped.value}\n{log}"
+    assert "OnlineSampleFailure: online hidden-state generation failed for 2 sample(s)" in message, message[-3000:]
+    assert "train.online.max_failed_samples=1" in message and "Raise train.online.max_failed_samples" in message
+    assert all(f"row {row}: " in message for row in failing)
+    assert failed_rows(tmp_path / "train_work" / "online" / "failed_samples.jsonl").keys() == set(failing)
+    assert not processes_of(tmp_path / "train_work"), "the server stopped with the stage"
