@@ -13,7 +13,10 @@
 #   bash bench/gpu/device_run.sh bench      bench/gpu/bench_gpu.py (extraction and training side by side)
 #   bash bench/gpu/device_run.sh faultcheck the lossless check on this GPU against EAGLE3_FAULT=accept_any_draft
 #   bash bench/gpu/device_run.sh online     train_draft online against offline on the finished run's data
-#                                           (bench/gpu/online_vs_offline_gpu.py; ROWS=2000 EPOCHS=1 by default)
+#                                           (bench/gpu/online_vs_offline_gpu.py; ROWS=2000 EPOCHS=1 by default;
+#                                           RIF="1" also runs online at 1 request in flight per worker, before
+#                                           train.online.requests_in_flight: before/after side by side; the 2,000-row
+#                                           serial run took ~200 s on the H200: raise ONLINE_TIMEOUT, 540 s by default)
 #   bash bench/gpu/device_run.sh restore    RESTORE=<bundle folder>: build the target in $WORK, then put an earlier
 #                                           lease's check_target and regenerate_responses outputs into the run
 #                                           (bench/gpu/restore_run.py checks target, settings and sha256 first)
@@ -199,7 +202,7 @@ step_online() {
   export PYTHONPATH="$WORK/workflow/scripts${PYTHONPATH:+:$PYTHONPATH}"
   stamp "online_vs_offline_gpu.py on results/$RUN (${ROWS:-2000} rows, ${EPOCHS:-1} epoch(s))"
   timeout "${ONLINE_TIMEOUT:-540}" python3 bench/gpu/online_vs_offline_gpu.py "results/$RUN" --rows "${ROWS:-2000}" \
-    --epochs "${EPOCHS:-1}" --work /root/online-bench --out "$OUT/online_vs_offline.json" 2>&1 \
+    --epochs "${EPOCHS:-1}" ${RIF:+--requests-in-flight $RIF} --work /root/online-bench --out "$OUT/online_vs_offline.json" 2>&1 \
     | tee "$OUT/online_vs_offline.log" | grep -E "^\[device_run|online training|attempt|draft trained|Error|error|^\{|^  \"" | tail -60
   local rc=${PIPESTATUS[0]}
   cp /root/online-bench/online/train_work/online/vllm_server.log "$OUT/online_vllm_server.log" 2>/dev/null

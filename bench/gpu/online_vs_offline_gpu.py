@@ -4,6 +4,7 @@ hidden-state files (offline), once generating every sample from its own vLLM ser
 (online, train.online.server_gpus: 0). Same config, data, seed and flags otherwise.
 
 usage: python bench/gpu/online_vs_offline_gpu.py RUN_DIR [--rows 2000] [--epochs 1] [--server-memory 0.35]
+                                                 [--requests-in-flight 1 [N ...]] [--num-workers W]
                                                  [--work DIR] [--out FILE.json]
 
 RUN_DIR: results/<run> of a run that got through validate_hidden_states (its provenance.json holds the resolved
@@ -12,6 +13,13 @@ steps/s, the median of speculators' per-step profile (step_ms, fetch_ms: the tim
 disk: offline the bytes of the rows' hidden-state files (on disk for the whole run) plus train_work's high-water
 mark; online the high-water mark of the server's output folder plus train_work's. Ratios are online / offline.
 Also runs on CPU (a finished tiny run) to try it out.
+
+Online runs once at the config's train.online.requests_in_flight (mode ``online``, folder ``online/``) and once more
+at each other value of --requests-in-flight (mode ``online-rif<N>``, run before it; 1 = speculators' own serial
+fetch, one request per DataLoader worker): ``by_requests_in_flight`` holds each one's steps/s against offline's.
+--num-workers overrides train.num_workers for every mode. With EAGLE3_PROBE_REQUESTS_IN_FLIGHT=<dir> and
+EAGLE3_PROBE_REQUESTS_IN_FLIGHT_NO_WAIT=1 in the environment and tests/fault_plugins on PYTHONPATH, each online
+mode also reports the requests its trainer processes had in flight at once (``in_flight``: the probe's files).
 """
 
 from __future__ import annotations
@@ -100,9 +108,30 @@ def run_mode(mode: str, config: dict, inputs: dict, work: Path) -> dict:
         **profile(folder / "draft"),
     }
     if summary.online is not None:
+        row["requests_in_flight"] = config["train"]["online"]["requests_in_flight"]
         row["online"] = summary.online.model_dump()
         row["hidden_states_peak_bytes"] = summary.online.peak_bytes
+        row["in_flight"] = in_flight(folder.name)
     return row
+
+
+def in_flight(mode: str) -> list[dict]:
+    """What the in-flight probe (tests/fault_plugins) recorded for this mode's trainer processes: the peak, and
+    the mean in flight while at least one request was (summed request seconds / busy seconds). Moved into a
+    folder of the mode's own, so that the next mode starts from none."""
+    import json
+    import os
+
+    probe = os.environ.get("EAGLE3_PROBE_REQUESTS_IN_FLIGHT")
+    if not probe:
+        return []
+    found = []
+    for path in sorted(Path(probe).glob("in-flight-*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        busy = record["busy_s"]
+        found.append({**record, "mean_in_flight_while_busy": round(record["request_s"] / busy, 2) if busy else None})
+        path.rename(path.with_name(f"{mode}-{path.name}"))
+    return found
 
 
 def main() -> None:
@@ -111,6 +140,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--server-memory", type=float, default=0.35)
+    parser.add_argument("--requests-in-flight", type=int, nargs="+", default=[1])
+    parser.add_argument("--num-workers", type=int, default=None)
     parser.add_argument("--work", type=Path, default=Path("/tmp/online_vs_offline"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -119,7 +150,10 @@ def main() -> None:
     config["train"] = {**config["train"], "epochs": args.epochs}
     validate_config(config, SCHEMA_PATH)  # a run made before train.online existed gets the schema's defaults
     config["train"]["online"] |= {"server_gpus": 0, "gpu_memory_utilization": args.server_memory}
+    if args.num_workers is not None:
+        config["train"]["num_workers"] = args.num_workers
     validate_config(config, SCHEMA_PATH)
+    configured = config["train"]["online"]["requests_in_flight"]
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     rows = subset(run / "data" / "prepared", args.rows, work / "prepared")
@@ -135,14 +169,22 @@ def main() -> None:
     files_bytes = sum(hs_file(inputs["files_dir"], row).stat().st_size for row in range(rows))
     offline = run_mode("offline", {**config, "train": {**config["train"], "hidden_states": "offline"}}, inputs, work)
     offline["hidden_states_peak_bytes"] = files_bytes
-    online = run_mode("online", {**config, "train": {**config["train"], "hidden_states": "online"}}, inputs, work)
-    for row in (offline, online):
+    online_modes = []
+    for count in [*(n for n in dict.fromkeys(args.requests_in_flight) if n != configured), configured]:
+        train = {**config["train"], "hidden_states": "online"}
+        train["online"] = {**train["online"], "requests_in_flight": count}
+        mode = "online" if count == configured else f"online-rif{count}"
+        online_modes.append(run_mode(mode, {**config, "train": train}, inputs, work))
+    online = online_modes[-1]
+    for row in (offline, *online_modes):
         row["peak_disk_bytes"] = row["hidden_states_peak_bytes"] + row["train_work_peak_bytes"]
     ratios = online_over_offline(
         offline, online, ("wall_s", "trainer_s", "steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
     )
-    report = {"run_dir": str(run), "rows": rows, "epochs": args.epochs, "modes": [offline, online],
-              "online_over_offline": ratios}  # fmt: skip
+    by_count = {str(row["requests_in_flight"]): online_over_offline(offline, row, ("steps_per_s", "trainer_s"))
+                for row in online_modes}  # fmt: skip
+    report = {"run_dir": str(run), "rows": rows, "epochs": args.epochs, "num_workers": config["train"]["num_workers"],
+              "modes": [offline, *online_modes], "online_over_offline": ratios, "by_requests_in_flight": by_count}  # fmt: skip
     emit(report, args.out)
 
 

@@ -44,6 +44,19 @@ test_a_sigterm_that_reaches_one_rank_mid_step_stops_every_rank_at_that_steps_end
 EAGLE3_FAULT=ddp_skips_gradient_sync makes every DistributedDataParallel module skip its gradient all-reduce (what
 ``no_sync()`` does, for the whole run): each trainer rank steps on its own gradients and the ranks' weights part.
 
+EAGLE3_FAULT=nan_hidden_states_for_length:<n>[,<n>...] makes vLLM's hidden-states connector (the stock one on GPU,
+ours on CPU: both write through the stock module's ``save_file``) write NaN hidden states for every request of exactly
+n prompt tokens, the other requests untouched: a test picks rows of lengths no other row has, and those samples fail
+every round of online generation.
+
+EAGLE3_PROBE_REQUESTS_IN_FLIGHT=<folder> is a probe, not a fault: in a process that runs speculators' online dataset
+(the trainer, or each DataLoader worker), it counts the hidden-state requests inside speculators'
+``generate_hidden_states`` at once and writes to <folder>/in-flight-<pid>.json the highest count (``peak``), the
+requests' summed seconds and the seconds with at least one in flight (their ratio: the mean in flight while busy).
+The process's first request waits (at most 60 s) until a second one is in flight, so that a fetch that can run two
+at once shows it whatever the machine's speed; a serial fetch records 1 after the wait. With
+EAGLE3_PROBE_REQUESTS_IN_FLIGHT_NO_WAIT=1 it only counts (a bench: no request waits).
+
 EAGLE3_PROBE_RANK_WEIGHTS=<folder> is a probe, not a fault (it combines with one): after every optimizer step, each
 trainer rank (torchrun's RANK; a process without one records nothing) appends the sha256 of its parameters to
 <folder>/rank<RANK>.txt, so that a test can tell whether the ranks hold the same weights.
@@ -385,6 +398,68 @@ def _tp_worker_dies_at_first_forward(deepseek_v2):
     deepseek_v2.DeepseekV2DecoderLayer.forward = decoder_layer_forward
 
 
+def _nan_hidden_states_for_length(lengths):
+    def install(connector):
+        import torch
+
+        save = connector.save_file
+
+        def save_nan_for_length(tensors, filename, *args, **kwargs):
+            if tensors["token_ids"].shape[0] in lengths:
+                tensors = {**tensors, "hidden_states": torch.full_like(tensors["hidden_states"], float("nan"))}
+            return save(tensors, filename, *args, **kwargs)
+
+        connector.save_file = save_nan_for_length
+
+    return install
+
+
+def _record_requests_in_flight(folder):
+    def install(data):
+        import json
+        import threading
+        import time
+
+        generate = data.generate_hidden_states
+        wait = not os.environ.get("EAGLE3_PROBE_REQUESTS_IN_FLIGHT_NO_WAIT")
+        state = {"now": 0, "peak": 0, "held": not wait, "request_s": 0.0, "busy_s": 0.0, "busy_since": 0.0}
+        changed = threading.Condition()
+        path = os.path.join(folder, f"in-flight-{os.getpid()}.json")
+
+        def record():
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "w") as out:
+                json.dump({key: state[key] for key in ("peak", "request_s", "busy_s")}, out)
+
+        def counted(*args, **kwargs):
+            with changed:
+                state["now"] += 1
+                if state["now"] == 1:
+                    state["busy_since"] = time.monotonic()
+                if state["now"] > state["peak"]:
+                    state["peak"] = state["now"]
+                    record()
+                changed.notify_all()
+                if not state["held"]:
+                    state["held"] = True
+                    changed.wait_for(lambda: state["now"] >= 2, timeout=60)
+            started = time.monotonic()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                with changed:
+                    now = time.monotonic()
+                    state["now"] -= 1
+                    state["request_s"] += now - started
+                    if state["now"] == 0:
+                        state["busy_s"] += now - state["busy_since"]
+                    record()
+
+        data.generate_hidden_states = counted
+
+    return install
+
+
 class _AfterImport:
     """A sys.meta_path finder that runs hooks[name](module) right after module `name` is executed, before whoever
     imported it gets it back. A process that never imports the patched module (Snakemake, a job's script, a
@@ -417,6 +492,7 @@ class _AfterImport:
 
 
 INTERFACES = "vllm.model_executor.models.interfaces"
+CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
 def _hooks(fault):
@@ -448,6 +524,8 @@ def _hooks(fault):
     elif fault.startswith("sigterm_rank_at_forward:"):
         _rank, _count = fault.split(":", 1)[1].split(":")
         return {"torch.nn.modules.module": _sigterm_rank_at_forward(int(_rank), int(_count))}
+    elif fault.startswith("nan_hidden_states_for_length:"):
+        return {CONNECTOR: _nan_hidden_states_for_length({int(n) for n in fault.split(":", 1)[1].split(",")})}
     elif fault == "ddp_skips_gradient_sync":
         return {"torch.nn.parallel.distributed": _ddp_skips_gradient_sync}
     else:
@@ -479,5 +557,7 @@ if os.environ.get("EAGLE3_PROBE_RANK_WEIGHTS"):  # a probe, not a fault: combine
         _probe_hook(module)
 
     HOOKS["torch.optim.optimizer"] = _optimizer_hooks
+if os.environ.get("EAGLE3_PROBE_REQUESTS_IN_FLIGHT"):  # a probe, not a fault: no fault patches this module
+    HOOKS["speculators.train.data"] = _record_requests_in_flight(os.environ["EAGLE3_PROBE_REQUESTS_IN_FLIGHT"])
 if HOOKS:
     sys.meta_path.insert(0, _AfterImport(HOOKS))

@@ -27,8 +27,10 @@ from tiny_training import TRAIN
 
 from eagle3_workflow.files.artefacts import load
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
+from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.settings.stages import TrainDraftOnlineStage
 from eagle3_workflow.settings.views import view_of
+from eagle3_workflow.trainer.online_spec import failed_rows
 from eagle3_workflow.training.stage import online_serving, train_draft
 
 SCRIPTS = REPO / "workflow" / "scripts"
@@ -164,3 +166,70 @@ def test_a_stopped_online_server_fails_the_stage_as_stalled_and_leaves_nothing_b
     assert "online training stalled: no generated sample arrived for" in text
     assert "extraction.stall_timeout_s" in text and "vllm_server.log" in text
     wait_until(lambda: not processes_of(work), 60, "nothing of the stage to be left")
+
+
+def rows_of_their_own_length(inputs: dict, count: int) -> tuple[list[int], list[int]]:
+    """The prepared rows' lengths, and the first `count` training rows whose length no other row has (the NaN
+    fault picks samples by length)."""
+    from datasets import load_from_disk
+
+    lengths = [int(n) for n in load_from_disk(str(inputs["prepared"]))["seq_len"]]
+    train_rows_count = int(len(lengths) * ONLINE["train_data_ratio"])
+    return lengths, [r for r in range(train_rows_count) if lengths.count(lengths[r]) == 1][:count]
+
+
+def with_fault_plugins(monkeypatch, fault: str) -> None:
+    """The stage's children (the server, the trainer) load tests/fault_plugins with `fault`."""
+    pythonpath = [str(SCRIPTS), str(REPO / "tests" / "fault_plugins"), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(pythonpath))
+    monkeypatch.setenv("EAGLE3_FAULT", fault)
+
+
+@pytest.mark.slow
+def test_a_worker_keeps_several_requests_in_flight_and_a_failing_sample_among_them_follows_the_policy(
+    train_inputs, tmp_path, monkeypatch
+):
+    """train.online.requests_in_flight: the trainer (num_workers 0: the training process is the DataLoader's only
+    fetcher) generates a batch's samples at once, and a sample that fails among them is retried, recorded and
+    skipped under train.online.max_failed_samples while the others are checked and counted. The probe counts the
+    requests inside speculators' client at once (its first request waits for a second: no clock decides); the
+    fault makes the server write NaN hidden states for one training row, every round."""
+    lengths, (failing,) = rows_of_their_own_length(train_inputs, 1)
+    with_fault_plugins(monkeypatch, f"nan_hidden_states_for_length:{lengths[failing]}")
+    probe = tmp_path / "in_flight"
+    monkeypatch.setenv("EAGLE3_PROBE_REQUESTS_IN_FLIGHT", str(probe))
+    train = {**ONLINE, "epochs": 1, "online": {"requests_in_flight": 3, "max_failed_samples": 1}}
+
+    summary = run_online(train_inputs, tmp_path, train)
+
+    peaks = [json.loads(path.read_text())["peak"] for path in probe.glob("in-flight-*.json")]
+    assert peaks and 2 <= max(peaks) <= 3, f"requests in flight at once per process: {peaks}"
+    online = summary.online
+    assert list(online.failed_samples) == [str(failing)], online.failed_samples
+    assert "Hidden states contain non-finite values" in online.failed_samples[str(failing)]
+    assert online.samples_checked == len(lengths) - 1  # one epoch: every other row once, each counted once
+    assert online.tokens_checked == sum(lengths) - lengths[failing]
+    assert not list((tmp_path / "train_work" / "online" / "hidden_states").glob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_one_failed_sample_past_the_limit_among_concurrent_requests_ends_training_naming_every_row(
+    train_inputs, tmp_path, monkeypatch
+):
+    """The other side of the policy with requests in flight: two rows fail every round, one is allowed, so the second
+    raises OnlineSampleFailure in its fetch thread, which ends the trainer and fails the stage with the rows, the
+    limit and the fix (not a hang, not a sample silently dropped)."""
+    lengths, failing = rows_of_their_own_length(train_inputs, 2)
+    with_fault_plugins(monkeypatch, "nan_hidden_states_for_length:" + ",".join(str(lengths[r]) for r in failing))
+    train = {**ONLINE, "epochs": 1, "online": {"requests_in_flight": 4, "max_failed_samples": 1}}
+
+    with pytest.raises(StageError) as stopped:
+        run_online(train_inputs, tmp_path, train)
+
+    log = next((tmp_path / "train_work" / "logs").glob("trainer-attempt-*.log")).read_text(encoding="utf-8")
+    message = f"{stopped.value}\n{log}"
+    assert "OnlineSampleFailure: online hidden-state generation failed for 2 sample(s)" in message, message[-3000:]
+    assert "train.online.max_failed_samples=1" in message and "Raise train.online.max_failed_samples" in message
+    assert all(f"row {row}: " in message for row in failing)
+    assert failed_rows(tmp_path / "train_work" / "online" / "failed_samples.jsonl").keys() == set(failing)
+    assert not processes_of(tmp_path / "train_work"), "the server stopped with the stage"

@@ -123,7 +123,7 @@ def test_a_generated_sample_is_checked_for_shape_dtype_tokens_and_values():
 
 def spec(tmp_path: Path, max_failed: int) -> OnlineSpec:
     return OnlineSpec(layer_count=4, hidden_size=8, dtype="bfloat16", failures_path=str(tmp_path / "failed.jsonl"),
-                      counts_dir=str(tmp_path / "counts"), max_failed_samples=max_failed)  # fmt: skip
+                      counts_dir=str(tmp_path / "counts"), max_failed_samples=max_failed, requests_in_flight=1)  # fmt: skip
 
 
 def test_failed_samples_are_recorded_and_skipped_up_to_the_limit_then_fail_with_the_rows_and_the_fix(tmp_path):
@@ -143,6 +143,28 @@ def test_failed_samples_are_recorded_and_skipped_up_to_the_limit_then_fail_with_
     assert str(tmp_path / "failed.jsonl") in message and "Raise train.online.max_failed_samples" in message
     lines = (tmp_path / "failed.jsonl").read_text().splitlines()
     assert [json.loads(line)["row"] for line in lines] == [7, 7, 3, 11]
+
+
+def test_a_row_given_as_a_numpy_integer_is_recorded(tmp_path):
+    """speculators' batch sampler yields each batch's indices as a numpy array: the failed row arrives as numpy.int64,
+    which json cannot write (the policy then ended training with a TypeError instead of skipping the sample)."""
+    import numpy as np
+
+    record_failure(spec(tmp_path, max_failed=1), np.int64(5), "timed out")
+    assert failed_rows(tmp_path / "failed.jsonl") == {5: "timed out"}
+
+
+def test_a_speculators_without_the_recovery_guard_the_concurrent_fetch_locks_is_refused(monkeypatch):
+    """The concurrent fetch (train.online.requests_in_flight) serializes speculators' consecutive-failure count by
+    overriding two of its guard's private methods: a speculators that renamed them is refused at the trainer's start,
+    not left unguarded."""
+    from speculators.train.recovery import GenerationRecoveryGuard
+
+    from eagle3_workflow.trainer.online_samples import apply_online_patches
+
+    monkeypatch.delattr(GenerationRecoveryGuard, "_record_success")
+    with pytest.raises(RuntimeError, match=r"lack \['_record_success'\].*differs from 0.9.0"):
+        apply_online_patches()
 
 
 def test_no_failure_is_allowed_by_default(tmp_path):

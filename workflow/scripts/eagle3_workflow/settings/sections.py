@@ -230,6 +230,7 @@ class OnlineTraining(OnlineCheckSet):
     request_timeout_s: Number
     generation_retries: int
     max_failed_samples: int
+    requests_in_flight: int
 
 
 class HiddenStatesMode(View):

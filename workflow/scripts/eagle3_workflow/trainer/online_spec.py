@@ -30,6 +30,7 @@ class OnlineSpec:
     failures_path: str
     counts_dir: str
     max_failed_samples: int
+    requests_in_flight: int  # at once per DataLoader worker (train.online.requests_in_flight)
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -51,11 +52,12 @@ def failed_rows(failures_path: Path) -> dict[int, str]:
 
 
 def record_failure(spec: OnlineSpec, row: int, reason: str) -> None:
-    """Append the failed sample; raise OnlineSampleFailure when the distinct failed rows exceed the limit."""
+    """Append the failed sample; raise OnlineSampleFailure when the distinct failed rows exceed the limit. ``row``
+    may be a numpy integer: speculators' batch sampler yields each batch's indices as a numpy array."""
     path = Path(spec.failures_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"row": row, "reason": reason, "pid": os.getpid()}) + "\n")
+        handle.write(json.dumps({"row": int(row), "reason": reason, "pid": os.getpid()}) + "\n")
     rows = failed_rows(path)
     if len(rows) > spec.max_failed_samples:
         listed = "; ".join(f"row {r}: {why[:300]}" for r, why in sorted(rows.items())[:5])

@@ -110,6 +110,7 @@ def online_trainer_env(serving: OnlineServing, folders: OnlineFolders, api_key: 
         failures_path=str(folders.failures),
         counts_dir=str(folders.counts),
         max_failed_samples=serving.settings.max_failed_samples,
+        requests_in_flight=serving.settings.requests_in_flight,
     )
     return {ONLINE_SPEC_ENV: spec.to_env(), API_KEY_ENV: api_key}
 
