@@ -120,7 +120,8 @@ def resolved_config_json():
 def stage_params(rule):
     """The config values the stage of `rule` reads, as its params.settings: the keys its settings model declares
     (eagle3_workflow.settings.stages.rule_settings_model: RULE_SETTINGS[rule], or its online variant), nested as in
-    the config, keys sorted. The rule's only route to config, so it reruns exactly when one of them changes."""
+    the config, keys sorted. The rule's only route to config, so it reruns exactly when one of them changes.
+    """
     return SETTINGS_VIEWS.config_of(STAGE_SETTINGS.rule_settings_model(rule, config), config)
 
 
