@@ -332,6 +332,22 @@ def children(pid: int) -> list[int]:
     return found
 
 
+# the server's own process, by the module it runs: vLLM's API server on a GPU, the workflow's CPU entry
+# (eagle3_workflow.serving.cpu_server, which forks its EngineCore) on the CPU
+SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "eagle3_workflow.serving.cpu_server")
+
+
+def server_process(pid: int) -> int:
+    """The vLLM server among `pid`'s descendants."""
+    found = [
+        p
+        for p in children(pid)
+        if any(m in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for m in SERVER_MODULES)
+    ]
+    assert found, f"no vLLM server ({' or '.join(SERVER_MODULES)}) below process {pid}"
+    return found[0]
+
+
 def descendants(pid: int) -> list[int]:
     out, todo = [], children(pid)
     while todo:
@@ -355,7 +371,7 @@ def test_a_stopped_engine_is_a_stall_not_progress(tiny_targets, tmp_path):
     stopped: list[int] = []
     try:
         wait_for_progress(proc, tmp_path / "progress.json", done_at_least=5)
-        server = next(p for p in children(proc.pid) if "vllm" in Path(f"/proc/{p}/cmdline").read_text())
+        server = server_process(proc.pid)
         stopped = descendants(server)
         assert stopped, "the server has no engine-core process to stop"
         for pid in stopped:
@@ -386,7 +402,7 @@ def test_a_dead_server_leaves_the_failed_block_last(tiny_targets, tmp_path):
     prepared = random_prepared(tmp_path / "prepared", samples=3000, tokens=48)
     proc = start_stage(tiny_targets("llama"), tmp_path, prepared, concurrency=8)
     wait_for_progress(proc, tmp_path / "progress.json", done_at_least=5)
-    server = next(p for p in children(proc.pid) if "vllm" in Path(f"/proc/{p}/cmdline").read_text())
+    server = server_process(proc.pid)
     os.kill(server, signal.SIGKILL)
     proc.communicate(timeout=120)
     assert proc.returncode == 1
