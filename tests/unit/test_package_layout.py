@@ -76,14 +76,14 @@ def imports_of(path: Path, root: Path) -> Iterator[tuple[int, str]]:
     """(line, dotted module) of every import of `root`'s package in `path`: import statements anywhere (inside
     functions and TYPE_CHECKING blocks too; relative ones resolved) and importlib.import_module("...") calls."""
     name = root.name
-    here = (name, *path.relative_to(root).with_suffix("").parts)
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         found: list[str] = []
         if isinstance(node, ast.Import):
             found = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
+            if node.level:  # a relative import: only inside the package
+                here = (name, *path.relative_to(root).with_suffix("").parts)
                 base = ".".join([*here[: -node.level], *([base] if base else [])])
             # from <package> import canary: the subpackage is what is imported
             found = [f"{base}.{alias.name}" for alias in node.names] if base == name else [base]

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import REPO
+from test_package_layout import imports_of
 
 SCRIPTS = REPO / "workflow" / "scripts"
 PACKAGE = SCRIPTS / "eagle3_workflow"
@@ -51,28 +52,9 @@ def entry_scripts() -> list[Path]:
 
 
 def imported_modules(path: Path) -> Iterator[str]:
-    """Every eagle3_workflow module `path` imports: import statements (relative ones resolved) and
-    ``import_module("...")`` calls with a literal name."""
-    relative_to = path.relative_to(SCRIPTS).with_suffix("").parts
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join([*relative_to[: -node.level], *([base] if base else [])])
-            if base == "eagle3_workflow":  # from eagle3_workflow import canary: the submodule is what is imported
-                yield from (f"{base}.{alias.name}" for alias in node.names)
-            else:
-                yield base
-        elif (
-            isinstance(node, ast.Call)
-            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            yield node.args[0].value
+    """Every eagle3_workflow module `path` imports (test_package_layout.imports_of: import statements, relative ones
+    resolved, and ``import_module("...")`` calls with a literal name)."""
+    return (module for _, module in imports_of(path, PACKAGE))
 
 
 def stage_package_of(module: str) -> str | None:
