@@ -504,3 +504,18 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid}: a slow test belongs in tests/integration or tests/e2e")
         item.add_marker(folder)
     order_for_workers(config, items)
+
+
+def shift_d2t(weights: Path) -> None:
+    """Each draft id of a draft's weights names its neighbour's target token (d2t holds target id - draft id): the
+    served-draft fault, and another vocabulary mapping as a retrained draft may have."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(weights), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(weights))
+    ids = torch.arange(len(tensors["d2t"]), dtype=tensors["d2t"].dtype)
+    tensors["d2t"] = torch.roll(ids + tensors["d2t"], -1) - ids
+    save_file(tensors, str(weights), metadata=metadata)

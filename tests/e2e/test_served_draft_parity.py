@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import evaluation, tiny_settings
+from conftest import evaluation, shift_d2t, tiny_settings
 
 from eagle3_workflow.evaluation.launch import (
     measurement_engine_kwargs,
@@ -38,19 +38,9 @@ def edit_config(draft: Path, change) -> None:
     (draft / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def shift_d2t(draft: Path) -> None:
-    """Each draft id names its neighbour's target token (d2t holds target id - draft id)."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    weights = str(draft / "model.safetensors")
-    with safe_open(weights, "pt") as f:
-        metadata = f.metadata()
-    tensors = load_file(weights)
-    ids = torch.arange(len(tensors["d2t"]), dtype=tensors["d2t"].dtype)
-    tensors["d2t"] = torch.roll(ids + tensors["d2t"], -1) - ids
-    save_file(tensors, weights, metadata=metadata)
+def shift_draft_d2t(draft: Path) -> None:
+    """Each draft id names its neighbour's target token (conftest.shift_d2t on the draft's weights)."""
+    shift_d2t(draft / "model.safetensors")
 
 
 def _flip_norm(config):
@@ -79,7 +69,7 @@ def _other_rope_theta(config):
 # of the rounding model (parity.py), so only the comparison of the served files with the checkpoint sees it there)
 FAULTS = {
     "norm_before_residual": (lambda d: edit_config(d, _flip_norm), "norm_before_residual: served", True),
-    "d2t": (shift_d2t, "vocabulary mapping d2t", True),
+    "d2t": (shift_draft_d2t, "vocabulary mapping d2t", True),
     "max_position_embeddings": (lambda d: edit_config(d, _cut_positions),
                                 "transformer_layer_config.max_position_embeddings: served 16", True),
     "rope_theta": (lambda d: edit_config(d, _other_rope_theta), "transformer_layer_config.rope_parameters: served",

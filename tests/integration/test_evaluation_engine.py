@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, evaluation, rules_run, run_workflow, synthetic_run_config, tiny_settings
+from conftest import REPO, evaluation, rules_run, run_workflow, shift_d2t, synthetic_run_config, tiny_settings
 from synthetic_run import build_scratch_draft, write_synthetic_run
 
 from eagle3_workflow.evaluation.launch import (
@@ -134,20 +134,6 @@ def test_evaluate_draft_rule_measures_acceptance_and_proves_lossless(scratch_dra
     # and the untrained draft is not built again (its files' mtimes are part of the keys at the 8B shape)
     assert log.count("reusing ") == 3 and "untrained baseline (kept: built by an earlier attempt" in log
     assert "measure_0, started early, got no spec (every run's result reused" in log
-
-
-def shift_d2t(weights: Path) -> None:
-    """The fault: each draft id names its neighbour's target token (d2t holds target id - draft id)."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    with safe_open(str(weights), "pt") as f:
-        metadata = f.metadata()
-    tensors = load_file(str(weights))
-    ids = torch.arange(len(tensors["d2t"]), dtype=tensors["d2t"].dtype)
-    tensors["d2t"] = torch.roll(ids + tensors["d2t"], -1) - ids
-    save_file(tensors, str(weights), metadata=metadata)
 
 
 @pytest.mark.slow

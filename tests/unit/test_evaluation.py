@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, evaluation, tiny_settings
+from conftest import REPO, evaluation, shift_d2t, tiny_settings
 from synthetic_run import build_scratch_draft
 
 from eagle3_workflow.evaluation.baseline import build_untrained_draft
@@ -583,21 +583,6 @@ def test_a_resumed_stage_keeps_the_untrained_draft_and_so_its_engines_keys(scrat
         first.path, first.description, first.frozen_tensors_differing)  # fmt: skip
 
 
-def roll_d2t(draft: Path) -> None:
-    """Another vocabulary mapping in the draft's weights, as a retrained draft may have."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    weights = draft / "model.safetensors"
-    with safe_open(str(weights), "pt") as f:
-        metadata = f.metadata()
-    tensors = load_file(str(weights))
-    ids = torch.arange(len(tensors["d2t"]), dtype=tensors["d2t"].dtype)
-    tensors["d2t"] = torch.roll(ids + tensors["d2t"], -1) - ids
-    save_file(tensors, str(weights), metadata=metadata)
-
-
 @pytest.mark.usefixtures("size_mtime_fingerprints")
 @pytest.mark.parametrize("change", ["retrained draft", "another target", "seed", "build cut short", "files touched"])
 def test_the_untrained_draft_is_built_again_when_what_decides_its_bytes_changed(change, scratch_draft, prepared,
@@ -614,7 +599,7 @@ def test_the_untrained_draft_is_built_again_when_what_decides_its_bytes_changed(
     build_untrained_draft(draft, target, out, seed)
     key = untrained_key(out, target, tmp_path / "work")
     if change == "retrained draft":
-        roll_d2t(draft)
+        shift_d2t(draft / "model.safetensors")
     elif change == "another target":
         target = Path(shutil.copytree(target, tmp_path / "target"))
     elif change == "seed":
