@@ -65,6 +65,7 @@ def run_check(target: Path, files: Path, samples: dict[int, list[int]], layer_id
         tolerance=DEFAULTS.full_depth_relative_tolerance,
         max_tokens=DEFAULTS.full_depth_max_tokens,
         trust_remote_code=False,
+        device="cpu",
     )
     seconds = time.monotonic() - started
     print(slot_table(report), file=sys.stderr)
@@ -200,6 +201,7 @@ def capture_from_reference(target: Path, files: Path, samples: dict[int, list[in
         batch,
         lambda label, s: kept.__setitem__(label, s.to(torch.bfloat16)) if label in wanted else None,
         trust_remote_code=False,
+        device="cpu",
     )
     files.mkdir(parents=True, exist_ok=True)
     for b, row in enumerate(rows):

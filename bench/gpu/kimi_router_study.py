@@ -73,7 +73,7 @@ def main() -> None:
                 ratio = size.median(dim=0).values / size.median()
                 outliers[int(label)] = round(float(ratio.topk(OUTLIER_CHANNELS).values.min()), 1)
 
-        stream_reference(target, batch, visit, trust_remote_code=False)
+        stream_reference(target, batch, visit, trust_remote_code=False, device="cpu")
     reference_s = time.monotonic() - started
     per_layer = {k: round(float(v.float().mean()), 4) for k, v in sorted(probe.ambiguous.items())}
     upstream, seen = {}, torch.zeros_like(next(iter(probe.ambiguous.values())))

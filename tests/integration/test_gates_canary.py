@@ -62,6 +62,7 @@ def canary(target: Path, work: Path, samples=None, messages=None, reference: str
         render_samples=2,
         trust_remote_code=False,
         reference=reference,
+        reference_device="cpu",
     )
     return run_canary(request)
 

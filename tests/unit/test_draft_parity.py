@@ -225,7 +225,9 @@ def test_the_reference_predicts_each_step_from_the_context_before_it(prepared, t
     layer_ids = json.loads((draft / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
     model = load_reference_draft(TrainedDraft(draft, layer_ids, False, ""), prepared["target"])
     trajectory = [1, 15, 27, 33, 48, 52, 61, 70, 88, 95, 101, 7, 9, 12]
-    full_aux, cut_aux = aux_states(prepared["target"], [trajectory, trajectory[:9]], layer_ids, trust_remote_code=False)
+    full_aux, cut_aux = aux_states(
+        prepared["target"], [trajectory, trajectory[:9]], layer_ids, trust_remote_code=False, device="cpu"
+    )
     full = predict(model, full_aux, trajectory, 3)
     cut = predict(model, cut_aux, trajectory[:9], 3)
     assert [len(z) for z in full.logits] == [len(trajectory) - 1] * 3 and full.num_draft_layers == 1

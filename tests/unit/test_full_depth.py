@@ -58,7 +58,7 @@ def test_streamed_reference_equals_a_plain_hf_forward(tmp_path, arch):
     assert (target / "model.safetensors.index.json").exists(), "the test means to read a sharded checkpoint"
     streamed: dict[str, torch.Tensor] = {}
     num_layers, peak = stream_reference(
-        target, SAMPLES, lambda label, s: streamed.__setitem__(label, s.clone()), trust_remote_code=False
+        target, SAMPLES, lambda label, s: streamed.__setitem__(label, s.clone()), trust_remote_code=False, device="cpu"
     )
     assert num_layers == 4
     assert set(streamed) == {"0", "1", "2", "3", "4", POST_NORM}
@@ -132,7 +132,14 @@ DEEP_SAMPLES = {0: SAMPLES[0], 1: SAMPLES[1], 2: SAMPLES[0][:20]}
 def test_full_depth_check_passes_a_right_capture(deep_target, tmp_path):
     write_capture(tmp_path / "files", deep_target, DEEP_SAMPLES, DEEP_IDS, {})
     report = full_depth_check(
-        deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=0.05, max_tokens=32, trust_remote_code=False
+        deep_target,
+        tmp_path / "files",
+        DEEP_SAMPLES,
+        DEEP_IDS,
+        tolerance=0.05,
+        max_tokens=32,
+        trust_remote_code=False,
+        device="cpu",
     )
     assert report.passed, failure_message(report)
     assert report.rows == [0, 1] and report.tokens == [32, 11]  # the longest (cut to max_tokens), the shortest
@@ -145,7 +152,14 @@ def test_full_depth_check_names_every_slot_taken_from_the_wrong_depth(deep_targe
     """Past the canary's slice only: id 9 from layer 10, and id 12 (the verifier's) after the final norm."""
     write_capture(tmp_path / "files", deep_target, DEEP_SAMPLES, DEEP_IDS, {9: 10, 12: POST_NORM})
     report = full_depth_check(
-        deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=0.05, max_tokens=64, trust_remote_code=False
+        deep_target,
+        tmp_path / "files",
+        DEEP_SAMPLES,
+        DEEP_IDS,
+        tolerance=0.05,
+        max_tokens=64,
+        trust_remote_code=False,
+        device="cpu",
     )
     assert report.passed is False
     assert {s.claimed: s.best for s in report.slots if not s.ok} == {9: "10", 12: POST_NORM}
@@ -159,7 +173,14 @@ def test_full_depth_check_names_every_slot_taken_from_the_wrong_depth(deep_targe
 def test_an_error_above_tolerance_on_the_right_layers_gets_the_drift_advice(deep_target, tmp_path):
     write_capture(tmp_path / "files", deep_target, DEEP_SAMPLES, DEEP_IDS, {})
     report = full_depth_check(
-        deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, tolerance=1e-4, max_tokens=16, trust_remote_code=False
+        deep_target,
+        tmp_path / "files",
+        DEEP_SAMPLES,
+        DEEP_IDS,
+        tolerance=1e-4,
+        max_tokens=16,
+        trust_remote_code=False,
+        device="cpu",
     )
     assert report.passed is False
     assert all(s.best == str(s.claimed) for s in report.slots)
@@ -192,7 +213,7 @@ def test_a_quantized_checkpoint_is_refused_with_the_cause(tmp_path):
     config["quantization_config"] = {"quant_method": "compressed-tensors"}
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedTarget) as info:
-        stream_reference(target, [[5, 6, 7]], lambda *_: None, trust_remote_code=False)
+        stream_reference(target, [[5, 6, 7]], lambda *_: None, trust_remote_code=False, device="cpu")
     assert "quantized (compressed-tensors)" in str(info.value)
     assert "validation.full_depth_check: false" in str(info.value)
 
@@ -203,4 +224,29 @@ def test_a_checkpoint_without_a_layer_is_refused_naming_it(tmp_path):
     config["num_hidden_layers"] = 4  # the checkpoint has layers 0..2 only
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedTarget, match="no tensor of decoder layer 3"):
-        stream_reference(target, [[5, 6, 7]], lambda *_: None, trust_remote_code=False)
+        stream_reference(target, [[5, 6, 7]], lambda *_: None, trust_remote_code=False, device="cpu")
+
+
+def test_a_reference_device_this_process_lacks_fails_with_the_fix():
+    from eagle3_workflow.reference.full_depth import reference_device
+
+    assert reference_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for one without")
+    with pytest.raises(StageError, match=r"reference.device is cuda, but this process sees no CUDA device .*Fix: "):
+        reference_device("cuda")
+    with pytest.raises(StageError, match=r"reference.device is 'tpu'; it must be one of \['cpu', 'cuda'\]"):
+        reference_device("tpu")
+
+
+def test_the_reference_device_reaches_the_report(deep_target, tmp_path):
+    """reference.device through full_depth_check: cpu recorded in the report; cuda on a machine without one refused
+    with the fix before any layer is read."""
+    write_capture(tmp_path / "files", deep_target, DEEP_SAMPLES, DEEP_IDS, {})
+    check = dict(tolerance=0.05, max_tokens=16, trust_remote_code=False)
+    report = full_depth_check(deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, device="cpu", **check)
+    assert report.passed and report.reference_device == "cpu"
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for one without")
+    with pytest.raises(StageError, match="reference.device is cuda, but this process sees no CUDA device"):
+        full_depth_check(deep_target, tmp_path / "files", DEEP_SAMPLES, DEEP_IDS, device="cuda", **check)

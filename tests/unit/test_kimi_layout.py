@@ -379,7 +379,7 @@ def reference_stats(target: Path) -> tuple[dict[int, torch.Tensor], dict[int, fl
                 size = states.abs().float().reshape(-1, states.shape[-1])
                 ratios[int(label)] = size.median(dim=0).values / size.median()
 
-        stream_reference(target, batch, visit, trust_remote_code=False)
+        stream_reference(target, batch, visit, trust_remote_code=False, device="cpu")
     return ratios, {layer: float(flags.float().mean()) for layer, flags in probe.ambiguous.items()}
 
 

@@ -136,7 +136,7 @@ def test_the_full_depth_check_sees_moe_routing_and_none_on_a_dense_target(tmp_pa
         target = random_target(tmp_path / arch, arch, 4)
         write_capture(tmp_path / arch / "files", target, samples, [2, 4], {})
         report = full_depth_check(target, tmp_path / arch / "files", samples, [2, 4], tolerance=0.05, max_tokens=64,
-                                  trust_remote_code=False)  # fmt: skip
+                                  trust_remote_code=False, device="cpu")  # fmt: skip
         assert report.passed and report.proof == "hf_fp32"
         ambiguous = sum(s.ambiguous_tokens for s in report.slots)
         assert (ambiguous > 0) is moe, (arch, [s.model_dump() for s in report.slots])

@@ -101,7 +101,9 @@ def as_kimi_wrapper(flat: Path, out: Path) -> Path:
 
 def streamed(target: Path) -> dict[str, torch.Tensor]:
     states: dict[str, torch.Tensor] = {}
-    stream_reference(target, SAMPLES, lambda label, s: states.__setitem__(label, s.clone()), trust_remote_code=False)
+    stream_reference(
+        target, SAMPLES, lambda label, s: states.__setitem__(label, s.clone()), trust_remote_code=False, device="cpu"
+    )
     return states
 
 

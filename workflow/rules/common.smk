@@ -160,6 +160,12 @@ def hidden_states_plan():
     )
 
 
+def reference_gpus():
+    """GPUs of a job whose only GPU work is the fp32 reference (validate_hidden_states): one with
+    reference.device: cuda, else none."""
+    return 1 if config["reference"]["device"] == "cuda" else 0
+
+
 def gpu_resources(gpus):
     """SLURM resources for a rule using `gpus` GPUs, 0 = a CPU job (plugin >= 2.7.1 reads `gpu`/`gpu_model`).
     The run's config may name partitions and the GPU model. Where it says null: a CPU job gets the profile's

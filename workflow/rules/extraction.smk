@@ -44,11 +44,11 @@ rule validate_hidden_states:
         log_of("validate_hidden_states"),
     conda:
         CONDA_ENV
-    # the full-depth check runs an fp32 forward of the whole target on CPU: threads help a large one (locally
-    # Snakemake caps them at --cores)
+    # the full-depth check runs an fp32 forward of the whole target, on CPU (threads help a large one; locally
+    # Snakemake caps them at --cores) or, with reference.device: cuda, on one GPU
     threads: 8
     resources:
-        **gpu_resources(0),
+        **gpu_resources(reference_gpus()),
     params:
         files_dir=out("hidden_states", "files"),
         settings=stage_params("validate_hidden_states"),

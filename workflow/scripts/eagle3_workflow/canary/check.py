@@ -144,6 +144,7 @@ def inspect_files(
     repeat_dir: Path,
     tolerance: float,
     trust_remote_code: bool,
+    reference_device: str,
     opened: Callable[[], Target] | None = None,
 ) -> FileFindings:
     """Read every extracted file once: format checks, and (hf_fp32) against the streamed fp32 reference of every
@@ -170,7 +171,7 @@ def inspect_files(
         target = opened() if opened is not None else None
         with comparison.routing:
             num_layers, _ = stream_reference(piece.model_dir, batch, comparison, trust_remote_code=trust_remote_code,
-                                             opened=target)  # fmt: skip
+                                             opened=target, device=reference_device)  # fmt: skip
     except UnsupportedTarget as exc:
         raise StageError(
             f"the canary's fp32 reference cannot run the slice of this target: {exc.reason}. {NO_REFERENCE_FIX}"
@@ -258,6 +259,7 @@ class CanaryRequest:
     canary_layers: int | None  # None: as few as cover every layer type (canary_layer_count)
     trust_remote_code: bool  # target.trust_remote_code (its default is the schema's)
     reference: Literal["hf_fp32", "self_consistency"] = HF_FP32  # canary.reference: which proof runs
+    reference_device: str  # reference.device: where the hf_fp32 reference's layers run
 
 
 def run_canary(request: CanaryRequest) -> CanaryReport:
@@ -296,7 +298,7 @@ def _run_on_slice(request: CanaryRequest, piece: CanarySlice) -> CanaryReport:
         ]
     found = inspect_files(samples, piece, proof, files_dir=files.folder, repeat_dir=repeat.folder,
                           tolerance=request.tolerance, trust_remote_code=request.trust_remote_code,
-                          opened=opened)  # fmt: skip
+                          opened=opened, reference_device=request.reference_device)  # fmt: skip
     checks = build_checks(found, piece, render_problems, tolerance=request.tolerance, proof=proof)
     return CanaryReport(
         passed=all(c.passed for c in checks),
@@ -305,6 +307,7 @@ def _run_on_slice(request: CanaryRequest, piece: CanarySlice) -> CanaryReport:
         canary_layer_ids=piece.layer_ids,
         proof=proof,
         reference=REFERENCE_NOTES[proof],
+        reference_device=request.reference_device,
         tolerance=request.tolerance,
         per_layer_max_rel_error=found.max_rel,
         per_layer_mean_rel_error=found.mean_rel,

@@ -23,6 +23,7 @@ from eagle3_workflow.settings.views import stage_settings
 
 
 def main(snakemake: Any) -> None:
+    from eagle3_workflow.reference.full_depth import reference_device
     from eagle3_workflow.runtime.gpu_placement import holding_gpus
     from eagle3_workflow.runtime.stage import run_stage
 
@@ -33,6 +34,8 @@ def main(snakemake: Any) -> None:
         if not api.passed:
             raise StageError("api_compat.json says passed=false; the canary will not start")
         canary = settings.canary
+        if canary.reference == "hf_fp32":
+            reference_device(settings.reference.device)  # a device this job lacks fails now, not after the server
         samples, messages = pick_samples(
             Path(snakemake.input.prepared), canary.num_samples, canary.max_tokens_per_sample
         )
@@ -50,6 +53,7 @@ def main(snakemake: Any) -> None:
             render_samples=canary.render_samples,
             trust_remote_code=settings.target.trust_remote_code,
             reference=canary.reference,
+            reference_device=settings.reference.device,
         )
         report = run_canary(request)
         refuse_or_log(report, log)

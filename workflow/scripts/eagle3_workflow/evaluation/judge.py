@@ -66,6 +66,7 @@ def judge_measurements(
     reference: str,
     trust_remote_code: bool,
     decode: Callable[[Sequence[int]], str],
+    reference_device: str,
 ) -> Judgement:
     """The measurements judged: the lossless verdict, each draft's results and the report's notes, the train/serve
     consistency and the draft parity check, logged with the summary table."""
@@ -79,7 +80,7 @@ def judge_measurements(
     consistency = train_serve_consistency(draft, results["trained"], settings)
     parity = draft_parity(measured.lossless["trained"], prompt_set, draft=draft, target=target,
                           k=settings.num_speculative_tokens, dtype=logit_dtype, trust_remote_code=trust_remote_code,
-                          decode=decode)  # fmt: skip
+                          decode=decode, reference_device=reference_device)  # fmt: skip
     report = report.model_copy(update={"consistency": consistency, "parity": parity})
     log.info("\n%s", summary_table(report))
     log.info(

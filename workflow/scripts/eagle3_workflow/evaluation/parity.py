@@ -342,12 +342,14 @@ def check_parity(
     dtype: str,
     trust_remote_code: bool,
     decode: Callable[[Sequence[int]], str],
+    reference_device: str,
 ) -> DraftParity:
     """The parity check of the served draft: the reference predicted on the served trajectories, judged."""
     trained = trained_draft(draft)
     model = load_reference_draft(trained, target)
     trajectories = [s.prompt + s.output for s in served]
-    states = aux_states(target, trajectories, trained.layer_ids, trust_remote_code=trust_remote_code)
+    states = aux_states(target, trajectories, trained.layer_ids, trust_remote_code=trust_remote_code,
+                        device=reference_device)  # fmt: skip
     predicted = [predict(model, aux, trajectory, k) for aux, trajectory in zip(states, trajectories, strict=True)]
     to_target = target_ids(model)
     to_draft = {t: d for d, t in enumerate(to_target)}
@@ -384,6 +386,7 @@ def draft_parity(
     dtype: str,
     trust_remote_code: bool,
     decode: Callable[[Sequence[int]], str],
+    reference_device: str,
 ) -> DraftParity:
     """The stage's step: the trained draft's parity pass (a RunResult) judged; "off" without one."""
     if not trained.parity_steps:
@@ -396,7 +399,8 @@ def draft_parity(
               for p, o, s, q in zip(prompt_set.prompts[:n], trained.parity_outputs, trained.parity_steps, proposals,
                                     strict=True)]  # fmt: skip
     parity = check_parity(served, prompt_indices=list(range(n)), draft=draft, target=target, k=k, dtype=dtype,
-                          trust_remote_code=trust_remote_code, decode=decode)  # fmt: skip
+                          trust_remote_code=trust_remote_code, decode=decode,
+                          reference_device=reference_device)  # fmt: skip
     if not parity.independent:
         log.warning("draft parity: %s", parity.reference)
     log.info("draft parity %s: %d of %d served steps agree with the trained draft's prediction, %d excused as ties "

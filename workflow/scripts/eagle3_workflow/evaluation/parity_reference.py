@@ -131,7 +131,7 @@ def target_ids(model: Any) -> list[int]:
 
 
 def aux_states(target: Path, trajectories: Sequence[Sequence[int]], layer_ids: Sequence[int], *,
-               trust_remote_code: bool) -> list[Any]:  # fmt: skip
+               trust_remote_code: bool, device: str) -> list[Any]:  # fmt: skip
     """Per trajectory [T, len(layer_ids) x H]: the fp32 reference's inputs of the aux layers (vLLM's convention)."""
     import torch
 
@@ -144,5 +144,6 @@ def aux_states(target: Path, trajectories: Sequence[Sequence[int]], layer_ids: S
         if label in wanted:
             got[label] = states.detach().float().clone()
 
-    stream_reference(target, [list(t) for t in trajectories], visit, trust_remote_code=trust_remote_code)
+    stream_reference(target, [list(t) for t in trajectories], visit, trust_remote_code=trust_remote_code,
+                     device=device)  # fmt: skip
     return [torch.cat([got[str(i)][b, : len(t)] for i in layer_ids], dim=-1) for b, t in enumerate(trajectories)]

@@ -80,7 +80,8 @@ def evaluate_draft(
                                                               log_path=log_path)  # fmt: skip
     judgement = judge_measurements(measured, evaluation, draft=draft, untrained=untrained, target=target,
                                    logit_dtype=resolved_dtype(dtype, target), numerics=numerics, reference=reference,
-                                   trust_remote_code=trust_remote_code, decode=decode)  # fmt: skip
+                                   trust_remote_code=trust_remote_code, decode=decode,
+                                   reference_device=stage.reference.device)  # fmt: skip
     refuse_failed_checks(judgement, evaluation, draft=draft)
     return judgement.report
 

@@ -91,6 +91,7 @@ class CanaryReport(Artefact):
     # within tolerance of its own; self_consistency = only two extractions bit-identical (weaker: asked for)
     proof: Literal["hf_fp32", "self_consistency"]
     reference: str
+    reference_device: str = "cpu"  # reference.device: where the hf_fp32 reference's layers ran
     tolerance: float
     per_layer_max_rel_error: dict[str, float]
     per_layer_mean_rel_error: dict[str, float]
@@ -193,6 +194,7 @@ class FullDepthReport(Artefact):
     slots: list[DepthSlot]
     largest_layer_bytes: int  # the most weight bytes (fp32) held at once: one decoder layer, or the embedding
     wall_s: float
+    reference_device: str = "cpu"  # reference.device: where the fp32 layers ran (cpu, or cuda with TF32 off)
     note: str = ""
 
 

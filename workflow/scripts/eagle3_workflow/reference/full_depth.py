@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -111,6 +112,7 @@ class Target:
     files: dict[str, str]
     prefix: str
     quantized: QuantizedCheckpoint | None
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
     def names(self) -> list[str]:
         """The skeleton's names of the checkpoint's tensors (those outside `prefix` left out: the vision tower)."""
@@ -119,7 +121,8 @@ class Target:
     def read(self, target_dir: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tensors `names` (skeleton names), as plain fp32/stored weights: quantized modules dequantized."""
         stored = read_tensors(target_dir, self.files, [self.prefix + name for name in names])
-        tensors = {name.removeprefix(self.prefix): tensor for name, tensor in stored.items()}
+        # on the reference's device before dequantizing: on a GPU the int4 unpacking is its fastest part
+        tensors = {name.removeprefix(self.prefix): tensor.to(self.device) for name, tensor in stored.items()}
         if self.quantized is None:
             return tensors
         try:
@@ -242,7 +245,13 @@ def preflight(target_dir: Path, *, trust_remote_code: bool) -> str:
 
 
 def load_module(
-    model: Any, module: Any, tensors: dict[str, torch.Tensor], what: str, *, skip: str | None = None
+    model: Any,
+    module: Any,
+    tensors: dict[str, torch.Tensor],
+    what: str,
+    *,
+    skip: str | None = None,
+    device: torch.device | None = None,
 ) -> int:
     """Load checkpoint `tensors` into `module` of the meta `model` through transformers' own conversion (renames,
     fused experts), in the skeleton's dtype (fp32). Returns the bytes now held; refuses when any weight of `module`
@@ -251,8 +260,10 @@ def load_module(
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    # dtype None: each tensor takes the dtype of the skeleton's parameter (fp32; the embedding: keep_stored_dtype)
-    config = LoadStateDictConfig(dtype=None, weight_mapping=get_model_conversion_mapping(model))
+    # dtype None: each tensor takes the dtype of the skeleton's parameter (fp32; the embedding: keep_stored_dtype);
+    # every weight placed on the reference's device (transformers' device_map, one device for all)
+    placed = {"": device if device is not None else torch.device("cpu")}
+    config = LoadStateDictConfig(dtype=None, weight_mapping=get_model_conversion_mapping(model), device_map=placed)
     info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=tensors, load_config=config)
     problems = [
         f"{label} {sorted(keys)[:5]}"
@@ -336,6 +347,10 @@ class LayerStream:
         self.now = self.peak = 0
         self.started = time.monotonic()
 
+    def handed(self, label: str, states: torch.Tensor) -> None:
+        """`visit` gets every depth on the CPU, whatever device the reference runs on (the comparisons are there)."""
+        self.visit(label, states.to("cpu"))
+
     def hold(self, nbytes: int) -> None:
         self.now += nbytes
         self.peak = max(self.peak, self.now)
@@ -345,8 +360,9 @@ class LayerStream:
             if not self.per_layer[index]:
                 raise unsupported(self.target_dir, f"its checkpoint has no tensor of decoder layer {index}")
             tensors = self.target.read(self.target_dir, self.per_layer[index])
-            self.hold(load_module(self.target.model, self.layers[index], tensors, f"decoder layer {index}"))
-            self.visit(str(index), args[0] if args else kwargs["hidden_states"])
+            what = f"decoder layer {index}"
+            self.hold(load_module(self.target.model, self.layers[index], tensors, what, device=self.target.device))
+            self.handed(str(index), args[0] if args else kwargs["hidden_states"])
 
         return hook
 
@@ -354,7 +370,7 @@ class LayerStream:
         def hook(module: Any, _args: tuple, output: Any) -> None:
             last = self.num_layers - 1
             if index == last:
-                self.visit(str(self.num_layers), _first_tensor(output))
+                self.handed(str(self.num_layers), _first_tensor(output))
             nbytes = weight_bytes(module)
             free(module)
             self.now -= nbytes
@@ -373,11 +389,52 @@ class LayerStream:
         """Every hook on the target's modules; the handles, to remove."""
         decoder = self.target.decoder
         hooks = [decoder.get_input_embeddings().register_forward_hook(self.after_embedding)]
-        hooks.append(decoder.norm.register_forward_hook(lambda _m, _a, out: self.visit(POST_NORM, _first_tensor(out))))
+        hooks.append(decoder.norm.register_forward_hook(lambda _m, _a, out: self.handed(POST_NORM, _first_tensor(out))))
         for index, layer in enumerate(self.layers):
             hooks.append(layer.register_forward_pre_hook(self.before_layer(index), with_kwargs=True))
             hooks.append(layer.register_forward_hook(self.after_layer(index)))
         return hooks
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def reference_device(name: str) -> torch.device:
+    """The device the reference runs on (config `reference.device`): cpu, or cuda where this process sees a GPU;
+    StageError with the fix otherwise."""
+    if name not in DEVICES:
+        raise StageError(f"reference.device is {name!r}; it must be one of {list(DEVICES)}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise StageError(
+            "reference.device is cuda, but this process sees no CUDA device (torch.cuda.is_available() is False; "
+            f"torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Fix: run "
+            "the stage where a GPU is visible (its rule's gpu resources), or set reference.device: cpu"
+        )
+    return torch.device(name)
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """fp32 matmuls and convolutions in full fp32 on a GPU (no TF32, whatever another library set): the reference is
+    the fp32 forward the tolerances are derived against, on any device."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    precision = torch.get_float32_matmul_precision()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        torch.set_float32_matmul_precision(precision)
+
+
+def place_computed_buffers(model: Any, device: torch.device) -> None:
+    """The buffers build_skeleton computed on the CPU (rotary inverse frequencies) moved to `device`; the weights
+    stay on the meta device until their layer is read."""
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def stream_reference(
@@ -386,23 +443,31 @@ def stream_reference(
     visit: Visit,
     *,
     trust_remote_code: bool,
+    device: str,
     opened: Target | None = None,
 ) -> tuple[int, int]:
     """Run the fp32 HF forward of `batch` through the whole target, one decoder layer in memory at a time, and call
     ``visit(label, states)`` with states [B, T, H] for every depth in vLLM's convention: str(k), k in 0..N-1, the
     input of layer k; str(N) the pre-norm output of the last layer; POST_NORM the final norm's output. Positions
     past a sample's length are padding. Returns (N, the most weight bytes held at once). `opened`: the skeleton
-    open_target already built for this folder (the canary builds it while its server starts), used once."""
+    open_target already built for this folder (the canary builds it while its server starts), used once. `device`
+    (config `reference.device`): where the layers run, cpu or cuda; the states reach `visit` on the CPU either way."""
+    placed = reference_device(device)
     target = opened if opened is not None else open_target(target_dir, trust_remote_code=trust_remote_code)
+    target.device = placed
+    place_computed_buffers(target.model, placed)
     stream = LayerStream(target, target_dir, visit)
     decoder = target.decoder
     hooks = stream.install()
-    input_ids, mask = right_padded(batch, pad_id=0)
+    input_ids, mask = (t.to(placed) for t in right_padded(batch, pad_id=0))
+    if placed.type != "cpu":
+        log.info("full-depth reference on %s (%s)", placed, torch.cuda.get_device_name(placed))
     try:
-        with _quiet_loading():
+        with _quiet_loading(), exact_fp32():
             tensors = target.read(target_dir, stream.outside)
             keep_stored_dtype(decoder.get_input_embeddings(), tensors)
-            stream.hold(load_module(target.model, decoder, tensors, "embedding and final norm", skip="layers"))
+            what = "embedding and final norm"
+            stream.hold(load_module(target.model, decoder, tensors, what, skip="layers", device=placed))
             del tensors
             with torch.inference_mode():
                 decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)

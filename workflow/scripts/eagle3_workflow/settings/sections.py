@@ -207,6 +207,12 @@ class ValidationSettings(ValidationFullDepth):
     full_depth_relative_tolerance: Number
 
 
+class ReferenceSettings(View):
+    """reference.device: where the fp32 reference runs (canary, validation's full-depth proof, evaluation's parity)."""
+
+    device: Literal["cpu", "cuda"]
+
+
 # --- train, evaluate ---------------------------------------------------------------------------------------------
 
 

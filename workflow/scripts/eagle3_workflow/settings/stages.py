@@ -19,6 +19,7 @@ from eagle3_workflow.settings.sections import (
     HiddenStatesSettings,
     KimiTarget,
     OnlineTrainSettings,
+    ReferenceSettings,
     RegenerateSettings,
     TargetCheckQuestions,
     TargetDtype,
@@ -83,11 +84,13 @@ class CheckApiStage(View):
     validation: ValidationFullDepth
     target: TargetTrust
     vllm: VllmDevice
+    reference: ReferenceSettings
 
 
 class CanaryStage(ServingStage):
     canary: CanarySettings
     extraction: ExtractionStall
+    reference: ReferenceSettings
 
 
 class ExtractHiddenStatesStage(ServingStage):
@@ -103,6 +106,7 @@ class ExtractHiddenStatesOnlineStage(ExtractHiddenStatesStage):
 class ValidateHiddenStatesStage(View):
     validation: ValidationSettings
     target: TargetTrust
+    reference: ReferenceSettings
 
 
 class ValidateHiddenStatesOnlineStage(ValidateHiddenStatesStage):
@@ -129,6 +133,7 @@ class EvaluateDraftStage(View):
     vllm: VllmSettings
     train: TrainDataRatio
     target: TargetLoad
+    reference: ReferenceSettings
 
 
 class PackageDraftStage(View):

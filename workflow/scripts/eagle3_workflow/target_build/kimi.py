@@ -298,7 +298,7 @@ def write_weights(
     seed: int,
     quantized: bool,
     weights: str,
-    device: str = "cpu",
+    device: str | None = None,
 ) -> int:
     """Random tensors of `shapes` (one generator on `device`, name order: deterministic for a seed and a device
     type), reshaped by TrainedLike when `weights` is trained_like, the routed experts packed when `quantized` (in
@@ -306,7 +306,7 @@ def write_weights(
     never the whole model in memory. Returns the number of tensors written."""
     import torch
 
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device or "cpu").manual_seed(seed)  # None: the CPU
     hidden = shapes["language_model.model.norm.weight"][0]
     realism = TrainedLike(hidden, seed) if weights == "trained_like" else None
     writer = ShardWriter(out_dir, shard_plan(shapes, quantized=quantized))
@@ -368,9 +368,11 @@ def check_shape(shape: KimiShape) -> None:
         )
 
 
-def build_kimi_k25_target(out_dir: Path, corpus_files: list[Path], shape: KimiShape, *, device: str = "cpu") -> Path:
+def build_kimi_k25_target(
+    out_dir: Path, corpus_files: list[Path], shape: KimiShape, *, device: str | None = None
+) -> Path:
     """The stand-in of `shape` (target.build) in `out_dir`, with a tokenizer trained on `corpus_files`; its weights
-    drawn (and its experts packed) on `device` ("cuda" on a GPU machine: the real width in minutes)."""
+    drawn (and its experts packed) on `device` (None: the CPU; "cuda" on a GPU machine: the real width in minutes)."""
     check_shape(shape)
     quantized = shape.quantization == "int4"
     tokenizer = build_tokenizer(corpus_files, shape.vocab_size)

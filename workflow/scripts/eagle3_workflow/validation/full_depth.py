@@ -109,6 +109,7 @@ def full_depth_check(
     tolerance: float,
     max_tokens: int,
     trust_remote_code: bool,
+    device: str,
 ) -> FullDepthReport:
     """Every captured id of the longest and the shortest of `samples` (row -> input ids, files in `files_dir`)
     against the streamed fp32 reference of the whole target; the report names every wrong slot."""
@@ -121,7 +122,9 @@ def full_depth_check(
         [read_slots(files_dir, row, len(ids)) for row, ids in zip(rows, batch, strict=True)], layer_ids
     )
     with comparison.routing:
-        num_layers, peak = stream_reference(target_dir, batch, comparison, trust_remote_code=trust_remote_code)
+        num_layers, peak = stream_reference(
+            target_dir, batch, comparison, trust_remote_code=trust_remote_code, device=device
+        )
     try:
         matches = comparison.matches(num_layers)
     except ValueError as exc:
@@ -141,6 +144,7 @@ def full_depth_check(
         slots=slots,
         largest_layer_bytes=peak,
         wall_s=round(time.monotonic() - started, 2),
+        reference_device=device,
     )
 
 
@@ -221,7 +225,13 @@ def check_stage(
         log.warning("%s", UNSAFE_OFF)
         return disabled_report(layer_ids, **limits)
     report = full_depth_check(
-        target_dir, files_dir, samples, layer_ids, trust_remote_code=settings.target.trust_remote_code, **limits
+        target_dir,
+        files_dir,
+        samples,
+        layer_ids,
+        trust_remote_code=settings.target.trust_remote_code,
+        device=settings.reference.device,
+        **limits,
     )
     if not report.passed:
         raise StageError(failure_message(report))

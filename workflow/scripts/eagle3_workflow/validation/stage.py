@@ -25,11 +25,13 @@ def main(snakemake: Any) -> None:
     import torch
 
     from eagle3_workflow.files.prepared import read_input_ids
+    from eagle3_workflow.runtime.gpu_placement import holding_gpus
     from eagle3_workflow.runtime.stage import run_stage
     from eagle3_workflow.settings.stages import online_check_samples, rule_settings_model
     from eagle3_workflow.settings.views import stage_settings
     from eagle3_workflow.validation import full_depth
 
+    @holding_gpus(snakemake)  # reference.device cuda: the rule's one GPU (reference_gpus); else nothing to hold
     def body(log: logging.Logger) -> None:
         torch.set_num_threads(max(1, int(snakemake.threads)))
         api = load(ApiCompatReport, snakemake.input.api_compat)
