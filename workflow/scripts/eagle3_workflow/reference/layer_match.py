@@ -194,7 +194,7 @@ class RoutingProbe:
             return
         gap, bound = decision
         self.decisions += 1
-        flagged = (gap < bound).reshape(self.shape)
+        flagged = (gap < bound).reshape(self.shape).cpu()  # the reference may run on a GPU (reference.device)
         self.ambiguous[self.layer] = self.ambiguous.get(self.layer, torch.zeros_like(flagged)) | flagged
 
     def __enter__(self) -> RoutingProbe:
