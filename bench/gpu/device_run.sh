@@ -20,8 +20,9 @@
 #   bash bench/gpu/device_run.sh restore    RESTORE=<bundle folder>: build the target in $WORK, then put an earlier
 #                                           lease's check_target and regenerate_responses outputs into the run
 #                                           (bench/gpu/restore_run.py checks target, settings and sha256 first)
-#   bash bench/gpu/device_run.sh shm        SHM=canary|run: the canary's slice (or the whole run) in /dev/shm, for
-#                                           the real-width Kimi stand-in (docs/gpu.md); before pipeline
+#   bash bench/gpu/device_run.sh shm        SHM="canary train"|run: the canary's slice, the trainer's work folder (or
+#                                           the whole run) in /dev/shm, for the real-width Kimi stand-in (docs/gpu.md);
+#                                           before pipeline
 #   bash bench/gpu/device_run.sh data       the SmolLM2 preset's regenerated conversations (a restore bundle) unpacked
 #                                           into $WORK/bench-data/, for bench/gpu/llama8b-shape-speed.yaml
 #   bash bench/gpu/device_run.sh collect    logs, small artefacts and each run folder's sizes (du) into $OUT
@@ -220,18 +221,28 @@ step_faultcheck() {
 
 # the real-width Kimi-K2.5 stand-in (docs/gpu.md): its 54 GB checkpoint and the canary's ~11 GB slice do not both
 # fit the 64 GiB disk. SHM=canary (the default): the canary's scratch folder, where it writes its slice, in /dev/shm
-# (memory) through a link; SHM=run: the whole run folder there (when the disk has less than ~60 GiB free). Before
-# the pipeline step; /dev/shm goes with the machine
+# (memory) through a link; SHM="canary train": its trainer's work folder too (two 6.9 GB checkpoints beside the target
+# overflowed the disk on 2026-12-06); SHM=run: the whole run folder there (when the disk has less than ~60 GiB free).
+# Before the pipeline step; /dev/shm goes with the machine
 step_shm() {
   df -h "$WORK" /dev/shm 2>/dev/null || df -h / /dev/shm
-  local dest="/dev/shm/$RUN"
-  if [ "${SHM:-canary}" = run ]; then
-    mkdir -p "$WORK/results" "$dest"
-    [ -L "$WORK/results/$RUN" ] || { [ -d "$WORK/results/$RUN" ] && cp -a "$WORK/results/$RUN/." "$dest/" && rm -rf "$WORK/results/$RUN"; ln -s "$dest" "$WORK/results/$RUN"; }
-  else
-    mkdir -p "$WORK/results/$RUN/checks" "$dest-canary_work"
-    ln -sfn "$dest-canary_work" "$WORK/results/$RUN/checks/canary_work"
-  fi
+  local dest="/dev/shm/$RUN" part
+  for part in ${SHM:-canary}; do
+    case $part in
+      run)
+        mkdir -p "$WORK/results" "$dest"
+        [ -L "$WORK/results/$RUN" ] || { [ -d "$WORK/results/$RUN" ] && cp -a "$WORK/results/$RUN/." "$dest/" && rm -rf "$WORK/results/$RUN"; ln -s "$dest" "$WORK/results/$RUN"; } ;;
+      canary)
+        mkdir -p "$WORK/results/$RUN/checks" "$dest-canary_work"
+        ln -sfn "$dest-canary_work" "$WORK/results/$RUN/checks/canary_work" ;;
+      train)
+        # the trainer's checkpoints (6.9 GB each for the real-width Kimi draft) beside a 54 GB target overflow the
+        # 64 GiB disk (2026-12-06): train_work in memory, before train_draft first runs
+        mkdir -p "$WORK/results/$RUN" "$dest-train_work"
+        [ -L "$WORK/results/$RUN/train_work" ] || { [ -d "$WORK/results/$RUN/train_work" ] && cp -a "$WORK/results/$RUN/train_work/." "$dest-train_work/" && rm -rf "$WORK/results/$RUN/train_work"; ln -s "$dest-train_work" "$WORK/results/$RUN/train_work"; } ;;
+      *) stamp "shm: SHM=$part is none of run, canary, train"; return 2 ;;
+    esac
+  done
   stamp "in /dev/shm (${SHM:-canary}): $(ls -l "$WORK/results/$RUN" "$WORK/results/$RUN/checks/canary_work" 2>/dev/null | grep -- '->' | sed 's/.* \([^ ]* -> [^ ]*\)$/\1/' | tr '\n' ' ')"
 }
 
