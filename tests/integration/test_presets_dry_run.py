@@ -179,3 +179,20 @@ def test_cpu_trainer_ranks_size_the_train_draft_job(tmp_path):
     [train] = [job for job in parse_dry_run_plan(proc.stdout + proc.stderr) if job.rule == "train_draft"]
     assert train.threads == 2 * (1 + 1), train
     assert train.resources.get("gpu") in (None, "0"), train
+
+
+def test_the_reference_on_the_gpu_gives_validation_a_gpu_job(tmp_path):
+    """reference.device: cuda runs validate_hidden_states' full-depth reference on a GPU: its job asks the site's GPU
+    partition for one, where with the default (cpu) it is a CPU job."""
+    shape = PRESETS["llama-3.1-8b"]
+    env = {"SNAKEMAKE_SLURM_GPU_PARTITION": SITE_GPU_PARTITION, "SNAKEMAKE_SLURM_CPU_PARTITION": SITE_CPU_PARTITION}
+    jobs = {}
+    for device in ("cpu", "cuda"):
+        (tmp_path / device).mkdir()
+        paths = user_paths_file(tmp_path / device, shape, extra={"reference": {"device": device}})
+        plan = parse_dry_run_plan(dry_run(tmp_path / device, [preset_path("llama-3.1-8b"), paths], env=env))
+        [jobs[device]] = [job for job in plan if job.rule == "validate_hidden_states"]
+    assert jobs["cpu"].resources.get("gpu") in (None, "0"), jobs["cpu"]
+    assert jobs["cpu"].resources.get("slurm_partition") == SITE_CPU_PARTITION, jobs["cpu"]
+    assert jobs["cuda"].resources.get("gpu") == "1", jobs["cuda"]
+    assert jobs["cuda"].resources.get("slurm_partition") == SITE_GPU_PARTITION, jobs["cuda"]
