@@ -165,10 +165,15 @@ def _resume_point(save_dir: Path, kept: bool) -> CheckpointInfo | None:
     return resumed_from
 
 
-def _room_for_checkpoints(settings: TrainSettings, target: Path, save_dir: Path, *, captured_layers: int) -> int:
+def _room_for_checkpoints(settings: TrainSettings, target: Path, save_dir: Path, *, captured_layers: int) -> int | None:
     """One checkpoint's estimated bytes, once the file system has been found to hold every epoch folder still to be
-    written (StageError with the numbers and the fixes if not: issue #41)."""
-    need = checkpoint_need(target, save_dir, settings=settings, captured_layers=captured_layers)
+    written (StageError with the numbers and the fixes if not: issue #41). None, with a warning, for a target
+    config.json the estimate cannot size (speculators may still build a draft from it: no reason to refuse)."""
+    try:
+        need = checkpoint_need(target, save_dir, settings=settings, captured_layers=captured_layers)
+    except StageError as exc:
+        log.warning("the checkpoint disk check is skipped: %s", exc)
+        return None
     space = require_checkpoint_space(need, save_dir, margin=settings.disk_margin)
     log.info(
         "checkpoints: %d epoch folder(s) still to write x ~%d bytes; %s has %d bytes free (train.disk_margin %s)",
