@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, kill_tree, train_settings, wait_until
+from conftest import REPO, fill_up, kill_tree, train_settings, wait_until
 from tiny_training import TRAIN, train_record
 
 from eagle3_workflow.files.artefacts import write
@@ -29,6 +29,7 @@ from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.files.writing import process_umask
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.entry import FROZEN_LINE
+from eagle3_workflow.training.checkpoint_space import FILES_OVERHEAD_BYTES, checkpoint_need
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
 
@@ -295,6 +296,13 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
     assert train["loss"].iloc[-1] < train["loss"].iloc[0]  # it learned something
 
     model = Eagle3DraftModel.from_pretrained(str(draft))
+    # the disk gate's estimate of a checkpoint (issue #41) against the two the trainer wrote: its tensors exact, the
+    # small files (config, scheduler, zip records) within its overhead allowance
+    need = checkpoint_need(train_inputs["target"], tmp_path / "train_work" / "checkpoints",
+                           settings=train_settings(TRAIN), captured_layers=len(LAYER_IDS) - 1)  # fmt: skip
+    for epoch in (0, 1):
+        written = sum(f.stat().st_size for f in (tmp_path / "train_work" / "checkpoints" / str(epoch)).iterdir())
+        assert need.per_checkpoint - FILES_OVERHEAD_BYTES < written <= need.per_checkpoint, (epoch, written, need)
     d2t = np.load(tmp_path / "train_work" / "data" / f"d2t-{TRAIN['draft_vocab_size']}.npy")
     assert (model.d2t.cpu().numpy() == d2t).all()
     assert summary.resumed_from is None
@@ -476,6 +484,52 @@ def test_sigterm_after_a_checkpoint_resumes_from_the_newer_interrupt_save_with_t
     steps = train_rows(tmp_path)
     assert list(steps["global_step"]) == list(range(summary.steps))
     assert list(steps["attempt"]) == [1] * 5 + [2] * (summary.steps - 5)
+
+
+def test_train_draft_refuses_before_the_trainer_when_the_disk_cannot_hold_its_checkpoints(train_inputs, small_disk):
+    """Issue #41: the H100's disk filled while writing epoch 1's checkpoint, after an epoch of training, and the
+    trainer said only `basic_ios::clear: iostream error`. Here the work directory sits on a 24 MiB tmpfs another job
+    has filled to ~1 MiB short: the 2 epochs' checkpoints (~2.9 MiB each with the estimate's files overhead) cannot
+    fit, and train_draft refuses with the numbers before any trainer starts."""
+    filler = small_disk / "other-job.bin"
+    fill_up(filler)
+    with open(filler, "r+b") as handle:  # leave ~1 MiB: the work directory's links and vocab mapping fit
+        handle.truncate(filler.stat().st_size - (1 << 20))
+    with pytest.raises(StageError) as refused:
+        run_training(train_inputs, small_disk)
+    message = str(refused.value)
+    assert message.startswith("not enough disk for the trainer's checkpoints: 2 epoch folder(s) still to write")
+    assert f"{small_disk} (the file system holding {small_disk / 'train_work' / 'checkpoints'}) has " in message
+    assert "room for 0." in message
+    assert not list((small_disk / "train_work" / "logs").glob("trainer-attempt-*.log"))  # no trainer started
+    assert not (small_disk / "draft").exists()
+
+
+@pytest.mark.slow
+def test_a_trainer_that_dies_on_a_disk_filled_during_training_says_disk_full(train_inputs, small_disk):
+    """Issue #41's failure itself: the gate passed, then another job filled the disk while epoch 0 trained (here
+    at the trainer's "Training epoch 1/1 started" line), and the trainer died writing the checkpoint. The stage's error
+    starts with the cause, the free bytes now and the fix, then the trainer's traceback as before. Without the
+    classification the error was the traceback alone."""
+    filled = []
+
+    def on_line(line: str) -> None:
+        if "Training epoch 1/1 started" in line and not filled:
+            filled.append(line)
+            fill_up(small_disk / "other-job.bin")
+
+    settings = train_settings({**TRAIN, "epochs": 1})
+    with pytest.raises(StageError) as failure:
+        train_draft(settings, **train_inputs, work_dir=small_disk / "train_work", out_dir=small_disk / "draft",
+                    trust_remote_code=False, cpu_threads=2, on_line=on_line)  # fmt: skip
+    message = str(failure.value)
+    assert filled, message
+    save_dir = small_disk / "train_work" / "checkpoints"
+    # the first write to fail here is the trainer's metric log (train_work/logs, the same file system)
+    assert message.startswith("disk full: the trainer died when a write failed: OSError: [Errno 28] "), message
+    assert f"{small_disk} (the file system holding {save_dir}) has 0 B free now" in message
+    assert "Fix: free space on" in message
+    assert "speculators train exited with code 1." in message and "First traceback:" in message
 
 
 @pytest.mark.slow

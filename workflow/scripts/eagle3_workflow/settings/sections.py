@@ -261,6 +261,7 @@ class TrainSettings(TrainDataRatio):
     num_workers: int
     seed: int
     checkpoint_freq: Number
+    disk_margin: Number
     runtime_minutes: int
     extra_args: tuple[str, ...]
     hidden_states: Literal["offline", "online"]

@@ -9,11 +9,13 @@ import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from eagle3_workflow.files.disk import space_of
 from eagle3_workflow.files.draft_artefacts import CheckpointInfo
 from eagle3_workflow.runtime.child import ChildProcess, first_traceback, traceback_span
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.command import TrainDevice
 from eagle3_workflow.trainer.entry import DEVICE_ENV, METRICS_ENV
+from eagle3_workflow.training.checkpoint_space import checkpoint_write_failure, write_failure_sentence
 from eagle3_workflow.training.checkpoints import latest_checkpoint, outlook_on_disk
 from eagle3_workflow.training.workdir import attempt_files
 
@@ -90,8 +92,11 @@ def _shorten(line: str, limit: int = 400) -> str:
     return line if len(line) <= limit else f"{line[:limit]}... ({len(line) - limit} more characters)"
 
 
-def trainer_failure(rc: int, command: list[str], lines: list[str], attempt_log: Path) -> StageError:
-    """The failure as a person reads it: how it ended, the first traceback, and the lines around it."""
+def trainer_failure(
+    rc: int, command: list[str], lines: list[str], attempt_log: Path, *, checkpoint_bytes: int | None = None
+) -> StageError:
+    """The failure as a person reads it: a failed checkpoint write's cause and fix first (a full disk shows in
+    torch.save only as a stream error), then how it ended, the first traceback, and the lines around it."""
     if rc < 0:
         how = f"was killed by signal {signal.Signals(-rc).name}" + (" (out of memory?)" if rc == -9 else "")
     else:
@@ -111,9 +116,15 @@ def trainer_failure(rc: int, command: list[str], lines: list[str], attempt_log: 
             context = f"{quoted}\nLast {TAIL_LINES} lines:\n" + "\n".join(
                 _shorten(line) for line in lines[-TAIL_LINES:]
             )
+    save_dir = attempt_log.parent.parent / "checkpoints"
+    write_failed = checkpoint_write_failure(lines)
+    cause = ""
+    if write_failed is not None:
+        space = space_of(save_dir)
+        cause = write_failure_sentence(write_failed, space, save_dir=save_dir, per_checkpoint=checkpoint_bytes) + "\n"
     return StageError(
-        f"speculators train {how}.\ncommand: {' '.join(command)}\n{context}\n"
-        f"Full output: {attempt_log}. Checkpoints written so far stay in {attempt_log.parent.parent / 'checkpoints'} "
+        f"{cause}speculators train {how}.\ncommand: {' '.join(command)}\n{context}\n"
+        f"Full output: {attempt_log}. Checkpoints written so far stay in {save_dir} "
         "and the rerun resumes from the newest complete one."
     )
 
@@ -146,6 +157,7 @@ def run_attempt(
     epochs: int,
     on_line: Callable[[str], None],
     watch: Callable[[], None] | None = None,
+    checkpoint_bytes: int | None = None,
 ) -> CheckpointInfo:
     """One launch of the trainer, logged to its own file; the final checkpoint, or StageError saying why not."""
     attempt = len(list(logs_dir.glob("trainer-attempt-*.log"))) + 1
@@ -161,7 +173,7 @@ def run_attempt(
             f"Output: {attempt_log}"
         )
     if rc != 0:
-        raise trainer_failure(rc, command, lines, attempt_log)
+        raise trainer_failure(rc, command, lines, attempt_log, checkpoint_bytes=checkpoint_bytes)
     final = latest_checkpoint(save_dir)
     if final is not None and final.ends_training(epochs):
         return final

@@ -27,7 +27,7 @@ log = logging.getLogger("eagle3.training")
 
 # Train settings that may change between a kill and the rerun without invalidating the checkpoints
 # (train.online: how the online server is sized and how failures are handled, not what the samples are)
-RESUME_NEUTRAL_SETTINGS = {"gpus", "num_workers", "runtime_minutes", "checkpoint_freq", "online"}
+RESUME_NEUTRAL_SETTINGS = {"gpus", "num_workers", "runtime_minutes", "checkpoint_freq", "disk_margin", "online"}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
