@@ -28,8 +28,9 @@ from eagle3_workflow.files.hidden_states import hs_file
 from eagle3_workflow.files.target_artefacts import ApiCompatReport
 from eagle3_workflow.files.writing import process_umask
 from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.trainer.checkpoint_size import FILES_OVERHEAD_BYTES
 from eagle3_workflow.trainer.entry import FROZEN_LINE
-from eagle3_workflow.training.checkpoint_space import FILES_OVERHEAD_BYTES, checkpoint_need
+from eagle3_workflow.training.checkpoint_space import checkpoint_need
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
 

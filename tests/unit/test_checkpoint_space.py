@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 
 from eagle3_workflow.files.disk import FileSystemSpace, mount_point, space_of
-from eagle3_workflow.training.checkpoint_space import (
+from eagle3_workflow.trainer.checkpoint_size import (
     FILES_OVERHEAD_BYTES,
-    CheckpointNeed,
     checkpoint_bytes,
-    checkpoint_write_failure,
     draft_tensors,
     folders_to_write,
     saved_epochs,
+)
+from eagle3_workflow.training.checkpoint_space import (
+    CheckpointNeed,
+    checkpoint_write_failure,
     space_refusal,
     write_failure_sentence,
 )

@@ -24,6 +24,7 @@ from eagle3_workflow.forecast.shape import active_params_per_token, draft_params
 from eagle3_workflow.reference.target_config import text_section
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.settings.stages import trains_online
+from eagle3_workflow.trainer.checkpoint_size import checkpoint_bytes, draft_tensors, saved_epochs
 
 REPO_ROOT = Path(__file__).resolve().parents[4]  # the cost tables name their reference shapes from here
 DEFAULT_COSTS = REPO_ROOT / "config" / "costs" / "h200.yaml"
@@ -87,6 +88,13 @@ def run_shape(config: dict[str, Any], text: dict[str, Any], samples: int, tokens
             "the offline run (train.hidden_states: offline) for now"
         )
     ids = config["hidden_states"].get("layer_ids")
+    captured = len(ids) if ids else DEFAULT_CAPTURED_IDS
+    draft = draft_tensors(
+        text,
+        draft_layers=int(train["draft_layers"]),
+        draft_vocab_size=int(train["draft_vocab_size"]),
+        captured_layers=captured - 1,
+    )  # fmt: skip  (the last id is the verifier's, not an fc input)
     return RunShape(
         samples=samples,
         tokens=tokens,
@@ -94,13 +102,15 @@ def run_shape(config: dict[str, Any], text: dict[str, Any], samples: int, tokens
         target_params_per_token=active_params_per_token(text),
         draft_params_per_token=draft_params_per_token(text, int(train["draft_vocab_size"])),
         hidden_size=int(text["hidden_size"]),
-        captured_ids=len(ids) if ids else DEFAULT_CAPTURED_IDS,
+        captured_ids=captured,
         replicas=int(extraction["replicas"]),
         gpus_per_replica=int(extraction["gpus_per_replica"]),
         train_gpus=int(train["gpus"]),
         epochs=int(train["epochs"]),
         train_data_ratio=float(train["train_data_ratio"]),
         eager=bool(config["vllm"]["enforce_eager"]),
+        checkpoint_bytes=checkpoint_bytes(draft, str(train["optimizer"])),
+        saved_checkpoints=len(saved_epochs(int(train["epochs"]), float(train["checkpoint_freq"]))),
     )
 
 

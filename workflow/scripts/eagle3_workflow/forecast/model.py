@@ -11,7 +11,9 @@ How each figure is made, and what it assumes (each assumption is one the next GP
 - train_draft: the measured steady rate of the reference draft (tokens/s on one GPU, steps after the first) scaled
   by the draft's parameters per token, times epochs over the training rows' tokens; the GPUs share the tokens
   (data-parallel, linear); one measured fixed cost per run (staging, trainer start, the first step's compilation on
-  a fresh node, validation passes and saves: the measured run's wall minus its steady steps).
+  a fresh node, validation passes and saves: the measured run's wall minus its steady steps). Disk: the trainer's
+  checkpoints (trainer.checkpoint_size: the draft in bf16 with its optimizer state, every saved epoch kept; 0.03% over
+  the 8B shape's three measured on 2026-12-06), which the trainer's own check refuses to start without.
 Each forecast keeps its two parts (`start_s`, paid once; `per_token_s`, the rest) so that a measured run says which
 part missed (bench/gpu/forecast_check.py).
 - The other stages have no cost measured at a shape that scales: they are listed, not forecast.
@@ -63,6 +65,8 @@ class RunShape:
     epochs: int
     train_data_ratio: float
     eager: bool = False  # vllm.enforce_eager: the extraction server starts without compilation or CUDA graphs
+    checkpoint_bytes: int | None = None  # one saved epoch of the trainer (trainer.checkpoint_size), None: unknown
+    saved_checkpoints: int = 0  # how many epochs save one (speculators keeps every one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +114,22 @@ def training_forecast(run: RunShape, costs: CostTable) -> StageForecast:
     trained = run.tokens * run.train_data_ratio * run.epochs
     gpu_s = trained * run.draft_params_per_token / (rate.tokens_per_s * rate.params_per_token)
     wall = rate.start_s + gpu_s / run.train_gpus
+    disk = run.checkpoint_bytes * run.saved_checkpoints if run.checkpoint_bytes is not None else None
+    checkpoints = (
+        f"; disk: {run.saved_checkpoints} checkpoint(s) of {run.checkpoint_bytes / 1e9:.2f} GB, all kept"
+        if run.checkpoint_bytes is not None
+        else ""
+    )
     return StageForecast(
         stage="train_draft",
         gpu_hours=run.train_gpus * wall / 3600,
         wall_s=wall,
-        disk_bytes=None,
+        disk_bytes=disk,
         basis=(
             f"{run.epochs} epoch(s) x {run.tokens * run.train_data_ratio:,.0f} training tokens x "
             f"{run.draft_params_per_token / 1e9:.3f}B draft params/token at {rate.tokens_per_s:,.0f} tok/s per GPU "
             f"for {rate.params_per_token / 1e9:.3f}B ({rate.source}); {run.train_gpus} GPU(s), "
-            f"{rate.start_s:.0f} s fixed per run{start_when(rate)}"
+            f"{rate.start_s:.0f} s fixed per run{start_when(rate)}{checkpoints}"
         ),
         start_s=rate.start_s,
         per_token_s=gpu_s / run.train_gpus,

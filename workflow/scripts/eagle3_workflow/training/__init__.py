@@ -7,8 +7,8 @@ Which module owns what:
 - ``workdir``: the resumable ``train_work/``: fingerprint, data links, vocab mapping, launch files;
 - ``checkpoints``: which saved state is the newest complete one (``interrupted/`` included), putting it where
   speculators resumes from, and the stop line's sentence saying what the rerun will do;
-- ``checkpoint_space``: the bytes a checkpoint takes (the draft speculators builds, in bf16, with the optimizer's
-  state), the refusal before training when the file system cannot hold the epochs still to be saved, and the
+- ``checkpoint_space``: the refusal before training when the file system cannot hold the epochs still to be saved
+  (their bytes: trainer.checkpoint_size), and the
   "disk full" cause of a trainer that died on a failed write (issue #41);
 - ``launcher``: one launch of the trainer through ``runtime.ChildProcess`` (torchrun on several GPUs), and what its
   exit means;

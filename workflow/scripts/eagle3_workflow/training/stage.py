@@ -192,7 +192,7 @@ class _TrainingPlan:
     target_layer_ids: list[int]
     mapping_sha: dict[str, str]
     resumed_from: CheckpointInfo | None
-    checkpoint_bytes: int | None = None  # one saved epoch's, estimated (training/checkpoint_space.py)
+    checkpoint_bytes: int | None = None  # one saved epoch's, estimated (trainer/checkpoint_size.py)
 
 
 @dataclasses.dataclass
