@@ -28,11 +28,11 @@ fails otherwise.
 from __future__ import annotations
 
 import compileall
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -90,9 +90,7 @@ def loaded_files(modules: Iterable[object], site_packages: Path) -> set[Path]:
 def beside(loaded: Iterable[Path], site_packages: Path) -> list[Path]:
     """Every .py file in the directories the loaded files are in (not below them), the test suites left out."""
     folders = {path.parent for path in loaded}
-    return sorted(
-        path for folder in folders for path in folder.glob("*.py") if not is_test_suite(path, site_packages)
-    )
+    return sorted(path for folder in folders for path in folder.glob("*.py") if not is_test_suite(path, site_packages))
 
 
 def import_all(names: Iterable[str], required: Iterable[str]) -> None:
@@ -125,8 +123,11 @@ def cache_model_info() -> None:
         logging.disable(logging.WARNING)  # what the inspection notes of each class, vLLM's subprocess kept to itself
         found = [registry.ModelRegistry._try_inspect_model_cls(arch) for arch in MODEL_CLASSES]
         logging.disable(logging.NOTSET)
-        print("setup: vLLM model info cached for", ", ".join(a for a, i in zip(MODEL_CLASSES, found) if i is not None))
-    except Exception as e:
+        print(
+            "setup: vLLM model info cached for",
+            ", ".join(a for a, i in zip(MODEL_CLASSES, found, strict=True) if i is not None),
+        )
+    except Exception as e:  # noqa: BLE001 - whatever failed, it only costs the first run the inspection
         print("setup: vLLM's model-info cache not prepared (the first run pays it):", repr(e))
 
 
@@ -149,18 +150,14 @@ def run_side(side: str, out: Path) -> None:
     out.write_text(json.dumps(sorted(str(p) for p in loaded_files(list(sys.modules.values()), site_packages))))
 
 
-def compile_one(path: str) -> bool:
-    # quiet=2: a file that does not compile (a package's Python 2 example) is skipped, as pip would; its import, if
-    # any, reports it
-    return bool(compileall.compile_file(path, quiet=2))
-
-
 def compile_beside(loaded: Iterable[Path], site_packages: Path) -> int:
     """Compile, on every core, the files beside the loaded ones that have no .pyc yet; how many there were."""
     todo = [str(p) for p in beside(loaded, site_packages) if not Path(importlib.util.cache_from_source(p)).exists()]
     if todo:
+        # quiet=2: a file that does not compile (a package's Python 2 example) is skipped, as pip would; its import,
+        # if any, reports it
         with ProcessPoolExecutor() as pool:
-            list(pool.map(compile_one, todo, chunksize=32))
+            list(pool.map(functools.partial(compileall.compile_file, quiet=2), todo, chunksize=32))
     return len(todo)
 
 
