@@ -46,7 +46,23 @@ REQUIRED = ("torch", "vllm", "speculators", "snakemake")
 VLLM_SIDE = (
     "torch",
     "vllm",
+    # the OpenAI server: its routers (imported when the app is built), the HTTP and websocket protocols and the
+    # lifespan uvicorn picks when it starts, the metrics middleware
     "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.launchers.api_server.entry",
+    "vllm.entrypoints.serve",
+    "vllm.entrypoints.openai.models.api_router",
+    "vllm.entrypoints.generate.api_router",
+    "vllm.entrypoints.generate.structured_decisions.api_router",
+    "vllm.entrypoints.serve.sagemaker.api_router",
+    "model_hosting_container_standards.sagemaker",
+    "vllm.entrypoints.scale_out.factories",
+    "uvicorn.protocols.http.httptools_impl",
+    "uvicorn.protocols.websockets.websockets_sansio_impl",
+    "uvicorn.lifespan.on",
+    "prometheus_fastapi_instrumentator",
+    # the engine: the offline one (evaluation, regeneration) and the server's EngineCore, its CPU worker and model
+    # runner, attention, EAGLE proposer, model loader and the quantization configs it reads
     "vllm.entrypoints.llm",
     "vllm.v1.engine.core",
     "vllm.v1.engine.async_llm",
@@ -56,6 +72,7 @@ VLLM_SIDE = (
     "vllm.v1.attention.backends.cpu_attn",
     "vllm.v1.spec_decode.eagle",
     "vllm.model_executor.model_loader",
+    "compressed_tensors",
 )
 REST = (
     "snakemake",
@@ -65,6 +82,8 @@ REST = (
     "datasets",
     "speculators",
     "speculators.train.cli",
+    "jsonschema",
+    "pytest",
     "eagle3_workflow",
 )
 MODEL_CLASSES = ("LlamaForCausalLM", "ExtractHiddenStatesModel", "Eagle3LlamaForCausalLM")
