@@ -2,14 +2,16 @@
 
     .venv/bin/python envs/compile_working_set.py            # run by envs/setup_cpu.sh after uv installed the lock
 
-About a third of site-packages' 22,000 modules is ever imported by a run (7,800 after `make demo` and `make test-fast`,
-2026-12-06); compiling every file took 32 of the 56 CPU-seconds of `make setup`, and creating its .pyc files a
-good share of the kernel's time on a slow day. The set is found, not listed: two processes import what the
-workflow's processes import, each writing the .pyc of every module it loads (whatever PYTHONDONTWRITEBYTECODE
-says: setup is the one time it is paid); then each directory they loaded a module from is compiled whole, on
-every core (vLLM, torch and transformers load more of a directory when an engine starts than when imported). A
-module outside the set compiles on its first import as Python always does (and, where PYTHONDONTWRITEBYTECODE is
-set, on each import). The packages' own test suites (tests/ and test/ folders) are never compiled.
+About a third of site-packages' 22,100 modules (the packages' test suites left out) is ever imported by a run:
+7,800 after a tiny `make demo` and `make test-fast` (2026-12-06). Compiling every file took 32 of the 56 CPU-seconds
+of `make setup` on the quiet VM, and creating its .pyc files much of the kernel's time on a slow day. The set is
+found, not listed: two processes import what the workflow's processes import, each writing the .pyc of every
+module it loads (whatever PYTHONDONTWRITEBYTECODE says: setup is the one time it is paid); then every file in a
+directory they loaded a module from is compiled, on every core (an engine that starts loads more of vLLM's,
+torch's and transformers' directories than their imports do). 9,165 files in all, 2026-12-06. A module outside the
+set compiles on its first import, as Python always does, and its .pyc is written then; where
+PYTHONDONTWRITEBYTECODE is set, it compiles again on every import (a tiny extraction server's start loads ~100
+such modules). The packages' own test suites (tests/ and test/ folders) are never compiled.
 
 The two processes:
 - the vLLM side: torch, vLLM, the modules an OpenAI server, its EngineCore and a CPU worker load, and vLLM's
@@ -18,8 +20,9 @@ The two processes:
   demo` for it (2026-12-02). It inspects in a subprocess of its own (to keep CUDA out of the server's process), one
   more import of vLLM per class; this process, which has nothing to keep CUDA out of, is that subprocess for all
   three. A failure of the cache only costs the first run that time again.
-- the rest: Snakemake, speculators' trainer, and every module of the workflow's package (what its stages import at
-  their top), the modules without torch first, so that the vLLM side has compiled torch by the time this one needs it.
+- the rest: Snakemake, pandas, matplotlib, pytest, speculators' trainer, and every module of the workflow's package
+  (what its stages import at their top), those without torch first, so that the vLLM side has compiled torch by the
+  time this one needs it. A workflow module that fails to import is reported and skipped (its stage will say why).
 An entry point missing from a later version (a renamed vLLM module) is reported and skipped: it only costs the
 first run the compiling of what it would have loaded. vLLM, torch, speculators and Snakemake must import: setup
 fails otherwise.
@@ -80,10 +83,10 @@ REST = (
     "pandas",
     "matplotlib.pyplot",
     "datasets",
-    "speculators",
-    "speculators.train.cli",
     "jsonschema",
     "pytest",
+    "speculators",
+    "speculators.train.cli",
     "eagle3_workflow",
 )
 MODEL_CLASSES = ("LlamaForCausalLM", "ExtractHiddenStatesModel", "Eagle3LlamaForCausalLM")
@@ -127,8 +130,10 @@ def import_walk(package: str) -> None:
     """Import every module of a package (the workflow's: what its stages import at their top)."""
     import pkgutil
 
-    top = importlib.import_module(package)
-    import_all((info.name for info in pkgutil.walk_packages(top.__path__, f"{package}.")), ())
+    import_all([package], ())
+    if package in sys.modules:
+        names = pkgutil.walk_packages(sys.modules[package].__path__, f"{package}.")
+        import_all((info.name for info in names), ())
 
 
 def cache_model_info() -> None:

@@ -113,10 +113,11 @@ fi
 # promise to call, may not run.
 echo "import atexit, gc; gc.set_threshold(50000, 20, 100); atexit.register(gc.freeze)" \
   > "$site_packages/eagle3-gc-thresholds.pth"
-# Byte-compiled: what the workflow's processes import, found by importing it, and the files beside those, on every
-# core (envs/compile_working_set.py: about 9,000 of site-packages' 22,000 modules; compiling them all took 32 of
-# the 56 CPU-seconds of setup). The same two processes check that the environment imports and prepare vLLM's
-# model-info cache; the rest compiles on first use, as Python does.
+# Byte-compiled: what the workflow's processes import, found by importing it, and the other files of the folders it
+# came from, on every core; not the rest of site-packages, which compiles on first use as Python does
+# (envs/compile_working_set.py: 9,165 of 22,096 files; compiling them all took 32 of setup's 56 CPU-seconds on the
+# quiet VM). The same two processes check that the environment imports (vLLM, torch,
+# speculators, Snakemake) and prepare vLLM's model-info cache.
 "$venv/bin/python" "$root/envs/compile_working_set.py"
 if [ ! -s "$lock" ]; then
   # first build on a new pin set: record the lock so every later build is identical: the freeze, with the sha256 of
