@@ -10,7 +10,7 @@ module it loads (whatever PYTHONDONTWRITEBYTECODE says: setup is the one time it
 directory they loaded a module from is compiled, on every core (an engine that starts loads more of vLLM's,
 torch's and transformers' directories than their imports do). 9,165 files in all, 2026-12-06. A module outside the
 set compiles on its first import, as Python always does, and its .pyc is written then; where
-PYTHONDONTWRITEBYTECODE is set, it compiles again on every import (a tiny extraction server's start loads ~100
+PYTHONDONTWRITEBYTECODE is set, it compiles again on every import (a tiny extraction server's start loads 47
 such modules). The packages' own test suites (tests/ and test/ folders) are never compiled.
 
 The two processes:
