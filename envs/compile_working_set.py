@@ -197,8 +197,12 @@ def main() -> int:
         sides = {side: subprocess.Popen([sys.executable, __file__, side, str(out)]) for side, out in outs.items()}
         failed = [side for side, proc in sides.items() if proc.wait() != 0]
         if failed:
-            print(f"setup: the {' and '.join(failed)} side's imports failed (above): the environment is broken",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"setup: the {' and '.join(failed)} side's imports failed (the traceback above names the module): "
+                "the environment does not import; rebuild it (rm -rf .venv && make setup), or, after a change to "
+                "envs/requirements-cpu.txt, re-lock (rm envs/constraints-cpu.txt && make setup)",
+                file=sys.stderr,
+            )
             return 1
         loaded = {Path(p) for out in outs.values() for p in json.loads(out.read_text())}
     compiled = compile_beside(loaded, site_packages)
