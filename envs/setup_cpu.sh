@@ -42,7 +42,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
   exit 0
 fi
 
-echo "setup: building .venv with $py_id (35.5 s measured in a fresh clone on this 2-core VM, 50-84 s on the simulated slow day, 2026-12-06, every package cache empty: README.md, \"Setup\")"
+echo "setup: building .venv with $py_id (32 s and 36 s measured in fresh clones on this 2-core VM, 64 s and 68 s on the simulated slow day, 2026-12-06, every package cache empty: README.md, \"Setup\")"
 # a venv made by another interpreter is made again (its packages are reinstalled below)
 if [ -x "$venv/bin/python" ] \
    && [ "$("$venv/bin/python" -c 'import os, sys; print(os.path.realpath(sys._base_executable), sys.version.split()[0])' 2>/dev/null)" != "$py_id" ]; then
