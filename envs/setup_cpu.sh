@@ -31,7 +31,7 @@ else
   fi
 fi
 py_id=$("$py" -c 'import os, sys; print(os.path.realpath(sys.executable), sys.version.split()[0])')
-setup_hash() { { cat "$0" "$req" $( [ -f "$lock" ] && echo "$lock"); echo "$py_id"; } | sha256sum | cut -c1-16; }
+setup_hash() { { cat "$0" "$root/envs/compile_working_set.py" "$req" $( [ -f "$lock" ] && echo "$lock"); echo "$py_id"; } | sha256sum | cut -c1-16; }
 want=$(setup_hash)
 
 # up to date: the stamp of a verified build (which ended importing them all, below) and the packages still there;
@@ -42,7 +42,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
   exit 0
 fi
 
-echo "setup: building .venv with $py_id (48 s and 52 s measured in fresh clones on this 2-core VM, 2026-12-06, every package cache empty: README.md, \"Setup\")"
+echo "setup: building .venv with $py_id (32 s and 36 s measured in fresh clones on this 2-core VM, 64 s and 68 s on the simulated slow day, 2026-12-06, every package cache empty: README.md, \"Setup\")"
 # a venv made by another interpreter is made again (its packages are reinstalled below)
 if [ -x "$venv/bin/python" ] \
    && [ "$("$venv/bin/python" -c 'import os, sys; print(os.path.realpath(sys._base_executable), sys.version.split()[0])' 2>/dev/null)" != "$py_id" ]; then
@@ -113,46 +113,12 @@ fi
 # promise to call, may not run.
 echo "import atexit, gc; gc.set_threshold(50000, 20, 100); atexit.register(gc.freeze)" \
   > "$site_packages/eagle3-gc-thresholds.pth"
-# Byte-compiled on every core at once (compileall -j 0; pip compiles one file at a time, and uv's --compile-bytecode,
-# parallel too, would take every file), before anything imports the packages. The packages' own test suites (tests/
-# and test/ folders: 3,172 of the 25,268 files, a quarter of the compile time), which nothing of a run imports, are
-# left to compile if something ever does. As pip would have, a file that does not compile (a package's Python 2
-# example, say) is skipped: its import, if any, reports it. (The pattern starts at site-packages: a clone under a
-# folder named test/ compiles the same.)
-test_suites="^$("$venv/bin/python" -c 'import re, sys; print(re.escape(sys.argv[1]))' "$site_packages")/(.+/)?tests?/"
-"$venv/bin/python" -m compileall -q -j 0 -x "$test_suites" "$site_packages" >/dev/null 2>&1 &
-compiling=$!
-# One process checks that the environment imports and prepares vLLM's model-info cache. vLLM inspects each model
-# class once per installed version and caches the answer in ~/.cache/vllm/modelinfos: the tiny run's first server
-# and its first EAGLE-3 engine paid 24 s and 10 s of `make demo` for it (2026-12-02). vLLM inspects in a subprocess
-# of its own (to keep CUDA out of the server's process), one more import of vLLM per class (~12 s of CPU each on
-# 2 cores); this process, which has nothing to keep CUDA out of, is that subprocess for all three: one import of
-# vLLM instead of four. A failure of the cache only costs the first run that time again. It runs while compileall
-# does (after it, alone, it kept one core busy and the other idle for its ~7 s of CPU): what it imports it compiles
-# itself, and compileall skips what is compiled already.
-"$venv/bin/python" - <<'PYEOF' || { kill "$compiling" 2>/dev/null; exit 1; }
-import importlib.metadata
-import logging
-
-import snakemake  # noqa: F401
-import speculators  # noqa: F401
-import torch
-import vllm
-
-print("setup: torch", torch.__version__, "vllm", vllm.__version__, "speculators", importlib.metadata.version("speculators"))
-try:
-    from vllm.model_executor.models import registry
-
-    registry._run_in_subprocess = lambda inspect: inspect()
-    archs = ["LlamaForCausalLM", "ExtractHiddenStatesModel", "Eagle3LlamaForCausalLM"]
-    logging.disable(logging.WARNING)  # what the inspection notes of each class, vLLM's subprocess kept to itself
-    found = [registry.ModelRegistry._try_inspect_model_cls(arch) for arch in archs]
-    logging.disable(logging.NOTSET)
-    print("setup: vLLM model info cached for", ", ".join(a for a, info in zip(archs, found) if info is not None))
-except Exception as e:
-    print("setup: vLLM's model-info cache not prepared (the first run pays it):", repr(e))
-PYEOF
-wait "$compiling" || true
+# Byte-compiled: what the workflow's processes import, found by importing it, and the other files of the folders it
+# came from, on every core; not the rest of site-packages, which compiles on first use as Python does
+# (envs/compile_working_set.py: 9,165 of 22,096 files; compiling them all took 32 of setup's 56 CPU-seconds on the
+# quiet VM). The same two processes check that the environment imports (vLLM, torch,
+# speculators, Snakemake) and prepare vLLM's model-info cache.
+"$venv/bin/python" "$root/envs/compile_working_set.py"
 if [ ! -s "$lock" ]; then
   # first build on a new pin set: record the lock so every later build is identical: the freeze, with the sha256 of
   # every file each pinned version has on the indexes (uv pip compile --no-deps --generate-hashes resolves nothing
