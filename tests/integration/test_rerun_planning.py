@@ -64,13 +64,21 @@ READS: dict[str, set[str]] = {
         "vllm/device",
     },
     # the extraction client's stall limits: the canary goes through the production client
-    "canary": {"canary", "extraction/stall_timeout_s", "extraction/stall_factor", *SERVES_TARGET},
+    # reference/device: where the fp32 reference runs (canary, full depth, draft parity)
+    "canary": {"canary", "extraction/stall_timeout_s", "extraction/stall_factor", "reference", *SERVES_TARGET},
     "extract_hidden_states": {"extraction", *SERVES_TARGET},
-    "validate_hidden_states": {"validation", "target/trust_remote_code"},
+    "validate_hidden_states": {"validation", "target/trust_remote_code", "reference"},
     # the whole section: train.gpus picks torchrun or the CPU shim, the work dir's fingerprint records the rest
     "train_draft": {"train", "target/trust_remote_code"},
     # train_data_ratio: the held-out prompts are the rows the trainer did not train on
-    "evaluate_draft": {"evaluate", "vllm", "train/train_data_ratio", "target/dtype", "target/trust_remote_code"},
+    "evaluate_draft": {
+        "evaluate",
+        "vllm",
+        "train/train_data_ratio",
+        "target/dtype",
+        "target/trust_remote_code",
+        "reference",
+    },
     # the sections the model card quotes from
     "package_draft": {"run", "target", "regenerate", "train", "evaluate", "vllm"},
     "summarize_run": set(),
@@ -94,7 +102,7 @@ NOT_READ: dict[str, set[str]] = {
             "padded_vocab_size",
             "weights",
         )
-    },  # fmt: skip
+    },
     "build_kimi_k25_target": {"target/build/kind", "target/build/arch"},
     "prepare_data": {"data/sources"},  # the rule's inputs (and params.formats)
     "check_target": {"target_check/enabled"},  # whether the rule runs

@@ -84,7 +84,6 @@ class CheckApiStage(View):
     validation: ValidationFullDepth
     target: TargetTrust
     vllm: VllmDevice
-    reference: ReferenceSettings
 
 
 class CanaryStage(ServingStage):
