@@ -93,8 +93,8 @@ def run_shape(config: dict[str, Any], text: dict[str, Any], samples: int, tokens
         text,
         draft_layers=int(train["draft_layers"]),
         draft_vocab_size=int(train["draft_vocab_size"]),
-        captured_layers=captured - 1,
-    )  # fmt: skip  (the last id is the verifier's, not an fc input)
+        captured_layers=captured - 1,  # the last id is the verifier's, not an input of the draft's fc
+    )
     return RunShape(
         samples=samples,
         tokens=tokens,
