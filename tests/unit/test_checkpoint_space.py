@@ -27,8 +27,10 @@ from eagle3_workflow.training.launcher import trainer_failure
 # the Kimi stand-in preset's tiny target (config/presets/kimi-k25-stand-in.yaml), its text section
 TINY = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
         "intermediate_size": 256, "vocab_size": 1025}  # fmt: skip
-# the Kimi-K2.5 stand-in at real width (issue #41's run: results/kimi-k25-real-width/target/config.json)
+# the Kimi-K2.5 stand-in at real width (issue #41's run: results/kimi-k25-real-width/target/config.json): MLA, so
+# transformers' config resolves head_dim to qk_rope_head_dim (64), and the draft speculators built had head_dim 64
 KIMI_REAL_WIDTH = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": None,
+                   "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
                    "intermediate_size": 18432, "vocab_size": 163840}  # fmt: skip
 
 
@@ -48,13 +50,18 @@ def test_one_checkpoint_is_the_bf16_draft_and_two_bf16_adamw_moments():
     assert checkpoint_bytes(tensors, "muon") == checkpoint_bytes(tensors, "adamw") - 2 * tensors.trained_matrices
 
 
-def test_the_real_width_draft_is_estimated_at_or_above_what_the_h100_wrote():
-    """Issue #41: epoch 0's folder on the H100 held 6,892,782,659 bytes (du); the estimate from speculators' code is
-    7.82 GB, 924.8 MB above (6 bytes x 154.1 M, the fc's size: unexplained without the folder's file list). It errs
-    on the side that refuses; and the run's disk (12.9 GB left after the target) holds neither estimate twice."""
+def test_the_real_width_draft_is_what_the_h100_wrote():
+    """Issue #41, third lease (H100, 2026-12-06): each saved epoch's folder held model.safetensors of 3,868,466,880
+    bytes and optimizer_state_dict.pt of 3,024,306,871 (6,892,782,659 with the small files, du). The draft's
+    attention is 64 heads of head_dim 64 (its config.json): the rope part of MLA's head, as transformers' DeepseekV3
+    config resolves it. Sizing it at hidden / heads = 112 instead put the estimate 13% above."""
     tensors = draft_tensors(KIMI_REAL_WIDTH, draft_layers=1, draft_vocab_size=512, captured_layers=3)
+    model = 2 * (tensors.frozen + tensors.trained_matrices + tensors.trained_vectors) + tensors.buffer_bytes
+    assert 0 < 3_868_466_880 - model < 64 * 1024  # the safetensors header beside the tensors
+    state = checkpoint_bytes(tensors, "adamw") - FILES_OVERHEAD_BYTES - model
+    assert 0 < 3_024_306_871 - state < 64 * 1024  # torch.save's zip records beside the bf16 moments
     one = checkpoint_bytes(tensors, "adamw")
-    assert 6_892_782_659 <= one <= 6_892_782_659 * 1.15
+    assert 6_892_782_659 <= one <= 6_892_782_659 + FILES_OVERHEAD_BYTES
     free = 63 * 2**30 - 54_219_872_086 - 527_722_048  # before the target, minus the target and hidden states
     need = CheckpointNeed(folders_to_write(2, 1.0, set()), one)
     refusal = space_refusal(need, FileSystemSpace(Path("/"), free, 80 * 10**9), save_dir=Path("ck"), margin=1.1)

@@ -69,6 +69,8 @@ def draft_tensors(
     hidden, heads, vocab = int(text["hidden_size"]), int(text["num_attention_heads"]), int(text["vocab_size"])
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = text.get("head_dim")
+    if text.get("qk_rope_head_dim"):  # MLA (DeepSeek-V2/V3, Kimi-K2): transformers' config sets head_dim to the rope
+        head_dim = text["qk_rope_head_dim"]  # part whatever config.json says, and speculators reads that attribute
     if head_dim and hidden % heads != 0 and hidden % int(head_dim) == 0:  # speculators' own fallback
         heads = hidden // int(head_dim)
         kv_heads = kv_heads if heads % kv_heads == 0 else heads
