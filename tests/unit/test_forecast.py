@@ -11,8 +11,9 @@ from conftest import REPO
 
 from eagle3_workflow.forecast.__main__ import main
 from eagle3_workflow.forecast.model import CostTable, MeasuredRate, RunShape, extraction_forecast, training_forecast
-from eagle3_workflow.forecast.shape import active_params_per_token
+from eagle3_workflow.forecast.shape import active_params_per_token, draft_params_per_token
 from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.trainer.checkpoint_size import draft_tensors
 
 PRESET_8B = REPO / "config" / "presets" / "llama-3.1-8b.yaml"
 SHAPE = ["--target-config", str(REPO / "bench" / "gpu" / "llama8b-shape-config.json")]
@@ -37,6 +38,16 @@ def test_kimi_and_deepseek_v3_count_their_published_activated_parameters():
     deepseek_v3 = KIMI_K2 | {"num_attention_heads": 128, "n_routed_experts": 256, "vocab_size": 129_280,
                              "first_k_dense_replace": 3}  # fmt: skip
     assert active_params_per_token(deepseek_v3) == pytest.approx(37e9, rel=0.03)
+
+
+def test_an_mla_targets_draft_is_the_one_speculators_built_on_the_h100():
+    """The real-width Kimi stand-in's draft (issue #41, third lease): 64 heads of head_dim 64 (the rope part, as
+    transformers' DeepSeek-V3 config resolves head_dim), its model.safetensors 3,868,466,880 bytes. A token passes
+    the fc, that layer and the draft vocabulary's lm_head: the checkpoint's trained matrices and its lm_head."""
+    tensors = draft_tensors(KIMI_K2, draft_layers=1, draft_vocab_size=512, captured_layers=3)
+    assert draft_params_per_token(KIMI_K2, 512) == tensors.trained_matrices + 512 * 7168
+    attention = 2 * 7168 * 3 * (64 * 64) + 64 * 64 * 7168  # q, k, v from [embedding; hidden], o
+    assert draft_params_per_token(KIMI_K2, 512) == 3 * 7168**2 + attention + 3 * 7168 * 18432 + 7168 * 512
 
 
 def test_a_layout_the_forecast_cannot_count_is_refused_with_the_keys_it_needs():

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.trainer.checkpoint_size import draft_attention
 
 
 def _need(text: Mapping[str, Any], *keys: str) -> list[int]:
@@ -73,9 +74,8 @@ def draft_params_per_token(text: Mapping[str, Any], draft_vocab_size: int) -> in
     """Weights one token multiplies in a forward of speculators' EAGLE-3 draft of this target: the fc that folds the
     three captured states (3h -> h), one Llama decoder layer whose attention reads [embedding; hidden] (2h wide in
     q, k, v), the target's MLP width, and the draft vocabulary's lm_head."""
-    hidden, heads = _need(text, "hidden_size", "num_attention_heads")
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or hidden // heads)
+    hidden, _ = _need(text, "hidden_size", "num_attention_heads")
+    heads, kv_heads, head_dim = draft_attention(text)  # speculators' resolution (MLA: head_dim is the rope part)
     width = int(text.get("intermediate_size") or 0)
     if not width:
         raise StageError("the target's config.json has no intermediate_size: the draft's MLP is sized from it")

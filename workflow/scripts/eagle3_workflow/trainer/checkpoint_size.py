@@ -66,15 +66,8 @@ def draft_tensors(
             "draft from hidden_size, num_attention_heads, vocab_size (and num_key_value_heads, head_dim, "
             "intermediate_size where given)"
         )
-    hidden, heads, vocab = int(text["hidden_size"]), int(text["num_attention_heads"]), int(text["vocab_size"])
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = text.get("head_dim")
-    if text.get("qk_rope_head_dim"):  # MLA (DeepSeek-V2/V3, Kimi-K2): transformers' config sets head_dim to the rope
-        head_dim = text["qk_rope_head_dim"]  # part whatever config.json says, and speculators reads that attribute
-    if head_dim and hidden % heads != 0 and hidden % int(head_dim) == 0:  # speculators' own fallback
-        heads = hidden // int(head_dim)
-        kv_heads = kv_heads if heads % kv_heads == 0 else heads
-    head_dim = int(head_dim or hidden // heads)
+    hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
+    heads, kv_heads, head_dim = draft_attention(text)
     width = int(text.get("intermediate_size") or 3 * hidden)
     q, kv, out = heads * head_dim, kv_heads * head_dim, heads * head_dim * hidden
     mlp = 3 * hidden * width
@@ -90,6 +83,21 @@ def draft_tensors(
         # fc, input_norm, norm; a layer's q, k, v, o, 3 MLP, 2 norms (+ hidden_norm in the first)
         parameters_with_state=3 + 9 * draft_layers + 1,
     )
+
+
+def draft_attention(text: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(heads, kv heads, head_dim) of the draft's attention, as ``create_transformer_layer_config`` resolves them
+    from the target's config: its heads and kv heads, head_dim where given, else hidden / heads; where hidden is no
+    multiple of heads, hidden / head_dim heads. MLA targets (DeepSeek-V2/V3, Kimi-K2): transformers' config sets
+    head_dim to qk_rope_head_dim whatever config.json says, and speculators reads that attribute (the real-width
+    Kimi stand-in's draft: 64 heads of 64, not of hidden / heads = 112)."""
+    hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = text.get("qk_rope_head_dim") or text.get("head_dim")
+    if head_dim and hidden % heads != 0 and hidden % int(head_dim) == 0:  # speculators' own fallback
+        heads = hidden // int(head_dim)
+        kv_heads = kv_heads if heads % kv_heads == 0 else heads
+    return heads, kv_heads, int(head_dim or hidden // heads)
 
 
 def checkpoint_bytes(tensors: DraftTensors, optimizer: str) -> int:
