@@ -30,7 +30,7 @@ from eagle3_workflow.files.writing import process_umask
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.checkpoint_size import FILES_OVERHEAD_BYTES
 from eagle3_workflow.trainer.entry import FROZEN_LINE
-from eagle3_workflow.training.checkpoint_space import checkpoint_need
+from eagle3_workflow.training.checkpoint_space import checkpoint_needs
 from eagle3_workflow.training.metrics import metrics_table, read_metric_lines
 from eagle3_workflow.training.stage import train_draft
 
@@ -299,11 +299,13 @@ def test_cpu_training_writes_a_loadable_draft_and_metrics(train_inputs, tmp_path
     model = Eagle3DraftModel.from_pretrained(str(draft))
     # the disk gate's estimate of a checkpoint (issue #41) against the two the trainer wrote: its tensors exact, the
     # small files (config, scheduler, zip records) within its overhead allowance
-    need = checkpoint_need(train_inputs["target"], tmp_path / "train_work" / "checkpoints",
-                           settings=train_settings(TRAIN), captured_layers=len(LAYER_IDS) - 1)  # fmt: skip
+    [(_, need)] = checkpoint_needs(train_inputs["target"], tmp_path / "train_work" / "checkpoints", draft,
+                                   settings=train_settings(TRAIN), captured_layers=len(LAYER_IDS) - 1)  # fmt: skip
     for epoch in (0, 1):
         written = sum(f.stat().st_size for f in (tmp_path / "train_work" / "checkpoints" / str(epoch)).iterdir())
         assert need.per_checkpoint - FILES_OVERHEAD_BYTES < written <= need.per_checkpoint, (epoch, written, need)
+    # the published copy of the weights (same file system here: one need holds it), its tensors exact
+    assert need.published < (draft / "model.safetensors").stat().st_size <= need.published + 64 * 1024
     d2t = np.load(tmp_path / "train_work" / "data" / f"d2t-{TRAIN['draft_vocab_size']}.npy")
     assert (model.d2t.cpu().numpy() == d2t).all()
     assert summary.resumed_from is None
@@ -501,7 +503,7 @@ def test_train_draft_refuses_before_the_trainer_when_the_disk_cannot_hold_its_ch
     message = str(refused.value)
     assert message.startswith("not enough disk for the trainer's checkpoints: 2 epoch folder(s) still to write")
     assert f"{small_disk} (the file system holding {small_disk / 'train_work' / 'checkpoints'}) has " in message
-    assert "room for 0." in message
+    assert "room for 0 checkpoint(s)." in message
     assert not list((small_disk / "train_work" / "logs").glob("trainer-attempt-*.log"))  # no trainer started
     assert not (small_disk / "draft").exists()
 

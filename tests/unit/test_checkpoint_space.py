@@ -4,7 +4,9 @@ train_draft's own refusal on a small file system: tests/integration/test_trainin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,12 +14,14 @@ from eagle3_workflow.files.disk import FileSystemSpace, mount_point, space_of
 from eagle3_workflow.trainer.checkpoint_size import (
     FILES_OVERHEAD_BYTES,
     checkpoint_bytes,
+    draft_model_bytes,
     draft_tensors,
     folders_to_write,
     saved_epochs,
 )
 from eagle3_workflow.training.checkpoint_space import (
     CheckpointNeed,
+    checkpoint_needs,
     checkpoint_write_failure,
     space_refusal,
     write_failure_sentence,
@@ -65,7 +69,48 @@ def test_the_real_width_draft_is_what_the_h100_wrote():
     free = 63 * 2**30 - 54_219_872_086 - 527_722_048  # before the target, minus the target and hidden states
     need = CheckpointNeed(folders_to_write(2, 1.0, set()), one)
     refusal = space_refusal(need, FileSystemSpace(Path("/"), free, 80 * 10**9), save_dir=Path("ck"), margin=1.1)
-    assert refusal is not None and "room for 1." in refusal
+    assert refusal is not None and "room for 1 checkpoint(s)." in refusal
+
+
+def test_train_drafts_whole_write_is_the_checkpoints_and_the_published_draft():
+    """The third lease's train_draft wrote 13,785,567,047 bytes of checkpoints (2 epochs, du) and published
+    draft/model.safetensors of 3,868,466,880: the need of one file system holding both, to within the files' headers
+    and small files."""
+    tensors = draft_tensors(KIMI_REAL_WIDTH, draft_layers=1, draft_vocab_size=512, captured_layers=3)
+    need = CheckpointNeed(
+        folders_to_write(2, 1.0, set()), checkpoint_bytes(tensors, "adamw"), draft_model_bytes(tensors)
+    )
+    assert 0 < need.total - (13_785_567_047 + 3_868_466_880) < 2 * FILES_OVERHEAD_BYTES
+    # room for both checkpoints but not the published copy: refused, and the message says what the rest is
+    free = int(1.1 * 2 * need.per_checkpoint) + 10**6
+    refusal = space_refusal(need, FileSystemSpace(Path("/"), free, 10**12), save_dir=Path("ck"), margin=1.1)
+    assert refusal is not None and "+ the published draft's weights 3.60 GiB (3868465152 bytes)" in refusal
+    assert "room for 1 checkpoint(s)." in refusal
+    # the published copy alone, on its own file system
+    alone = CheckpointNeed([], need.per_checkpoint, need.published)
+    assert space_refusal(alone, FileSystemSpace(Path("/d"), 43 * 10**8, 10**12), save_dir=Path("d"), margin=1.1) is None
+    message = space_refusal(alone, FileSystemSpace(Path("/d"), 43 * 10**8, 10**12), save_dir=Path("d"), margin=1.2)
+    assert message is not None and message.startswith(
+        "not enough disk for the published draft (draft/model.safetensors"
+    )
+    assert "room for" not in message
+
+
+def test_the_needs_are_per_file_system(tmp_path, monkeypatch):
+    from eagle3_workflow.training import checkpoint_space
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", **TINY}))
+    settings = SimpleNamespace(draft_layers=1, draft_vocab_size=512, epochs=2, checkpoint_freq=1.0, optimizer="adamw")
+    needs = checkpoint_needs(target, tmp_path / "ck", tmp_path / "draft", settings=settings, captured_layers=3)
+    assert [(folder.name, need.folders, need.published > 0) for folder, need in needs] == [("ck", [0, 1], True)]
+    monkeypatch.setattr(checkpoint_space, "same_file_system", lambda a, b: False)
+    needs = checkpoint_needs(target, tmp_path / "ck", tmp_path / "draft", settings=settings, captured_layers=3)
+    assert [(folder.name, need.folders, need.published) for folder, need in needs] == [
+        ("ck", [0, 1], 0),
+        ("draft", [], needs[0][1].per_checkpoint - 263_040 * 4 - 13 * 2 - FILES_OVERHEAD_BYTES),
+    ]
 
 
 def test_later_layers_read_the_hidden_state_alone():
@@ -95,7 +140,7 @@ def test_the_refusal_names_bytes_needed_free_the_file_system_and_the_fixes(tmp_p
     assert f"/mnt/small (the file system holding {tmp_path / 'checkpoints'}) has 1.86 GiB free (2000000000 bytes" in (
         message
     )
-    assert "room for 1." in message
+    assert "room for 1 checkpoint(s)." in message
     for fix in ("free space", "larger disk", "train.checkpoint_freq", "train.epochs", "train.disk_margin"):
         assert fix in message
     assert space_refusal(need, FileSystemSpace(Path("/"), 23 * 10**8, 1), save_dir=tmp_path, margin=1.1) is None

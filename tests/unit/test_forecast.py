@@ -142,9 +142,10 @@ def test_prepare_datas_manifest_gives_the_size_once_it_exists(capsys, tmp_path, 
     )
 
 
-def test_training_disk_is_the_checkpoints_the_8b_shape_run_wrote(capsys, tmp_path, monkeypatch):
-    """train_draft's disk: every saved epoch's checkpoint (speculators keeps them all). The 8B-shape speed run of
-    2026-12-06 (H100, 3 epochs, draft vocab 32,000, AdamW) left 9,225,015,890 bytes in train_work/checkpoints
+def test_training_disk_is_the_checkpoints_and_the_draft_the_8b_shape_run_wrote(capsys, tmp_path, monkeypatch):
+    """train_draft's disk: every saved epoch's checkpoint (speculators keeps them all) and the published draft. The
+    8B-shape speed run of 2026-12-06 (H100, 3 epochs, draft vocab 32,000, AdamW) left 9,231,598,461 bytes in
+    train_work (9,225,015,890 of them checkpoints) and 1,900,548,048 in draft/
     (bench/gpu/results/2026-12-06-llama8b-shape-speed/calls/du-after-call3.txt); the forecast of that config says
     the same to 0.1% (each checkpoint's small files are estimated at 1 MiB)."""
     monkeypatch.chdir(tmp_path)
@@ -153,5 +154,5 @@ def test_training_disk_is_the_checkpoints_the_8b_shape_run_wrote(capsys, tmp_pat
     code = main(["--configfile", *configs, *SHAPE, "--samples", "600", "--mean-tokens", "702", "--json", str(out)])
     assert code == 0, capsys.readouterr().err
     stages = {(s["stage"], s["quantity"]): s for s in json.loads(out.read_text())["stages"]}
-    assert stages["train_draft", "disk"]["forecast"] == pytest.approx(9_225_015_890, rel=1e-3)
-    assert "3 checkpoint(s) of 3.08 GB, all kept" in capsys.readouterr().out
+    assert stages["train_draft", "disk"]["forecast"] == pytest.approx(9_231_598_461 + 1_900_548_048, rel=1e-3)
+    assert "3 checkpoint(s) of 3.08 GB, all kept, and the published draft's 1.90 GB" in capsys.readouterr().out

@@ -24,7 +24,7 @@ from eagle3_workflow.forecast.shape import active_params_per_token, draft_params
 from eagle3_workflow.reference.target_config import text_section
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.settings.stages import trains_online
-from eagle3_workflow.trainer.checkpoint_size import checkpoint_bytes, draft_tensors, saved_epochs
+from eagle3_workflow.trainer.checkpoint_size import checkpoint_bytes, draft_model_bytes, draft_tensors, saved_epochs
 
 REPO_ROOT = Path(__file__).resolve().parents[4]  # the cost tables name their reference shapes from here
 DEFAULT_COSTS = REPO_ROOT / "config" / "costs" / "h200.yaml"
@@ -111,6 +111,7 @@ def run_shape(config: dict[str, Any], text: dict[str, Any], samples: int, tokens
         eager=bool(config["vllm"]["enforce_eager"]),
         checkpoint_bytes=checkpoint_bytes(draft, str(train["optimizer"])),
         saved_checkpoints=len(saved_epochs(int(train["epochs"]), float(train["checkpoint_freq"]))),
+        published_bytes=draft_model_bytes(draft),
     )
 
 

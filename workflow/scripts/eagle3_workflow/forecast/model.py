@@ -12,8 +12,9 @@ How each figure is made, and what it assumes (each assumption is one the next GP
   by the draft's parameters per token, times epochs over the training rows' tokens; the GPUs share the tokens
   (data-parallel, linear); one measured fixed cost per run (staging, trainer start, the first step's compilation on
   a fresh node, validation passes and saves: the measured run's wall minus its steady steps). Disk: the trainer's
-  checkpoints (trainer.checkpoint_size: the draft in bf16 with its optimizer state, every saved epoch kept; 0.03% over
-  the 8B shape's three measured on 2026-12-06), which the trainer's own check refuses to start without.
+  checkpoints (trainer.checkpoint_size: the draft in bf16 with its optimizer state, every saved epoch kept) and the
+  published draft's weights, which the trainer's own check refuses to start without (to 0.1% of what the 8B shape's
+  and the real-width Kimi stand-in's runs wrote, 2026-12-06).
 Each forecast keeps its two parts (`start_s`, paid once; `per_token_s`, the rest) so that a measured run says which
 part missed (bench/gpu/forecast_check.py).
 - The other stages have no cost measured at a shape that scales: they are listed, not forecast.
@@ -67,6 +68,7 @@ class RunShape:
     eager: bool = False  # vllm.enforce_eager: the extraction server starts without compilation or CUDA graphs
     checkpoint_bytes: int | None = None  # one saved epoch of the trainer (trainer.checkpoint_size), None: unknown
     saved_checkpoints: int = 0  # how many epochs save one (speculators keeps every one)
+    published_bytes: int = 0  # the published draft's weights (draft/model.safetensors, trainer.checkpoint_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +116,12 @@ def training_forecast(run: RunShape, costs: CostTable) -> StageForecast:
     trained = run.tokens * run.train_data_ratio * run.epochs
     gpu_s = trained * run.draft_params_per_token / (rate.tokens_per_s * rate.params_per_token)
     wall = rate.start_s + gpu_s / run.train_gpus
-    disk = run.checkpoint_bytes * run.saved_checkpoints if run.checkpoint_bytes is not None else None
+    known = run.checkpoint_bytes is not None
+    disk = run.checkpoint_bytes * run.saved_checkpoints + run.published_bytes if known else None
     checkpoints = (
-        f"; disk: {run.saved_checkpoints} checkpoint(s) of {run.checkpoint_bytes / 1e9:.2f} GB, all kept"
-        if run.checkpoint_bytes is not None
+        f"; disk: {run.saved_checkpoints} checkpoint(s) of {run.checkpoint_bytes / 1e9:.2f} GB, all kept, and the "
+        f"published draft's {run.published_bytes / 1e9:.2f} GB"
+        if known
         else ""
     )
     return StageForecast(

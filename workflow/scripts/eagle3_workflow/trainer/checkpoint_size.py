@@ -100,10 +100,16 @@ def draft_attention(text: Mapping[str, Any]) -> tuple[int, int, int]:
     return heads, kv_heads, int(head_dim or hidden // heads)
 
 
+def draft_model_bytes(tensors: DraftTensors) -> int:
+    """The tensors of a checkpoint's model.safetensors: the draft in bf16, its frozen embedding included, and the
+    vocab mapping buffers. train_draft publishes one more copy of them (draft/model.safetensors)."""
+    return BF16_BYTES * (tensors.frozen + tensors.trained_matrices + tensors.trained_vectors) + tensors.buffer_bytes
+
+
 def checkpoint_bytes(tensors: DraftTensors, optimizer: str) -> int:
     """Bytes of one saved epoch: the model in bf16 plus the optimizer's state in bf16, plus the small files."""
     trained = tensors.trained_matrices + tensors.trained_vectors
-    model = BF16_BYTES * (tensors.frozen + trained) + tensors.buffer_bytes
+    model = draft_model_bytes(tensors)
     if optimizer == "muon":  # one momentum buffer per matrix (Muon), AdamW's two for the vectors
         moments = tensors.trained_matrices + 2 * tensors.trained_vectors
     else:

@@ -1,22 +1,24 @@
 """The disk the trainer's checkpoints take (issue #41): refuse before training when the checkpoint folder's file system
 cannot hold them, and say "disk full" when the trainer dies writing one. Pure functions (the refusal and the
 failure's sentences) and thin adapters that read the target's config.json and the file system
-(``checkpoint_need``, ``require_checkpoint_space``). What speculators writes, and its bytes: trainer.checkpoint_size.
+(``checkpoint_needs``, ``require_checkpoint_space``). What speculators writes, and its bytes: trainer.checkpoint_size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.files.disk import DISK_FULL_TEXT, FileSystemSpace, space_of
+from eagle3_workflow.files.disk import DISK_FULL_TEXT, FileSystemSpace, existing_ancestor, space_of
 from eagle3_workflow.files.hidden_states import human_bytes
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.checkpoint_size import (
     TORCH_WRITE_FAILURE,
     checkpoint_bytes,
+    draft_model_bytes,
     draft_tensors,
     folders_to_write,
 )
@@ -24,28 +26,41 @@ from eagle3_workflow.trainer.checkpoint_size import (
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointNeed:
-    """What the trainer will still write: ``folders`` of ``per_checkpoint`` bytes each."""
+    """What train_draft will still write on one file system: ``folders`` of ``per_checkpoint`` bytes each, and
+    ``published`` bytes of the draft it publishes (draft/model.safetensors: a copy of the last checkpoint's weights),
+    where draft/ is on this file system."""
 
     folders: Sequence[int]
     per_checkpoint: int
+    published: int = 0
 
     @property
     def total(self) -> int:
-        return len(self.folders) * self.per_checkpoint
+        return len(self.folders) * self.per_checkpoint + self.published
 
 
 def space_refusal(need: CheckpointNeed, space: FileSystemSpace, *, save_dir: Path, margin: float) -> str | None:
     """The refusal when the file system cannot hold what is left to write (x margin), else None."""
-    if not need.folders or need.total * margin <= space.free:
+    if need.total == 0 or need.total * margin <= space.free:
         return None
-    fits = int(space.free // (need.per_checkpoint * margin))
+    fits = int(max(0.0, space.free / margin - need.published) // need.per_checkpoint)
+    published = f"the published draft's weights {human_bytes(need.published)} ({need.published} bytes)"
+    checkpoints = (
+        f"{len(need.folders)} epoch folder(s) still to write (epochs {list(need.folders)}) x "
+        f"{human_bytes(need.per_checkpoint)} ({need.per_checkpoint} bytes: the draft in bf16 with its frozen "
+        "embedding, and the optimizer's state)"
+    )
+    what = (
+        f"the trainer's checkpoints: {checkpoints}{' + ' + published if need.published else ''}"
+        if need.folders
+        else f"the published draft (draft/model.safetensors, a copy of the last checkpoint's weights): {published}"
+    )
+    room = f": room for {fits} checkpoint(s)" if need.folders else ""
     return (
-        f"not enough disk for the trainer's checkpoints: {len(need.folders)} epoch folder(s) still to write "
-        f"(epochs {list(need.folders)}) x {human_bytes(need.per_checkpoint)} ({need.per_checkpoint} bytes: the draft "
-        f"in bf16 with its frozen embedding, and the optimizer's state) = {human_bytes(need.total)} "
+        f"not enough disk for {what} = {human_bytes(need.total)} "
         f"({need.total} bytes; x{margin} margin = {human_bytes(need.total * margin)}), but {space.mount_point} "
         f"(the file system holding {save_dir}) has {human_bytes(space.free)} free ({space.free} bytes, of "
-        f"{human_bytes(space.total)}): room for {fits}. speculators keeps every saved epoch's checkpoint, so "
+        f"{human_bytes(space.total)}){room}. speculators keeps every saved epoch's checkpoint, so "
         "the run would die writing one after hours of training. Fix: free space on that file system, or move the "
         "run's results folder to a larger disk (leave a symlink in its place), or save fewer epochs "
         "(train.checkpoint_freq N saves epoch 0 and every N-th; keep train.epochs a multiple of N so the last is "
@@ -84,18 +99,29 @@ def write_failure_sentence(line: str, space: FileSystemSpace, *, save_dir: Path,
 # ------------------------------------------------------------------------------------------------------ adapters
 
 
-def checkpoint_need(target: Path, save_dir: Path, *, settings: Any, captured_layers: int) -> CheckpointNeed:
-    """What the trainer will still write into ``save_dir`` for this target and train settings."""
+def checkpoint_needs(
+    target: Path, save_dir: Path, publish_dir: Path, *, settings: Any, captured_layers: int
+) -> list[tuple[Path, CheckpointNeed]]:
+    """What train_draft will still write for this target and train settings, per file system: the checkpoints into
+    ``save_dir``, the published draft into ``publish_dir`` (one entry when both are on one file system)."""
     from eagle3_workflow.reference.target_config import read_target_config, text_section
 
     text = text_section(read_target_config(target).raw)
     tensors = draft_tensors(text, draft_layers=settings.draft_layers, draft_vocab_size=settings.draft_vocab_size,
                             captured_layers=captured_layers)  # fmt: skip
     on_disk = {p.name for p in save_dir.iterdir() if p.is_dir() and not p.is_symlink()} if save_dir.is_dir() else set()
-    return CheckpointNeed(
-        folders_to_write(settings.epochs, settings.checkpoint_freq, on_disk),
-        checkpoint_bytes(tensors, settings.optimizer),
-    )
+    folders = folders_to_write(settings.epochs, settings.checkpoint_freq, on_disk)
+    per_checkpoint, published = checkpoint_bytes(tensors, settings.optimizer), draft_model_bytes(tensors)
+    if same_file_system(save_dir, publish_dir):
+        return [(save_dir, CheckpointNeed(folders, per_checkpoint, published))]
+    return [
+        (save_dir, CheckpointNeed(folders, per_checkpoint)),
+        (publish_dir, CheckpointNeed([], per_checkpoint, published)),
+    ]
+
+
+def same_file_system(a: Path, b: Path) -> bool:
+    return os.stat(existing_ancestor(a)).st_dev == os.stat(existing_ancestor(b)).st_dev
 
 
 def require_checkpoint_space(need: CheckpointNeed, save_dir: Path, *, margin: float) -> FileSystemSpace:

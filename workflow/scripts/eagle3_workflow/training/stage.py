@@ -24,7 +24,7 @@ from eagle3_workflow.settings.sections import TrainSettings
 from eagle3_workflow.settings.stages import TrainDraftOnlineStage, rule_settings_model
 from eagle3_workflow.settings.views import stage_settings
 from eagle3_workflow.trainer.command import TrainDevice, TrainPaths, build_train_command, resolve_device
-from eagle3_workflow.training.checkpoint_space import checkpoint_need, require_checkpoint_space
+from eagle3_workflow.training.checkpoint_space import checkpoint_needs, require_checkpoint_space
 from eagle3_workflow.training.checkpoints import outlook_on_disk, prepare_resume, resume_point
 from eagle3_workflow.training.launcher import run_attempt, trainer_env
 from eagle3_workflow.training.metrics import attempt_metrics, final_metrics, metrics_table
@@ -165,21 +165,26 @@ def _resume_point(save_dir: Path, kept: bool) -> CheckpointInfo | None:
     return resumed_from
 
 
-def _room_for_checkpoints(settings: TrainSettings, target: Path, save_dir: Path, *, captured_layers: int) -> int | None:
-    """One checkpoint's estimated bytes, once the file system has been found to hold every epoch folder still to be
-    written (StageError with the numbers and the fixes if not: issue #41). None, with a warning, for a target
-    config.json the estimate cannot size (speculators may still build a draft from it: no reason to refuse)."""
+def _room_for_checkpoints(
+    settings: TrainSettings, target: Path, save_dir: Path, publish_dir: Path, *, captured_layers: int
+) -> int | None:
+    """One checkpoint's estimated bytes, once each file system has been found to hold what train_draft still writes
+    there: every epoch folder still to be written, and the published draft (StageError with the numbers and the
+    fixes if not: issue #41). None, with a warning, for a target config.json the estimate cannot size (speculators
+    may still build a draft from it: no reason to refuse)."""
     try:
-        need = checkpoint_need(target, save_dir, settings=settings, captured_layers=captured_layers)
+        needs = checkpoint_needs(target, save_dir, publish_dir, settings=settings, captured_layers=captured_layers)
     except StageError as exc:
         log.warning("the checkpoint disk check is skipped: %s", exc)
         return None
-    space = require_checkpoint_space(need, save_dir, margin=settings.disk_margin)
-    log.info(
-        "checkpoints: %d epoch folder(s) still to write x ~%d bytes; %s has %d bytes free (train.disk_margin %s)",
-        len(need.folders), need.per_checkpoint, space.mount_point, space.free, settings.disk_margin,
-    )  # fmt: skip
-    return need.per_checkpoint
+    for folder, need in needs:
+        space = require_checkpoint_space(need, folder, margin=settings.disk_margin)
+        log.info(
+            "checkpoints: %d epoch folder(s) still to write x ~%d bytes, published draft ~%d bytes; %s has %d bytes "
+            "free (train.disk_margin %s)",
+            len(need.folders), need.per_checkpoint, need.published, space.mount_point, space.free, settings.disk_margin,
+        )  # fmt: skip
+    return needs[0][1].per_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +336,9 @@ def train_draft(
         return build_train_command(settings, paths, device, target_layer_ids=layer_ids, on_missing=on_missing,
                                    trust_remote_code=trust_remote_code, online=online_args)  # fmt: skip
 
-    per_checkpoint = _room_for_checkpoints(settings, sources.target, paths.save_dir, captured_layers=len(layer_ids))
+    per_checkpoint = _room_for_checkpoints(
+        settings, sources.target, paths.save_dir, Path(out_dir), captured_layers=len(layer_ids)
+    )
     plan = _TrainingPlan(command, device, layer_ids, mapping_sha, resumed_from, per_checkpoint)
     launch = _train_to_the_end(
         settings, plan, work_dir=sources.work_dir, cpu_threads=cpu_threads, on_line=on_line, online=online
