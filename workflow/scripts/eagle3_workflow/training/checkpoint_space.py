@@ -124,11 +124,11 @@ def same_file_system(a: Path, b: Path) -> bool:
     return os.stat(existing_ancestor(a)).st_dev == os.stat(existing_ancestor(b)).st_dev
 
 
-def require_checkpoint_space(need: CheckpointNeed, save_dir: Path, *, margin: float) -> FileSystemSpace:
-    """StageError with the numbers and the fixes when ``save_dir``'s file system cannot hold ``need``."""
-    save_dir.mkdir(parents=True, exist_ok=True)
-    space = space_of(save_dir)
-    refusal = space_refusal(need, space, save_dir=save_dir, margin=margin)
+def require_checkpoint_space(need: CheckpointNeed, folder: Path, *, margin: float) -> FileSystemSpace:
+    """StageError with the numbers and the fixes when the file system that will hold ``folder`` cannot hold ``need``
+    (``folder`` need not exist yet: nothing is created before the trainer runs)."""
+    space = space_of(folder)
+    refusal = space_refusal(need, space, save_dir=folder, margin=margin)
     if refusal is not None:
         raise StageError(refusal)
     return space
