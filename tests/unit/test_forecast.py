@@ -71,6 +71,18 @@ COSTS = CostTable(
 )
 
 
+def test_a_start_measured_on_another_model_says_it_is_not_scaled():
+    """Starts are not scaled to a model (the real-width Kimi stand-in's extraction server started in 2.4x the 8B
+    shape's, its training's fixed cost was 0.68x): the basis says whose start it is, where the model differs."""
+    other = extraction_forecast(run_shape(), COSTS).basis
+    assert other.endswith("each starting in 50 s (start measured on the 1.00B reference, not scaled to this model)")
+    same = run_shape(target_params_per_token=1_000_000_000, draft_params_per_token=200_000_000)
+    assert extraction_forecast(same, COSTS).basis.endswith("each starting in 50 s")
+    assert "100 s fixed per run; disk" not in training_forecast(same, COSTS).basis  # no checkpoint size given
+    assert training_forecast(same, COSTS).basis.endswith("100 s fixed per run")
+    assert "(start measured on the 0.20B reference, not scaled" in training_forecast(run_shape(), COSTS).basis
+
+
 def test_extraction_scales_the_measured_rate_by_parameters_and_spreads_it_over_every_gpu():
     row = extraction_forecast(run_shape(), COSTS)
     # 1e6 tokens at twice the reference's parameters: 2,000 GPU-seconds; 2 replicas x 2 GPUs share them

@@ -85,8 +85,14 @@ class StageForecast:
 NOT_FORECAST = ("check_api", "canary", "validate_hidden_states", "evaluate_draft")
 
 
-def start_when(rate: MeasuredRate) -> str:
-    return f" (start measured {rate.start_date})" if rate.start_date else ""
+def start_when(rate: MeasuredRate, params_per_token: int) -> str:
+    """When the start-up cost was measured, and, for another model than the one it was measured on, that it is that
+    model's: a start (loading, compilation, the first step) is not scaled (the real-width Kimi stand-in's extraction
+    server started in 2.4x the 8B shape's, its training in 0.68x: bench/gpu/results/2026-12-06-kimi-k25-real-width/)."""
+    when = f" {rate.start_date}" if rate.start_date else ""
+    if params_per_token == rate.params_per_token:
+        return f" (start measured{when})" if when else ""
+    return f" (start measured{when} on the {rate.params_per_token / 1e9:.2f}B reference, not scaled to this model)"
 
 
 def extraction_forecast(run: RunShape, costs: CostTable) -> StageForecast:
@@ -104,7 +110,7 @@ def extraction_forecast(run: RunShape, costs: CostTable) -> StageForecast:
             f"{run.tokens:,} tokens x {run.target_params_per_token / 1e9:.2f}B params/token at "
             f"{rate.tokens_per_s:,.0f} tok/s per GPU for {rate.params_per_token / 1e9:.2f}B ({rate.source}); "
             f"{run.replicas} replica(s) x {run.gpus_per_replica} GPU(s), each starting in {start:.0f} s"
-            f"{' (vllm.enforce_eager)' if start != rate.start_s else ''}{start_when(rate)}"
+            f"{' (vllm.enforce_eager)' if start != rate.start_s else ''}{start_when(rate, run.target_params_per_token)}"
         ),
         start_s=start,
         per_token_s=gpu_s / gpus,
@@ -133,7 +139,7 @@ def training_forecast(run: RunShape, costs: CostTable) -> StageForecast:
             f"{run.epochs} epoch(s) x {run.tokens * run.train_data_ratio:,.0f} training tokens x "
             f"{run.draft_params_per_token / 1e9:.3f}B draft params/token at {rate.tokens_per_s:,.0f} tok/s per GPU "
             f"for {rate.params_per_token / 1e9:.3f}B ({rate.source}); {run.train_gpus} GPU(s), "
-            f"{rate.start_s:.0f} s fixed per run{start_when(rate)}{checkpoints}"
+            f"{rate.start_s:.0f} s fixed per run{start_when(rate, run.draft_params_per_token)}{checkpoints}"
         ),
         start_s=rate.start_s,
         per_token_s=gpu_s / run.train_gpus,
