@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import importlib.util
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import yaml
@@ -54,6 +56,14 @@ VLLM_LOGS = TESTS / "vllm_logs"  # failure logs in vLLM's output shapes (tests/v
 # seconds: the timeline's snakemake_* fields
 _SNAKEMAKE_RUNS = {"runs": 0, "dry_runs": 0, "jobs": 0, "seconds": 0.0}
 DRY_RUN_FLAGS = {"-n", "--dry-run", "--dryrun"}
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script that is not a package module (bench/, envs/), imported from its file under its own name."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_config(run: str = "t", **overrides: dict) -> dict:

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import lzma
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, load_script
 
 SCRIPT = REPO / "bench" / "gpu" / "cut_answers.py"
 
 
 @pytest.fixture(scope="module")
 def cut():
-    spec = importlib.util.spec_from_file_location("cut_answers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_repeated_share_is_zero_for_text_that_never_repeats_and_near_one_for_a_loop(cut):

@@ -9,7 +9,6 @@ workflow's (a flag left to a speculators default once compared AdamW with Muon).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, load_script
 
 GPU = REPO / "bench" / "gpu"
 RESULTS = GPU / "results" / "2026-11-29-h200"
@@ -42,10 +41,7 @@ def pins(path: Path) -> dict[str, str]:
 
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location("bench_gpu", GPU / "bench_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GPU / "bench_gpu.py")
 
 
 @pytest.mark.parametrize("wheel_set", ["core", "snakemake", "smollm2"])
@@ -191,10 +187,7 @@ def test_recorded_extraction_meets_the_goal():
 
 
 def wheelset_module():
-    spec = importlib.util.spec_from_file_location("wheelset", GPU / "wheelset.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GPU / "wheelset.py")
 
 
 def test_two_platform_tags_of_one_distribution_are_refused():

@@ -4,11 +4,9 @@ and runs the same comparison without pytest, as the lent machine does)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, load_script
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,12 +15,7 @@ pytestmark = [
 
 
 def check_module():
-    spec = importlib.util.spec_from_file_location(
-        "reference_device_check", REPO / "bench/gpu/reference_device_check.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "bench/gpu/reference_device_check.py")
 
 
 def test_the_reference_on_cuda_is_the_cpu_reference(tmp_path):

@@ -8,7 +8,6 @@ unpacked (and plans the regeneration without it).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import lzma
 import shutil
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_workflow
+from conftest import REPO, load_script, run_workflow
 
 SCRIPT = REPO / "bench" / "gpu" / "restore_run.py"
 TINY = REPO / "config" / "presets" / "tiny.yaml"
@@ -24,10 +23,7 @@ TINY = REPO / "config" / "presets" / "tiny.yaml"
 
 @pytest.fixture(scope="module")
 def restore():
-    spec = importlib.util.spec_from_file_location("restore_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def overlay(folder: Path, **regenerate) -> Path:
