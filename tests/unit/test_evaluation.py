@@ -748,6 +748,45 @@ def test_a_measured_engine_is_reused_only_while_its_key_holds(tmp_path):
     assert other_kernels.key != retrained.key
 
 
+def test_an_engine_reused_from_an_earlier_attempt_is_named_in_the_report(tmp_path):
+    """A resumed evaluation (the real-width Kimi run, cut in its third engine) measures only what is left; the
+    report says which engines an earlier attempt measured, since `processes` lists only this attempt's."""
+    from eagle3_workflow.evaluation.judge import report_notes
+    from eagle3_workflow.evaluation.measurements import Evaluation, Measured, runs_to_measure
+    from eagle3_workflow.evaluation.plan import PlannedProcess
+    from eagle3_workflow.evaluation.prompts import EvalPrompt, PromptSet
+    from eagle3_workflow.evaluation.protocol import MeasurementRun
+    from eagle3_workflow.evaluation.resume import keyed_run
+    from eagle3_workflow.files.artefacts import write
+
+    engine, fields, work = {"model": str(tmp_path)}, {"prompts": [[1, 2]], "max_tokens": 8}, tmp_path / "work"
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"weights")
+    plain, trained = MeasurementRun(label="no_speculation", speculative_config=None), eagle3_run("trained", draft, 3)
+    earlier = keyed_run(plain, engine, fields, batch_invariant=True, work_dir=work)
+    write(earlier.result_path, _lossless_run("no_speculation", [[1, 2]], [[{1: 9.0}, {2: 9.0}]]).model_copy(
+        update={"key": earlier.key}))  # fmt: skip
+    measured = Measured(lossless={}, timing={}, processes=[])
+    plan = [PlannedProcess(runs=[plain], batch_invariant=True), PlannedProcess(runs=[trained], batch_invariant=True)]
+    pending = runs_to_measure(plan, engine, fields, measured, work_dir=work, first_index=0)
+    assert [(i, [r.label for r in runs]) for i, _, runs in pending] == [(1, ["trained"])]
+    assert measured.reused == ["no_speculation.both"] and "no_speculation" in measured.lossless
+
+    verdict, results = _judge({"no_speculation": NO_SPECULATION, "trained": SPECULATIVE, "untrained": SPECULATIVE},
+                              reference="untrained")  # fmt: skip
+    prompt_set = PromptSet(prompts=[EvalPrompt(token_ids=[1], origin=f"row {i}") for i in range(2)], source="heldout",
+                           requested=2, detail="test", notes=[])  # fmt: skip
+    evaluation_ = Evaluation(evaluation(), VLLM_SETTINGS, "cpu", prompt_set, None, Path("w"))  # type: ignore[arg-type]
+    lossless = {label: _lossless_run(label, *run) for label, run in
+                {"no_speculation": NO_SPECULATION, "trained": SPECULATIVE, "untrained": SPECULATIVE}.items()}  # fmt: skip
+    resumed = Measured(lossless=lossless, timing=dict(lossless), processes=[], reused=measured.reused)
+    notes = report_notes(results, verdict, resumed, evaluation_)
+    assert any("earlier attempt" in n and "no_speculation.both" in n for n in notes)
+    fresh = Measured(lossless=lossless, timing=dict(lossless), processes=[])
+    assert not any("earlier attempt" in n for n in report_notes(results, verdict, fresh, evaluation_))
+
+
 def test_throughput_rows_give_the_speedup_at_each_concurrency_and_the_step_time_at_one():
     from eagle3_workflow.evaluation.metrics import throughput
     from eagle3_workflow.evaluation.protocol import ConcurrencyTiming, RunResult

@@ -382,6 +382,11 @@ def report_notes(
             f"not timed (evaluate.time_untrained false): {', '.join(untimed)}; acceptance and the lossless verdict "
             "are measured all the same, tokens/s and speedup are not (0 in this file)"
         )
+    if measured.reused:
+        notes.append(
+            f"measured by an earlier attempt of this stage and reused (same key: the draft, target, prompts, kernels "
+            f"and versions unchanged): {', '.join(measured.reused)}; `processes` lists only this attempt's"
+        )
     if measured.concurrent:
         notes.append(
             "the measurement processes ran at once; each timing pass (its warm-up and measured passes) held the "

@@ -61,6 +61,9 @@ class Measured:
     processes: list[MeasurementProcess]
     vllm_version: str = ""
     concurrent: bool = False  # the processes ran at once, each timing pass under the exclusive lock
+    # engines an earlier attempt of the stage measured with the same key (<label>.<role>), not run again: their
+    # processes are not in `processes`
+    reused: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +170,7 @@ def runs_to_measure(
             else:
                 log.info("reusing %s (measured by an earlier attempt, same key %s)", run.result_path, run.key[:12])
                 record(measured, run, earlier)
+                measured.reused.append(f"{run.label}.{run_role(run)}")
         if todo:
             pending.append((i, process, todo))
     return pending
