@@ -2,9 +2,10 @@
 
 What ran on the H200 is recorded in bench/gpu/results/2026-11-29-h200/ and docs/gpu.md; these tests keep the pieces
 that produced it consistent: every carried wheel is hash-pinned, envs/gpu.yaml pins what the machine reported,
-the GPU run's config is schema-valid, the 8B-shape builder pads the vocabulary as documented, the vLLM-version
-switch for the render endpoint reads both layouts, and the benchmark's bare trainer command cannot drift from the
-workflow's (a flag left to a speculators default once compared AdamW with Muon).
+every GPU overlay merges as its recipe says into settings each stage accepts, the 8B-shape builder pads the
+vocabulary as documented, the vLLM-version switch for the render endpoint reads both layouts, and the benchmark's
+bare trainer command cannot drift from the workflow's (a flag left to a speculators default once compared AdamW
+with Muon).
 """
 
 from __future__ import annotations
@@ -88,6 +89,35 @@ def test_gpu_run_config_is_schema_valid():
     assert config["train"]["extra_args"] == ["--loss-implementation", "eager"]
     shape = json.loads((GPU / "llama8b-shape-config.json").read_text())
     assert (shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]) == (32, 4096, 128256)
+
+
+OVERLAYS = sorted([*GPU.glob("*.yaml"), *(GPU / "study").glob("*.yaml")])
+RECIPE = re.compile(r'CONFIG="([^"]+)"')
+
+
+@pytest.mark.parametrize("overlay", [p.relative_to(GPU).as_posix() for p in OVERLAYS])
+def test_every_gpu_overlay_merges_as_its_recipe_says_into_settings_every_stage_accepts(overlay):
+    """A lease's config is only read on the lent machine, where a key the schema or a stage model refuses costs the
+    call. Each overlay under bench/gpu/ names its recipe (CONFIG="base ... overlay") in its comment; merged as
+    Snakemake merges --configfile, the result passes the workflow's schema and builds every rule's settings."""
+    from eagle3_workflow.forecast.__main__ import merged_config
+    from eagle3_workflow.settings.stages import RULE_SETTINGS, rule_settings_model
+    from eagle3_workflow.settings.views import view_of
+
+    path = GPU / overlay
+    recipes = RECIPE.findall(path.read_text())
+    if not recipes:
+        assert overlay == "llama8b-shape.yaml", f'{overlay}: no CONFIG="..." line says what it is merged over'
+        recipes = [f"bench/gpu/{overlay}"]
+    for recipe in recipes:
+        files = recipe.split()
+        assert files[-1] == f"bench/gpu/{overlay}", f"{overlay}'s recipe ends with another file: {recipe}"
+        config = merged_config([REPO / f for f in files])
+        assert config["run"]
+        build = None if config["target"]["path"] else f"build_{config['target']['build']['kind']}_target"
+        for rule in RULE_SETTINGS:
+            if rule == build or not rule.startswith("build_"):  # only the build rule the config runs
+                view_of(rule_settings_model(rule, config), config)
 
 
 def test_8b_shape_builder_pads_the_vocabulary(tmp_path):
