@@ -23,6 +23,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.serving.fit import check_weights_fit
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.settings.sections import VllmSettings
 from eagle3_workflow.settings.stages import ServingStage
@@ -159,10 +160,15 @@ def target_server_spec(settings: ServingStage, *, model: str, device: str) -> Se
     """A plain server of `model` (the target, or the canary's slice of it) as the stage's vllm, target and
     extraction settings size it, at extraction.tensor_parallel_size on every device. On CPU at TP > 1 each worker
     is bound to cores of its own (cpu_threads_bind; a VLLM_CPU_OMP_THREADS_BIND other than `auto` in the stage's
-    environment wins); a size the CPUs cannot honour raises TensorParallelRefused here, before any server starts."""
+    environment wins); a size the CPUs cannot honour raises TensorParallelRefused here, before any server starts,
+    and on CUDA a size whose ranks cannot hold the weights a StageError (serving.fit)."""
     vllm = settings.vllm
     tensor_parallel_size = settings.extraction.tensor_parallel_size
     bind = cpu_engine_bind(device, tensor_parallel_size, vllm.cpu_threads)
+    if device == "cuda":
+        check_weights_fit(model, tensor_parallel_size=tensor_parallel_size, dtype=settings.target.dtype,
+                          utilization=vllm.gpu_memory_utilization, kv_cache_bytes=vllm.kv_cache_memory_bytes,
+                          setting="extraction.tensor_parallel_size")  # fmt: skip
     return ServerSpec(
         model=model,
         device=device,

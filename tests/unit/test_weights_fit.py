@@ -1,0 +1,122 @@
+"""serving/fit.py: a target whose weights cannot fit its ranks' GPUs is refused before any engine starts, with the
+tensor-parallel size that would fit; a target that could start is never refused."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from conftest import tiny_settings
+
+from eagle3_workflow.serving.fit import (
+    check_weights_fit,
+    read_headers,
+    served_weight_bytes,
+    smallest_gpu_bytes,
+    weights_fit,
+)
+from eagle3_workflow.settings.errors import StageError
+from eagle3_workflow.settings.stages import ServingStage
+
+GIB = 2**30
+
+
+def write_checkpoint(folder, tensors: dict[str, tuple[str, list[int]]], name: str = "model.safetensors") -> None:
+    """A safetensors file in the exact format (8 bytes of header length, the JSON header, the data)."""
+    widths = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, (dtype, shape) in tensors.items():
+        size = widths[dtype]
+        for n in shape:
+            size *= n
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+def test_weights_are_counted_as_served_floats_at_the_serving_width_packed_ints_as_stored(tmp_path):
+    write_checkpoint(tmp_path, {"embed": ("F32", [100, 8]), "w_packed": ("I32", [16, 4]), "scale": ("BF16", [16]),
+                                "shape": ("I64", [2])}, name="model-00001-of-00002.safetensors")  # fmt: skip
+    write_checkpoint(tmp_path, {"lm_head": ("BF16", [100, 8])}, name="model-00002-of-00002.safetensors")
+    headers = read_headers(tmp_path)
+    assert len(headers) == 2
+    # fp32 served in bf16: half its stored bytes; packed int4 (int32) and int64 as stored
+    assert served_weight_bytes(headers, "bfloat16") == 800 * 2 + 64 * 4 + 16 * 2 + 2 * 8 + 800 * 2
+    assert served_weight_bytes(headers, "float32") == 800 * 4 + 64 * 4 + 16 * 4 + 2 * 8 + 800 * 4
+
+
+def test_the_storys_target_at_tp_1_is_refused_with_the_size_that_fits():
+    """Kimi-K2.5 INT4: ~595 GB of weights. At TP 1 on one 80 GiB GPU it would load for minutes and die; the fix names
+    the smallest power-of-two size whose ranks hold the weights: 8 (74 GB a rank of the 77 GB vLLM may take at 0.9,
+    a lower bound: the KV cache needs room too), as on 141 GiB GPUs."""
+    weights = 595 * 10**9
+    h100, h200 = 80 * GIB, 141 * GIB
+    fit = weights_fit(weights, 1, h100, utilization=0.9, kv_cache_bytes=None)
+    assert not fit.fits and fit.smallest_size() == 8
+    assert not weights_fit(weights, 4, h200, utilization=0.9, kv_cache_bytes=None).fits
+    assert weights_fit(weights, 4, h200, utilization=0.9, kv_cache_bytes=None).smallest_size() == 8
+    assert weights_fit(weights, 8, h200, utilization=0.9, kv_cache_bytes=None).fits
+
+
+def test_the_targets_that_ran_on_the_lent_gpus_fit():
+    """Never a refusal of what started: the real-width Kimi stand-in (54.2 GB, 4 GiB KV cache, one H100 of
+    79.6 GiB: it served with 58.8 GiB at peak) and the 8B shape (16.06 GB at 0.85 of the H100)."""
+    h100 = int(79.6 * GIB)
+    assert weights_fit(54_200_000_000, 1, h100, utilization=0.85, kv_cache_bytes=4 * GIB).fits
+    assert weights_fit(16_060_000_000, 1, h100, utilization=0.85, kv_cache_bytes=None).fits
+
+
+def test_check_refuses_with_the_setting_and_its_fix_and_skips_what_it_cannot_read(tmp_path):
+    write_checkpoint(tmp_path / "target", {"w": ("BF16", [1024, 1024])})  # 2 MiB
+    fit = check_weights_fit(tmp_path / "target", tensor_parallel_size=1, dtype="bfloat16", utilization=0.9,
+                            kv_cache_bytes=None, setting="evaluate.tensor_parallel_size", gpu_bytes=4 * 2**20)  # fmt: skip
+    assert fit is not None and fit.fits
+    with pytest.raises(StageError) as refused:
+        check_weights_fit(tmp_path / "target", tensor_parallel_size=1, dtype="bfloat16", utilization=0.9,
+                          kv_cache_bytes=None, setting="evaluate.tensor_parallel_size", gpu_bytes=2**20)  # fmt: skip
+    message = str(refused.value)
+    assert "holds 2.0 MiB of weights as served, 2.0 MiB per rank at evaluate.tensor_parallel_size = 1" in message
+    assert "at most 0.9 MiB of one 1.0 MiB GPU" in message
+    assert "Fix: set evaluate.tensor_parallel_size to 4 or more" in message
+    # nothing to read: no safetensors files (a path that does not exist yet), no GPU
+    assert check_weights_fit(tmp_path / "none", tensor_parallel_size=1, dtype="bfloat16", utilization=0.9,
+                             kv_cache_bytes=None, setting="x", gpu_bytes=1) is None  # fmt: skip
+
+
+def fake_nvidia_smi(tmp_path, monkeypatch, rows: str) -> None:
+    """nvidia-smi as it answers `--query-gpu=index,memory.total --format=csv,noheader,nounits` (MiB)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '{rows}'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_the_gpu_is_the_smallest_visible_one(tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path, monkeypatch, "0, 81559\\n1, 143771\\n")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert smallest_gpu_bytes() == 81559 * 2**20
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert smallest_gpu_bytes() == 143771 * 2**20
+
+
+def test_a_cuda_server_of_a_target_its_gpu_cannot_hold_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """The wiring: target_server_spec (the canary's, extraction's and online training's servers) on CUDA."""
+    from eagle3_workflow.serving.engine import target_server_spec
+
+    write_checkpoint(tmp_path / "target", {"w": ("BF16", [2048, 1024])})  # 4 MiB
+    settings = tiny_settings(ServingStage)
+    assert settings.vllm.kv_cache_memory_bytes == 256 * 2**20
+    fake_nvidia_smi(tmp_path, monkeypatch, "0, 257\\n")  # 1 MiB beside the tiny preset's 256 MiB KV cache
+    with pytest.raises(StageError, match=r"Fix: set extraction.tensor_parallel_size to 4 or more"):
+        target_server_spec(settings, model=str(tmp_path / "target"), device="cuda")
+    assert target_server_spec(settings, model=str(tmp_path / "target"), device="cpu").device == "cpu"
+    fake_nvidia_smi(tmp_path / "other", monkeypatch, "0, 200\\n")  # a KV cache larger than the GPU
+    with pytest.raises(StageError, match=r"kv_cache_memory_bytes leaves no room for the target's weights"):
+        target_server_spec(settings, model=str(tmp_path / "target"), device="cuda")
+    fake_nvidia_smi(tmp_path / "large", monkeypatch, "0, 81559\\n")
+    assert target_server_spec(settings, model=str(tmp_path / "target"), device="cuda").tensor_parallel_size == 1
