@@ -3,8 +3,7 @@
 A target too large for its tensor-parallel size does not fail at once: vLLM loads shard after shard until a GPU is
 full, and for the story's ~600 GB target that is minutes of loading before an out-of-memory error. The weights alone
 are a lower bound of what a rank holds (activations, the KV cache and CUDA graphs come on top), so the rule refuses
-only what cannot fit: the weights of one rank above the memory vLLM may take on one GPU. It never refuses a target
-that could start.
+only what cannot fit: the weights of one rank above the memory vLLM may take on one GPU.
 
 - The weights: every tensor of the checkpoint's safetensors headers, floating-point ones at the serving dtype's
   width (vLLM casts an fp32 checkpoint to 16 bits), the others (packed INT4 as int32, fp8, int8) as stored. Split
@@ -34,8 +33,8 @@ from eagle3_workflow.settings.errors import StageError
 log = logging.getLogger("eagle3.serving")
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-                "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}  # fmt: skip
+STORED_BYTES = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+                "F8_E5M2": 1, "F8_E8M0": 1}  # fmt: skip
 SERVED_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4, "auto": 2}
 
 
