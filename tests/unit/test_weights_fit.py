@@ -120,3 +120,23 @@ def test_a_cuda_server_of_a_target_its_gpu_cannot_hold_is_refused_before_it_star
         target_server_spec(settings, model=str(tmp_path / "target"), device="cuda")
     fake_nvidia_smi(tmp_path / "large", monkeypatch, "0, 81559\\n")
     assert target_server_spec(settings, model=str(tmp_path / "target"), device="cuda").tensor_parallel_size == 1
+
+
+def test_the_offline_engines_of_evaluation_and_regeneration_are_refused_naming_their_own_setting(tmp_path, monkeypatch):
+    """offline_engine_kwargs, where every offline engine is sized: evaluate_draft's engines (its first step) and
+    regeneration's, each refusal naming the key that set the size."""
+    from eagle3_workflow.evaluation.launch import measurement_engine_kwargs
+    from eagle3_workflow.regenerate.generate import regeneration_engine_kwargs
+    from eagle3_workflow.settings.stages import RegenerateResponsesStage
+
+    write_checkpoint(tmp_path / "target", {"w": ("BF16", [2048, 1024])})  # 4 MiB
+    fake_nvidia_smi(tmp_path, monkeypatch, "0, 257\\n")  # 1 MiB beside the tiny preset's 256 MiB KV cache
+    settings = tiny_settings(ServingStage)
+    with pytest.raises(StageError, match=r"Fix: set evaluate.tensor_parallel_size to 4 or more"):
+        measurement_engine_kwargs(settings.vllm, target=str(tmp_path / "target"), dtype="bfloat16",
+                                  trust_remote_code=False, seed=0, device="cuda", tensor_parallel_size=1,
+                                  in_process=True)  # fmt: skip
+    regenerate = tiny_settings(RegenerateResponsesStage)
+    regenerate = regenerate.model_copy(update={"vllm": regenerate.vllm.model_copy(update={"device": "cuda"})})
+    with pytest.raises(StageError, match=r"Fix: set extraction.tensor_parallel_size to 4 or more"):
+        regeneration_engine_kwargs(tmp_path / "target", regenerate)

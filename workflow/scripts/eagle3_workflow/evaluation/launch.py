@@ -44,7 +44,8 @@ def measurement_engine_kwargs(
     not exist there as a hub repo id)."""
     model = str(Path(target).resolve()) if Path(target).exists() else target
     kwargs = offline_engine_kwargs(vllm_settings, model=model, dtype=dtype, trust_remote_code=trust_remote_code,
-                                   seed=seed, tensor_parallel_size=tensor_parallel_size, device=device)  # fmt: skip
+                                   seed=seed, tensor_parallel_size=tensor_parallel_size, device=device,
+                                   tensor_parallel_setting="evaluate.tensor_parallel_size")  # fmt: skip
     kwargs["disable_log_stats"] = False  # vllm.LLM turns stats off by default, and with them get_metrics()
     kwargs["enable_prefix_caching"] = False  # every engine does the same work on the same prompts
     if in_process:

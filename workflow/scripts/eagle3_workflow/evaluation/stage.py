@@ -50,7 +50,6 @@ def evaluate_draft(
 ) -> AcceptanceReport:
     """Measure the trained and an untrained draft against no speculation; raise StageError if not lossless."""
     from eagle3_workflow.serving.engine import resolve_device
-    from eagle3_workflow.serving.fit import check_weights_fit
 
     settings, vllm_settings = stage.evaluate, stage.vllm
     dtype, trust_remote_code = stage.target.dtype, stage.target.trust_remote_code
@@ -60,11 +59,6 @@ def evaluate_draft(
     target, draft, prepared, work_dir = (Path(p).resolve() for p in (target, draft, prepared, work_dir))
     check_eagle3_draft(draft)
     device = resolve_device(vllm_settings.device)
-    if device == "cuda":  # every engine holds the whole target: refused here, not after minutes of loading
-        check_weights_fit(target, tensor_parallel_size=settings.tensor_parallel_size, dtype=dtype,
-                          utilization=vllm_settings.gpu_memory_utilization,
-                          kv_cache_bytes=settings.kv_cache_memory_bytes or vllm_settings.kv_cache_memory_bytes,
-                          setting="evaluate.tensor_parallel_size")  # fmt: skip
     numerics = lossless_numerics(settings.lossless_numerics, device)
     reference = lossless_reference(settings.lossless_reference, device, tie_steps=settings.lossless_tie_steps)
     untrained_dir = work_dir / "untrained_draft"  # built by measure_engines, once the first process imports vLLM

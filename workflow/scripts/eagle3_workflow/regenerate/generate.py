@@ -251,6 +251,7 @@ def regeneration_engine_kwargs(target: Path, settings: RegenerateResponsesStage)
         seed=settings.regenerate.seed,
         tensor_parallel_size=settings.extraction.tensor_parallel_size,
         device=settings.vllm.device,
+        tensor_parallel_setting="extraction.tensor_parallel_size",
     )
     if generation_cuda_graphs(settings.vllm, settings.vllm.device):
         kwargs["enforce_eager"] = False

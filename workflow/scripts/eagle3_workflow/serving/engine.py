@@ -230,10 +230,16 @@ def offline_engine_kwargs(
     seed: int,
     tensor_parallel_size: int,
     device: str,
+    tensor_parallel_setting: str,
 ) -> dict[str, Any]:
     """vllm.LLM keyword arguments from the config's vllm section: the one place an offline engine (regeneration,
     evaluation) is sized, as ServerSpec sizes the server. A fixed KV cache wins over the GPU memory fraction,
-    which means nothing on CPU."""
+    which means nothing on CPU. On CUDA a size whose ranks cannot hold the weights is refused here (serving.fit,
+    naming `tensor_parallel_setting`, the config key that set it)."""
+    if device == "cuda":
+        check_weights_fit(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                          utilization=vllm.gpu_memory_utilization, kv_cache_bytes=vllm.kv_cache_memory_bytes,
+                          setting=tensor_parallel_setting)  # fmt: skip
     kwargs: dict[str, Any] = {
         "model": model,
         "dtype": dtype,
