@@ -43,6 +43,13 @@ def test_weights_are_counted_as_served_floats_at_the_serving_width_packed_ints_a
     write_checkpoint(tmp_path, {"lm_head": ("BF16", [100, 8])}, name="model-00002-of-00002.safetensors")
     headers = read_headers(tmp_path)
     assert len(headers) == 2
+    # with an index, only the files it names: a stray copy beside the shards is not the model's
+    write_checkpoint(tmp_path, {"lm_head": ("BF16", [100, 8])}, name="consolidated.safetensors")
+    assert len(read_headers(tmp_path)) == 3
+    weight_map = {"embed": "model-00001-of-00002.safetensors", "w_packed": "model-00001-of-00002.safetensors",
+                  "lm_head": "model-00002-of-00002.safetensors"}  # fmt: skip
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert read_headers(tmp_path) == headers
     # fp32 served in bf16: half its stored bytes; packed int4 (int32) and int64 as stored
     assert served_weight_bytes(headers, "bfloat16") == 800 * 2 + 64 * 4 + 16 * 2 + 2 * 8 + 800 * 2
     assert served_weight_bytes(headers, "float32") == 800 * 4 + 64 * 4 + 16 * 4 + 2 * 8 + 800 * 4

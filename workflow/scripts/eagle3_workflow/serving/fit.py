@@ -112,9 +112,15 @@ def refusal(fit: WeightsFit, *, model: str, setting: str) -> str:
 
 
 def read_headers(model: Path) -> list[dict[str, Any]]:
-    """The JSON header of every safetensors file of a model folder (8 bytes of length, then the header)."""
+    """The JSON header (8 bytes of length, then the header) of each safetensors file vLLM loads from a model folder:
+    the files its model.safetensors.index.json names where it has one (as vLLM filters them), else every one."""
+    index = model / "model.safetensors.index.json"
+    if index.is_file():
+        paths = [model / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        paths = sorted(model.glob("*.safetensors"))
     headers = []
-    for path in sorted(model.glob("*.safetensors")):
+    for path in paths:
         with path.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             headers.append(json.loads(handle.read(length)))
