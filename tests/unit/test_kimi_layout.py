@@ -18,7 +18,8 @@ from conftest import REPO, SEED_PROMPTS, TINY_DATA
 from safetensors import safe_open
 
 from eagle3_workflow.canary.slice import build_truncated_target
-from eagle3_workflow.reference.target_config import read_target_config, weight_files
+from eagle3_workflow.files.target_weights import weight_files
+from eagle3_workflow.reference.target_config import read_target_config
 
 LM = r"language_model\.model\.layers\.\d+\."
 # every tensor of the release, as a pattern; EXPERT: a routed expert's projection (its suffix differs by variant)

@@ -1,5 +1,6 @@
-"""One reader per thing on disk: the target's config.json (target_config), its safetensors weight map, the prepared
-dataset (prepared) and a hidden-state file (hidden_states). Each stage reads these through them only."""
+"""One reader per thing on disk: the target's config.json (target_config), its safetensors weight map
+(target_weights), the prepared dataset (prepared) and a hidden-state file (hidden_states). Each stage reads these
+through them only."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from safetensors.torch import save_file
 
 from eagle3_workflow.files.hidden_states import HiddenStateFiles, hs_file, read_hidden_states, read_sample
 from eagle3_workflow.files.prepared import open_prepared, read_input_ids
-from eagle3_workflow.reference.target_config import NotSafetensors, read_target_config, read_tensors, weight_files
+from eagle3_workflow.files.target_weights import NotSafetensors, weight_files
+from eagle3_workflow.reference.target_config import read_target_config, read_tensors
 from eagle3_workflow.settings.errors import StageError
 
 PACKAGE = REPO / "workflow" / "scripts" / "eagle3_workflow"
@@ -145,7 +147,7 @@ def _reads(node: ast.AST, needle: str) -> bool:
 OWN_READER = {
     "load_from_disk": "files/prepared.py",
     "text_config": "reference/target_config.py",
-    "model.safetensors.index.json": "reference/target_config.py",
+    "model.safetensors.index.json": "files/target_weights.py",
     "hs_<row>.safetensors": "files/hidden_states.py",
     "a hidden-state file opened": "files/hidden_states.py",
 }

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_workflow.files.hidden_states import HiddenStateFiles
+from eagle3_workflow.files.target_weights import weight_files
 from eagle3_workflow.reference.layer_match import LAYER_KEY
-from eagle3_workflow.reference.target_config import read_target_config, read_tensors, text_section, weight_files
+from eagle3_workflow.reference.target_config import read_target_config, read_tensors, text_section
 
 log = logging.getLogger("eagle3.canary")
 

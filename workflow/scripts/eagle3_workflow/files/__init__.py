@@ -6,6 +6,7 @@ Owns:
   target and the API), ``data_artefacts`` (the training data and its gates), ``draft_artefacts`` (training,
   evaluation, provenance);
 - ``hidden_states``: the hidden-state files (hs_<row>.safetensors): naming, reading, checking, sizes;
+- ``target_weights``: the target checkpoint's weight map (model.safetensors.index.json), read and written;
 - ``prepared``: the prepared (tokenized) dataset;
 - ``chat``: conversations as the target's chat template renders and tokenizes them (the prepared data's shape);
 - ``writing``: atomic writes, the umask a shared run honours, publishing a folder whole;

@@ -30,17 +30,11 @@ from typing import Any
 
 import torch
 
+from eagle3_workflow.files.target_weights import NotSafetensors, weight_files
 from eagle3_workflow.reference import compressed_weights
 from eagle3_workflow.reference.compressed_weights import QuantizedCheckpoint, UnsupportedScheme
 from eagle3_workflow.reference.layer_match import LAYER_KEY, POST_NORM
-from eagle3_workflow.reference.target_config import (
-    TEXT_PREFIX,
-    NotSafetensors,
-    read_target_config,
-    read_tensors,
-    text_weight_prefix,
-    weight_files,
-)
+from eagle3_workflow.reference.target_config import TEXT_PREFIX, read_target_config, read_tensors, text_weight_prefix
 from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.full_depth")
@@ -75,7 +69,7 @@ def unsupported(
 
 
 def checkpoint_files(target_dir: Path) -> dict[str, str]:
-    """Tensor name -> the safetensors file that holds it (reference.target_config.weight_files); UnsupportedTarget without
+    """Tensor name -> the safetensors file that holds it (files.target_weights.weight_files); UnsupportedTarget without
     safetensors."""
     try:
         return weight_files(target_dir)

@@ -1,5 +1,5 @@
 """The target checkpoint on disk, read in one place: its config.json as a small typed view (`read_target_config`), and
-which safetensors file holds each tensor (`weight_files`, `read_tensors`; `write_weight_index` for a builder).
+its tensors (`read_tensors`, by the weight map of files.target_weights.weight_files).
 
 Multimodal wrappers (Gemma 3, Llama 4, ...) keep the language model's shape in ``text_config``; `text_section` is the
 one place that knows it. Pure: json and safetensors only (no transformers, no torch import at module level).
@@ -20,10 +20,6 @@ if TYPE_CHECKING:
     import torch
 
     from eagle3_workflow.files.target_artefacts import TargetInfo
-
-
-class NotSafetensors(StageError):
-    """The target directory has neither model.safetensors nor model.safetensors.index.json."""
 
 
 def text_section(config: dict[str, Any]) -> dict[str, Any]:
@@ -122,24 +118,6 @@ def read_target_config(target_dir: str | Path) -> TargetConfig:
     return TargetConfig(path=str(target_dir), raw=raw)
 
 
-def weight_files(target_dir: Path) -> dict[str, str]:
-    """Tensor name -> the safetensors file (relative to target_dir) that holds it, sharded or not. NotSafetensors when
-    the directory has neither model.safetensors nor model.safetensors.index.json."""
-    from safetensors import safe_open
-
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = target_dir / "model.safetensors"
-    if not single.exists():
-        raise NotSafetensors(
-            f"{target_dir} has neither model.safetensors nor model.safetensors.index.json; only safetensors "
-            "checkpoints can be read"
-        )
-    with safe_open(str(single), framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), "model.safetensors")
-
-
 TEXT_PREFIX = "language_model."  # where a multimodal wrapper's checkpoint keeps its language model (Kimi-K2.5)
 _TEXT_LAYER = re.compile(r"^language_model\.model\.layers\.\d+\.")
 
@@ -148,15 +126,6 @@ def text_weight_prefix(files: Mapping[str, str]) -> str:
     """What stands before the language model's own tensor names in this checkpoint: TEXT_PREFIX when it stores its
     decoder layers as ``language_model.model.layers.N...`` (Kimi-K2.5), else "" (``model.layers.N...``)."""
     return TEXT_PREFIX if any(_TEXT_LAYER.match(name) for name in files) else ""
-
-
-def write_weight_index(target_dir: Path, weight_map: Mapping[str, str], total_size: int) -> Path:
-    """model.safetensors.index.json of a sharded checkpoint (the format weight_files reads): tensor name -> its
-    file, names sorted; total_size the bytes of every tensor."""
-    index = target_dir / "model.safetensors.index.json"
-    payload = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    index.write_text(json.dumps(payload, indent=2) + "\n")
-    return index
 
 
 def read_tensors(target_dir: Path, files: Mapping[str, str], names: Sequence[str]) -> dict[str, torch.Tensor]:

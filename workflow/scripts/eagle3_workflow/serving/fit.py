@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from eagle3_workflow.files.target_weights import NotSafetensors, weight_files
 from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.serving")
@@ -113,11 +114,11 @@ def refusal(fit: WeightsFit, *, model: str, setting: str) -> str:
 
 def read_headers(model: Path) -> list[dict[str, Any]]:
     """The JSON header (8 bytes of length, then the header) of each safetensors file vLLM loads from a model folder:
-    the files its model.safetensors.index.json names where it has one (as vLLM filters them), else every one."""
-    index = model / "model.safetensors.index.json"
-    if index.is_file():
-        paths = [model / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    else:
+    the files its weight map names (files.target_weights: the index, as vLLM filters them, or model.safetensors), else
+    every one (a sharded folder without an index)."""
+    try:
+        paths = [model / name for name in sorted(set(weight_files(model).values()))]
+    except NotSafetensors:
         paths = sorted(model.glob("*.safetensors"))
     headers = []
     for path in paths:

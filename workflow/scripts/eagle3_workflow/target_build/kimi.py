@@ -49,8 +49,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3_workflow.files.target_weights import write_weight_index
 from eagle3_workflow.files.writing import share_as_umask_allows
-from eagle3_workflow.reference.target_config import write_weight_index
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.settings.sections import KimiShape
 from eagle3_workflow.target_build.kimi_layout import (

@@ -22,7 +22,8 @@ from typing import Any
 
 from eagle3_workflow.files.data_artefacts import GreedyCheck, GreedyProbe, ValidationReport
 from eagle3_workflow.files.hidden_states import HiddenStateFiles, read_hidden_states
-from eagle3_workflow.reference.target_config import read_target_config, read_tensors, text_weight_prefix, weight_files
+from eagle3_workflow.files.target_weights import weight_files
+from eagle3_workflow.reference.target_config import read_target_config, read_tensors, text_weight_prefix
 from eagle3_workflow.settings.errors import StageError, render_table
 
 MAX_LISTED = 50
