@@ -4,11 +4,13 @@ tensor-parallel size that would fit; a target that could start is never refused.
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
 from conftest import tiny_settings
 
+from eagle3_workflow.files.target_weights import safetensors_header, weight_files
 from eagle3_workflow.serving.fit import (
     check_weights_fit,
     read_headers,
@@ -147,3 +149,40 @@ def test_the_offline_engines_of_evaluation_and_regeneration_are_refused_naming_t
     regenerate = regenerate.model_copy(update={"vllm": regenerate.vllm.model_copy(update={"device": "cuda"})})
     with pytest.raises(StageError, match=r"Fix: set extraction.tensor_parallel_size to 4 or more"):
         regeneration_engine_kwargs(tmp_path / "target", regenerate)
+
+
+def test_a_single_file_checkpoint_larger_than_this_machine_is_read_by_its_header_never_mapped(tmp_path):
+    """safetensors' safe_open maps the whole file: for a 128 GB model.safetensors on this 24 GiB host that map was
+    refused ("Cannot allocate memory", 2026-12-06), so the check could not count a target too large for its GPU. The
+    header is read instead. The file here: bf16 matrices adding up to twice this machine's memory, their data a hole
+    (a sparse file: the same bytes a real checkpoint has, none of them written)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    matrix = 8192 * 8192 * 2
+    count = -(-2 * memory // matrix)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    for index in range(count):
+        header[f"model.layers.{index}.mlp.down_proj.weight"] = {
+            "dtype": "BF16", "shape": [8192, 8192], "data_offsets": [index * matrix, (index + 1) * matrix]}  # fmt: skip
+    raw = json.dumps(header).encode()
+    target = tmp_path / "target"
+    target.mkdir()
+    path = target / "model.safetensors"
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)) + raw)
+        handle.truncate(8 + len(raw) + count * matrix)
+    assert path.stat().st_blocks * 512 < 64 * 2**20, "the premise: a sparse file, next to nothing written"
+    assert len(weight_files(target)) == count
+    with pytest.raises(StageError, match="Fix: set extraction.tensor_parallel_size to 4 or more"):
+        check_weights_fit(target, tensor_parallel_size=1, dtype="bfloat16", utilization=1.0, kv_cache_bytes=None,
+                          setting="extraction.tensor_parallel_size", gpu_bytes=memory * 2 // 3)  # fmt: skip
+
+
+def test_a_file_cut_inside_its_header_is_named_with_the_fix(tmp_path):
+    write_checkpoint(tmp_path, {"w": ("BF16", [64, 64])})
+    whole = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(whole[:20])
+    with pytest.raises(StageError, match="cut short.*Fix: copy the checkpoint again"):
+        safetensors_header(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").write_bytes(whole[:5])
+    with pytest.raises(StageError, match="shorter than its header length"):
+        weight_files(tmp_path)

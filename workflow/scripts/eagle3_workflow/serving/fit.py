@@ -18,17 +18,15 @@ toward a refusal only where a start would have had that little room left for act
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
 import shutil
-import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from eagle3_workflow.files.target_weights import NotSafetensors, weight_files
+from eagle3_workflow.files.target_weights import NotSafetensors, safetensors_header, weight_files
 from eagle3_workflow.settings.errors import StageError
 
 log = logging.getLogger("eagle3.serving")
@@ -120,12 +118,7 @@ def read_headers(model: Path) -> list[dict[str, Any]]:
         paths = [model / name for name in sorted(set(weight_files(model).values()))]
     except NotSafetensors:
         paths = sorted(model.glob("*.safetensors"))
-    headers = []
-    for path in paths:
-        with path.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            headers.append(json.loads(handle.read(length)))
-    return headers
+    return [safetensors_header(path) for path in paths]
 
 
 def smallest_gpu_bytes() -> int | None:
