@@ -10,7 +10,9 @@ only what cannot fit: the weights of one rank above the memory vLLM may take on 
   evenly over the ranks (tensor parallelism shards every layer; the embedding and lm_head are split too).
 - The memory vLLM may take on one GPU: `gpu_memory_utilization` of it, or, where the KV cache is sized in bytes
   (`kv_cache_memory_bytes`), the whole GPU less that cache.
-- The GPU: the smallest of the node's GPUs (nvidia-smi), read without touching CUDA in the stage's process.
+- The GPU: the smallest of the node's GPUs (nvidia-smi), read without touching CUDA in the stage's process. On the lent
+  H100 nvidia-smi's figure is 480 MiB (0.59%) above what CUDA hands out (bench/gpu/weights_fit_check.py, 2026-12-06):
+  the check is that much lenient, never stricter than vLLM, whose own budget starts from CUDA's figure.
 Tensors vLLM skips (a DeepSeek-V3 checkpoint's multi-token-prediction layer) are counted: a few percent, erring
 toward a refusal only where a start would have had that little room left for activations and the KV cache.
 """
