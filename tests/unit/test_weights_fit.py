@@ -8,7 +8,7 @@ import os
 import struct
 
 import pytest
-from conftest import tiny_settings
+from conftest import REPO, load_script, tiny_settings
 
 from eagle3_workflow.files.target_weights import safetensors_header, weight_files
 from eagle3_workflow.serving.fit import (
@@ -157,19 +157,9 @@ def test_a_single_file_checkpoint_larger_than_this_machine_is_read_by_its_header
     header is read instead. The file here: bf16 matrices adding up to twice this machine's memory, their data a hole
     (a sparse file: the same bytes a real checkpoint has, none of them written)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    matrix = 8192 * 8192 * 2
-    count = -(-2 * memory // matrix)
-    header: dict = {"__metadata__": {"format": "pt"}}
-    for index in range(count):
-        header[f"model.layers.{index}.mlp.down_proj.weight"] = {
-            "dtype": "BF16", "shape": [8192, 8192], "data_offsets": [index * matrix, (index + 1) * matrix]}  # fmt: skip
-    raw = json.dumps(header).encode()
     target = tmp_path / "target"
-    target.mkdir()
-    path = target / "model.safetensors"
-    with path.open("wb") as handle:
-        handle.write(struct.pack("<Q", len(raw)) + raw)
-        handle.truncate(8 + len(raw) + count * matrix)
+    path = load_script(REPO / "bench/gpu/weights_fit_check.py").write_sparse_checkpoint(target, 2 * memory)
+    count = -(-2 * memory // (8192 * 8192 * 2))  # the script's 8,192 x 8,192 bf16 matrices
     assert path.stat().st_blocks * 512 < 64 * 2**20, "the premise: a sparse file, next to nothing written"
     assert len(weight_files(target)) == count
     with pytest.raises(StageError, match="Fix: set extraction.tensor_parallel_size to 4 or more"):
