@@ -98,12 +98,19 @@ def run_checks(work: Path) -> dict:
     model = work / "too-large"
     write_sparse_checkpoint(model, int(gpu * 1.5))
     kwargs = {"dtype": "bfloat16", "utilization": UTILIZATION, "setting": SETTING}
+
+    def refusal(folder: Path, tensor_parallel_size: int, kv_cache_bytes: int | None) -> str | None:
+        """The check's refusal message, or None where it let the target through."""
+        try:
+            check_weights_fit(
+                folder, tensor_parallel_size=tensor_parallel_size, kv_cache_bytes=kv_cache_bytes, **kwargs
+            )
+        except StageError as exc:
+            return str(exc)
+        return None
+
     started = time.monotonic()
-    try:
-        check_weights_fit(model, tensor_parallel_size=1, kv_cache_bytes=None, **kwargs)
-        message = None
-    except StageError as exc:
-        message = str(exc)
+    message = refusal(model, 1, None)
     checks["refused"] = {
         "seconds": round(time.monotonic() - started, 3),
         "message": message,
@@ -114,11 +121,7 @@ def run_checks(work: Path) -> dict:
                            "passed": fit is not None and fit.fits}  # fmt: skip
     small = work / "small"
     write_sparse_checkpoint(small, 2**30)
-    try:
-        check_weights_fit(small, tensor_parallel_size=1, kv_cache_bytes=gpu, **kwargs)
-        message = None
-    except StageError as exc:
-        message = str(exc)
+    message = refusal(small, 1, gpu)
     checks["kv_cache_too_large"] = {"message": message,
                                     "passed": message is not None and "leaves no room" in message}  # fmt: skip
     return checks
