@@ -168,3 +168,21 @@ def test_training_disk_is_the_checkpoints_and_the_draft_the_8b_shape_run_wrote(c
     stages = {(s["stage"], s["quantity"]): s for s in json.loads(out.read_text())["stages"]}
     assert stages["train_draft", "disk"]["forecast"] == pytest.approx(9_231_598_461 + 1_900_548_048, rel=1e-3)
     assert "3 checkpoint(s) of 3.08 GB, all kept, and the published draft's 1.90 GB" in capsys.readouterr().out
+
+
+def test_the_forecast_beside_speculators_published_llama_8b_run_is_the_one_committed(capsys, tmp_path, monkeypatch):
+    """docs/benchmarks.md sets the forecast of speculators' published 5k-sample Llama-3.1-8B run (2 GPUs, 5 epochs)
+    beside that run's times. The committed figures are what the overlay and the cost table give now (a change to
+    either must refresh them), and the hidden states' size agrees with speculators' tutorial: ~1.6 TB for 50,000
+    samples of 1,024 tokens."""
+    monkeypatch.chdir(tmp_path)
+    overlay = REPO / "bench" / "gpu" / "study" / "forecast-speculators-llama8b-5k.yaml"
+    out = tmp_path / "forecast.json"
+    args = ["--configfile", str(PRESET_8B), str(overlay), *SHAPE, "--samples", "5000", "--mean-tokens", "1024"]
+    assert main([*args, "--json", str(out)]) == 0, capsys.readouterr().err
+    committed = (
+        REPO / "bench" / "gpu" / "results" / "2026-12-06-llama8b-shape-speed" / "forecast_speculators_5k_2gpus.json"
+    )
+    assert json.loads(out.read_text()) == json.loads(committed.read_text())
+    stages = {(s["stage"], s["quantity"]): s["forecast"] for s in json.loads(out.read_text())["stages"]}
+    assert 10 * stages["extract_hidden_states", "disk"] == pytest.approx(1.6e12, rel=0.1)
