@@ -455,3 +455,37 @@ def test_the_tracked_tree_leaves_room_for_a_wheel_chunk_in_one_device_call():
         f"tracked files {counted:,} bytes with 1 KiB per file ({len(files)} files) > {room:,} (64 MiB less a "
         f"{chunk_mib} MiB chunk)"
     )
+
+
+def test_install_leaves_bytecode_for_every_installed_module(tmp_path):
+    """bench/gpu/install.sh installs with pip's --no-compile (one pip call) and then compiles what it installed, so
+    that no process on the lent machine compiles the modules it imports (2026-12-06: `import vllm` 10-15 s in each
+    evaluation process, the later ones no faster). Run here on a wheel made for the test, with the script's own
+    hash check."""
+    import hashlib
+    import zipfile
+
+    wheels, site = tmp_path / "wheelcache", tmp_path / "site"
+    wheels.mkdir()
+    name = "toy_pkg-1.0-py3-none-any.whl"
+    files = {
+        "toy_pkg/__init__.py": "from toy_pkg.part import VALUE\n",
+        "toy_pkg/part.py": "VALUE = 42\n",
+        "toy_pkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: toy-pkg\nVersion: 1.0\n",
+        "toy_pkg-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [f"{path},," for path in files] + ["toy_pkg-1.0.dist-info/RECORD,,"]
+    with zipfile.ZipFile(wheels / name, "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+        wheel.writestr("toy_pkg-1.0.dist-info/RECORD", "\n".join(record) + "\n")
+    (wheels / "WHEELS.txt").write_text(name + "\n")
+    digest = hashlib.sha256((wheels / name).read_bytes()).hexdigest()
+    (wheels / "SHA256SUMS.want").write_text(f"{digest}  {name}\n")
+    env = {**os.environ, "W": str(wheels), "T": str(site), "PY": sys.executable, "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run(["bash", str(GPU / "install.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "bytecode compiled in" in done.stdout and "PYTHONDONTWRITEBYTECODE=1" in done.stdout
+    cached = {p.name.split(".")[0] for p in (site / "toy_pkg" / "__pycache__").glob("*.pyc")}
+    assert cached == {"__init__", "part"}
+    assert (site / "ENV.sh").read_text().startswith(f"export PYTHONPATH={site}")
