@@ -489,3 +489,24 @@ def test_install_leaves_bytecode_for_every_installed_module(tmp_path):
     cached = {p.name.split(".")[0] for p in (site / "toy_pkg" / "__pycache__").glob("*.pyc")}
     assert cached == {"__init__", "part"}
     assert (site / "ENV.sh").read_text().startswith(f"export PYTHONPATH={site}")
+
+
+def test_import_bench_times_both_sides_and_the_from_source_side_writes_no_bytecode(tmp_path):
+    """bench/gpu/import_time.py sets fresh interpreters reading the installed bytecode against ones compiling from
+    source (what install.sh's compile step saves). Run here on stdlib modules, two pairs: both sides timed, one ratio
+    per pair, and the from-source side checked to have written nothing it could read back."""
+    out = tmp_path / "import_time.json"
+    done = subprocess.run(
+        [sys.executable, str(GPU / "import_time.py"), "--module", "json", "--floor-module", "csv", "--pairs", "2",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    for name in ("json", "csv"):
+        assert len(result[name]["seconds"]["with_bytecode"]) == len(result[name]["seconds"]["from_source"]) == 2
+        ratio = result[name]["from_source_over_with_bytecode"]
+        assert ratio["min"] <= ratio["median"] <= ratio["max"] and ratio["min"] > 0
+    assert "import json:" in done.stdout and "from source (ratio" in done.stdout
+    bench = load_script(GPU / "import_time.py")
+    assert bench.ratios([1.0, 2.0], [3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
