@@ -100,11 +100,12 @@ def main() -> int:
             }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for name in (args.floor_module, args.module):
-        r = result[name]
+        bytecode, source, ratio = (
+            result[name][k] for k in ("with_bytecode", "from_source", "from_source_over_with_bytecode")
+        )
         print(
-            f"import {name}: {r['with_bytecode']['median_s']} s with the bytecode, {r['from_source']['median_s']} s "
-            f"from source (ratio {r['from_source_over_with_bytecode']['median']}, "
-            f"{r['from_source_over_with_bytecode']['min']}-{r['from_source_over_with_bytecode']['max']})"
+            f"import {name}: {bytecode['median_s']} s with the bytecode, {source['median_s']} s from source "
+            f"(ratio {ratio['median']}, {ratio['min']}-{ratio['max']})"
         )
     return 0
 
