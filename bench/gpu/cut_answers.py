@@ -17,23 +17,14 @@ import argparse
 import json
 import lzma
 import statistics
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-SPAN_WORDS = 8
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow" / "scripts"))
+from eagle3_workflow.prepare.repetition import repeated_share  # noqa: E402 (stdlib only)
+
 LOOP_THRESHOLDS = (0.2, 0.5)
-
-
-def repeated_share(text: str, span: int = SPAN_WORDS) -> float:
-    """Share of the text's `span`-word windows that already occurred earlier in it."""
-    words = text.split()
-    windows = [" ".join(words[i : i + span]) for i in range(len(words) - span + 1)]
-    seen: set[str] = set()
-    repeats = 0
-    for window in windows:
-        repeats += window in seen
-        seen.add(window)
-    return repeats / len(windows) if windows else 0.0
 
 
 def origin_family(origin: str) -> str:

@@ -12,6 +12,7 @@ from conftest import preparation
 
 from eagle3_workflow.files.chat import tokenize_conversation
 from eagle3_workflow.prepare.conversations import prepare_conversations, token_frequencies
+from eagle3_workflow.prepare.repetition import repeated_share
 from eagle3_workflow.settings.errors import StageError
 
 CHATML = (
@@ -167,6 +168,30 @@ def test_overlength_drop_and_truncate(tiny_tokenizer, tmp_path):
     assert len(truncated.samples) == 2
     assert truncated.manifest_counts["truncated"] == 1
     assert max(len(s.input_ids) for s in truncated.samples) == 64
+
+
+def test_repeated_share_is_zero_without_repeats_and_near_one_for_a_greedy_loop():
+    assert repeated_share("def add(a, b): return a + b  # adds two numbers and returns the sum") == 0.0
+    assert repeated_share("return the list of items " * 40) > 0.9
+    assert repeated_share("too short") == 0.0
+    # one line said twice in twelve words: 1 of the 5 eight-word windows has been seen
+    assert repeated_share("a b c d e f g h a b c d") == 0.0
+    assert repeated_share("a b c d e f g h a b c d e f g h") == pytest.approx(1 / 9)
+
+
+def test_a_looping_answer_is_dropped_as_repetitive_only_when_asked(tiny_tokenizer, tmp_path):
+    loop = {"conversations": [{"from": "human", "value": "sum a list"}, {"from": "gpt", "value": "x = x + 1 " * 30}]}
+    # the loop in the second answer of two: every assistant turn is judged
+    late_loop = {"messages": MULTI_TURN[:3] + [MULTI_TURN[3], {"role": "assistant", "content": "9. " + "so 9 " * 40}]}
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD, loop, late_loop])
+    kept_all = prepare_conversations([(path, "auto")], tiny_tokenizer, preparation(max_seq_len=512))
+    assert len(kept_all.samples) == 3 and kept_all.manifest_counts["dropped"] == {}
+    filtered = prepare_conversations(
+        [(path, "auto")], tiny_tokenizer, preparation(max_seq_len=512, max_repeated_share=0.5)
+    )
+    assert [s.line for s in filtered.samples] == [1]
+    assert filtered.manifest_counts["dropped"] == {"repetitive": 2}
+    assert filtered.manifest_counts["records_read"] == 3
 
 
 def test_zero_kept_fails_with_the_reason(tiny_tokenizer, tmp_path):

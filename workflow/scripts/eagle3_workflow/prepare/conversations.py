@@ -19,6 +19,7 @@ from typing import Any
 
 from eagle3_workflow.files.chat import TemplateError, normalize_messages, tokenize_conversation
 from eagle3_workflow.files.data_artefacts import DataManifest
+from eagle3_workflow.prepare.repetition import most_repeated_answer
 from eagle3_workflow.settings.errors import StageError, render_table
 from eagle3_workflow.settings.sections import DataPreparation
 
@@ -175,18 +176,21 @@ class PreparationResult:
 
 
 @dataclasses.dataclass
-class LengthPolicy:
+class RecordPolicy:
     max_seq_len: int
     overlength: str  # truncate | drop
     min_assistant_tokens: int
+    max_repeated_share: float | None = None  # None: no answer is judged for repetition
 
 
 def prepare_record(
-    item: RawRecord, declared: str, tokenizer: Any, policy: LengthPolicy
+    item: RawRecord, declared: str, tokenizer: Any, policy: RecordPolicy
 ) -> PreparedSample | BadRecord | str:
     """One record's single outcome: a sample (maybe truncated), a bad record, or the name of a plain drop."""
     try:
         messages = messages_of(item, declared)
+        if policy.max_repeated_share is not None and most_repeated_answer(messages) > policy.max_repeated_share:
+            return "repetitive"
         tokenized = tokenize_conversation(tokenizer, messages)
     except RecordError as exc:
         return BadRecord(item.source, item.line, exc.reason, str(exc))
@@ -224,7 +228,9 @@ def prepare_conversations(
     Every record read ends under exactly one outcome: kept, or one reason in `dropped`; `truncated` counts
     the kept records that were cut at max_seq_len.
     """
-    policy = LengthPolicy(settings.max_seq_len, settings.overlength, settings.min_assistant_tokens)
+    policy = RecordPolicy(
+        settings.max_seq_len, settings.overlength, settings.min_assistant_tokens, settings.max_repeated_share
+    )
     kept: list[PreparedSample] = []
     bad: list[BadRecord] = []
     dropped: collections.Counter[str] = collections.Counter()

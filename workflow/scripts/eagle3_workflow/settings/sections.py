@@ -90,6 +90,7 @@ class DataPreparation(View):
     on_bad_record: Literal["fail", "skip"]
     max_samples: int | None
     min_assistant_tokens: int
+    max_repeated_share: float | None
     seed: int
 
 
