@@ -180,7 +180,7 @@ class RecordPolicy:
     max_seq_len: int
     overlength: str  # truncate | drop
     min_assistant_tokens: int
-    max_repeated_share: float | None = None  # None: no answer is judged for repetition
+    max_repeated_share: float | None  # None: no answer is judged for repetition
 
 
 def prepare_record(
@@ -223,7 +223,7 @@ def bad_record_table(bad: list[BadRecord]) -> str:
 def prepare_conversations(
     sources: list[tuple[Path, str]], tokenizer: Any, settings: DataPreparation
 ) -> PreparationResult:
-    """Parse, render, mask and length-filter every record. Pure: no files are written.
+    """Parse, render, mask, length- and repetition-filter every record. Pure: no files are written.
 
     Every record read ends under exactly one outcome: kept, or one reason in `dropped`; `truncated` counts
     the kept records that were cut at max_seq_len.
