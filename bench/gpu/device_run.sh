@@ -111,8 +111,9 @@ src, dst = sys.argv[1:3]
 skip = {"results", ".snakemake", "wheels-gpu", ".venv"}
 copied = 0
 for root, dirs, files in os.walk(src):
-    if root == src:
-        dirs[:] = [d for d in dirs if d not in skip]
+    # bytecode caches are the interpreter's, not code: a stale .pyc in the source (an edit after `make setup`
+    # compiled it) is rewritten in $WORK by the first import there, and every later sync would count it changed
+    dirs[:] = [d for d in dirs if d != "__pycache__" and not (root == src and d in skip)]
     target = os.path.join(dst, os.path.relpath(root, src))
     os.makedirs(target, exist_ok=True)
     for name in files:
