@@ -186,6 +186,8 @@ def changed_value(dpath: str, value: Any) -> Any:
         return (value or node.get("minimum", 1)) + 1
     if isinstance(value, float):
         return value / 2 if "maximum" in node else value + 0.5
+    if value is None and "number" in types:
+        return node.get("maximum", 1) / 2
     if isinstance(value, list) or (value is None and "array" in types):
         return (value or []) + ([2, 3] if node.get("items", {}).get("type") == "integer" else ["--changed"])
     return (value or "") + "changed"
