@@ -21,7 +21,8 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow" / "scripts"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "workflow" / "scripts"))
 from eagle3_workflow.prepare.repetition import repeated_share  # noqa: E402 (stdlib only)
 
 LOOP_THRESHOLDS = (0.2, 0.5)
