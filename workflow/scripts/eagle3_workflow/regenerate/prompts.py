@@ -2,13 +2,15 @@
 
 Pure: the target is reached only through the `GenerateFn` it is given (vLLM's in generate.py, a fake in tests).
 Prompt files are ``.txt`` (one prompt per line) or ``.jsonl``/``.json`` records with ShareGPT ``conversations`` or
-OpenAI ``messages``, normalised by files.chat.normalize_messages (the same roles as prepare_data reads).
+OpenAI ``messages`` (either JSON kind may be gzipped: ``.jsonl.gz``, ``.json.gz``), normalised by
+files.chat.normalize_messages (the same roles as prepare_data reads).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import gzip
 import json
 import logging
 import random
@@ -79,9 +81,10 @@ def read_prompt_file(path: Path) -> list[PromptConversation]:
             for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
             if line.strip()
         ]
-    if path.suffix not in (".jsonl", ".json"):
+    if json_kind(path) is None:
         raise StageError(
-            f"prompt file {path} has suffix {path.suffix!r}; use .txt (one prompt per line) or .jsonl/.json "
+            f"prompt file {path} has suffix {''.join(path.suffixes)!r}; use .txt (one prompt per line) or "
+            ".jsonl/.json (or .jsonl.gz/.json.gz) "
             "(records with 'conversations' or 'messages')"
         )
     prompts, bad = [], []
@@ -95,9 +98,19 @@ def read_prompt_file(path: Path) -> list[PromptConversation]:
     return prompts
 
 
+def json_kind(path: Path) -> str | None:
+    """The kind of a JSON prompt file, ".jsonl" or ".json", gzipped or not; None for any other name."""
+    suffixes = path.suffixes[-2:] if path.suffix == ".gz" else path.suffixes[-1:]
+    kind = suffixes[0] if suffixes else ""
+    return kind if kind in (".jsonl", ".json") else None
+
+
 def _json_records(path: Path) -> list[tuple[int, Any]]:
     """(line or position, record) of a JSON array file or a JSON-lines file; every unparsable line is named."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else path.read_text("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise StageError(f"prompt file {path} cannot be read: {exc!r}; write it again (gzip for a .gz name)") from exc
     if text.lstrip().startswith("["):
         try:
             return list(enumerate(json.loads(text), start=1))
