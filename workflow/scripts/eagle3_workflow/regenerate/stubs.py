@@ -1,5 +1,6 @@
 """Code-completion prompts from Python source: each documented top-level function (or method, under its class line)
-as a stub, its signature and docstring without the body, the shape of HumanEval's prompts, for the target to complete in `regenerate_responses`.
+as a stub, its signature and docstring without the body, the shape of HumanEval's prompts, for the target to
+complete in `regenerate_responses`.
 
     python -m eagle3_workflow.regenerate.stubs DIR... --out config/data/<name>.jsonl[.gz] [--max N] [--seed 0]
 
@@ -16,18 +17,19 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import gzip
 import inspect
 import json
 import random
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 # a docstring this short says too little to complete from; a longer one is mostly reference text, not a task
 MIN_DOC_CHARS = 40
 MAX_DOC_CHARS = 800
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 # folders whose functions are tests, GUI or grammar tables rather than code a user asks to complete
 SKIPPED_PARTS = frozenset(
     {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages", "ensurepip"}
@@ -53,40 +55,18 @@ def _docstring_of(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
     return doc
 
 
-def _header_of(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
-    """`def name(args) -> returns:` as ast.unparse writes it (one line, no decorators, the source's annotations)."""
-    bare = type(node)(
-        name=node.name,
-        args=node.args,
-        body=[ast.Pass()],
-        decorator_list=[],
-        returns=node.returns,
-        type_comment=None,
-        **({"type_params": []} if sys.version_info >= (3, 12) else {}),
-    )
-    return ast.unparse(ast.fix_missing_locations(bare)).split("\n", 1)[0]
+def _header_of(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> str:
+    """The `def ...:` or `class ...:` line as ast.unparse writes it: one line, no decorators, no body."""
+    bare = copy.copy(node)
+    bare.body, bare.decorator_list = [ast.Pass()], []
+    return ast.unparse(bare).split("\n", 1)[0]
 
 
-def _class_header_of(node: ast.ClassDef) -> str:
-    """`class Name(bases):` as ast.unparse writes it (no decorators, no body)."""
-    bare = ast.ClassDef(
-        name=node.name,
-        bases=node.bases,
-        keywords=node.keywords,
-        body=[ast.Pass()],
-        decorator_list=[],
-        **({"type_params": []} if sys.version_info >= (3, 12) else {}),
-    )
-    return ast.unparse(ast.fix_missing_locations(bare)).split("\n", 1)[0]
-
-
-def _function_stub(node: ast.AST, indent: str, first_argument: int) -> str | None:
+def _function_stub(node: ast.FunctionDef | ast.AsyncFunctionDef, indent: str, first_argument: int) -> str | None:
     """A public, documented function taking an argument (past `self`/`cls` for a method) as its stub lines."""
-    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name.startswith("_"):
-        return None
-    arguments = node.args.posonlyargs + node.args.args
     doc = _docstring_of(node)
-    if doc is None or not (arguments[first_argument:] or node.args.kwonlyargs):
+    arguments = node.args.posonlyargs + node.args.args
+    if node.name.startswith("_") or doc is None or not (arguments[first_argument:] or node.args.kwonlyargs):
         return None
     inner = indent + "    "
     body = "\n".join(f"{inner}{line}" if line else "" for line in doc.splitlines())
@@ -103,15 +83,13 @@ def stubs_of_source(text: str, where: str) -> list[Stub]:
         return []
     stubs = []
     for node in tree.body:
-        stub = _function_stub(node, "", 0)
-        if stub is not None:
-            stubs.append(Stub(f"{where}:{node.name}", stub))  # type: ignore[attr-defined]
-        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-            header = _class_header_of(node)
+        if isinstance(node, FUNCTIONS) and (stub := _function_stub(node, "", 0)):
+            stubs.append(Stub(f"{where}:{node.name}", stub))
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            header = _header_of(node)
             for method in node.body:
-                stub = _function_stub(method, "    ", 1)
-                if stub is not None:
-                    stubs.append(Stub(f"{where}:{node.name}.{method.name}", f"{header}\n{stub}"))  # type: ignore[attr-defined]
+                if isinstance(method, FUNCTIONS) and (stub := _function_stub(method, "    ", 1)):
+                    stubs.append(Stub(f"{where}:{node.name}.{method.name}", f"{header}\n{stub}"))
     return stubs
 
 
