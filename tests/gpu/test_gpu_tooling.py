@@ -432,11 +432,16 @@ def test_train_only_reuses_an_earlier_calls_files_or_says_how_to_make_them(tmp_p
     import argparse
 
     bench = bench_module()
-    args = argparse.Namespace(work=tmp_path, repeats=1)
+    args = argparse.Namespace(work=tmp_path, repeats=3)
     with pytest.raises(SystemExit, match="without --train-only"):
         bench.earlier_extraction_files(args)
+    # the extraction call may have run with other --repeats (2026-12-07 on the CPU VM: 1, then --train-only at the
+    # default 3 looked for workflow-files-2): the last pass present is used
     (tmp_path / "workflow-files-0").mkdir()
     assert bench.earlier_extraction_files(args) == tmp_path / "workflow-files-0"
+    for name in ("workflow-files-1", "workflow-files-10", "workflow-files-x"):
+        (tmp_path / name).mkdir()
+    assert bench.earlier_extraction_files(args) == tmp_path / "workflow-files-10"
 
 
 def test_the_tracked_tree_leaves_room_for_a_wheel_chunk_in_one_device_call():
