@@ -665,13 +665,17 @@ def earlier_extraction_files(args: argparse.Namespace) -> Path:
     """--train-only: the hidden-state files an earlier call of the same lease extracted into --work, its last pass's
     whatever --repeats it ran with (the data is regenerated from the same seed, so the files match it;
     training_inputs validates them)."""
-    passes = [p for p in args.work.glob("workflow-files-*") if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit()]
+    passes = {
+        int(n): p
+        for p in args.work.glob("workflow-files-*")
+        if (n := p.name.rsplit("-", 1)[1]).isdigit() and p.is_dir()
+    }
     if not passes:
         raise SystemExit(
             f"--train-only needs the hidden-state files of an earlier bench call in {args.work} (no workflow-files-N "
             "folder): run the bench once without --train-only in this lease, with the same --samples/--seq-len/--seed"
         )
-    return max(passes, key=lambda p: int(p.name.rsplit("-", 1)[1]))
+    return passes[max(passes)]
 
 
 def extraction_lines(e: dict, args: argparse.Namespace) -> list[str]:

@@ -121,6 +121,15 @@ def test_the_written_file_is_a_prompt_file_the_regeneration_reads(tmp_path, name
         assert json.loads(gzip.decompress(first).splitlines()[0])["source"].startswith("mod.py:")
 
 
+def test_an_out_name_the_regeneration_would_not_read_as_json_is_refused(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "mod.py").write_text(MODULE)
+    with pytest.raises(SystemExit):
+        stubs.main([str(tmp_path / "src"), "--out", str(tmp_path / "stubs.txt")])
+    assert "name a .jsonl or .jsonl.gz file" in capsys.readouterr().err
+    assert not (tmp_path / "stubs.txt").exists()
+
+
 def test_a_gzipped_prompt_file_that_is_not_gzip_fails_with_the_fix(tmp_path):
     bad = tmp_path / "prompts.jsonl.gz"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')

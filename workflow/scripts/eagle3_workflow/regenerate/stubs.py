@@ -10,7 +10,7 @@ self-distill on stubs cut from a source tree they may use (the standard library,
 itself is never a source: it stays evaluation only.
 
 Pure: `stubs_of_source` turns one module's text into stubs; `collect_stubs` walks folders; `main` writes the
-prompt file (JSON lines of OpenAI `messages`, with a `source` key naming the file and function). Stdlib only.
+prompt file (JSON lines of OpenAI `messages`, with a `source` key naming the file and function).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from eagle3_workflow.regenerate.prompts import json_kind
+
 # a docstring this short says too little to complete from; a longer one is mostly reference text, not a task
 MIN_DOC_CHARS = 40
 MAX_DOC_CHARS = 800
@@ -38,7 +40,8 @@ SKIPPED_PARTS = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Stub:
-    """One function's prompt: `text` is `def ...:` and its docstring, indented as in HumanEval."""
+    """One function's prompt: `text` is its `def ...:` line (under its `class` line for a method) and docstring,
+    indented as in HumanEval."""
 
     source: str  # <file relative to the walked folder>:<function name>
     text: str
@@ -134,10 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(f) for f in args.folders if not f.is_dir()]
     if missing:
         parser.error(f"not a folder: {', '.join(missing)}")
+    if json_kind(args.out) is None:  # a .txt would be read back as one prompt per line
+        parser.error(
+            f"--out {args.out}: name a .jsonl or .jsonl.gz file (regenerate.prompt_files reads it by its name)"
+        )
     found = collect_stubs(args.folders)
     chosen = sample(found, args.max, args.seed)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records(chosen)).encode("utf-8")
-    # mtime 0: the same stubs give the same bytes (the regeneration's key hashes the prompt files)
+    # mtime 0 in the gzip header: the same stubs give the same bytes, so writing the shipped file again changes nothing
     args.out.write_bytes(gzip.compress(text, 9, mtime=0) if args.out.suffix == ".gz" else text)
     print(f"{len(chosen)} stubs of {len(found)} found written to {args.out}")
     return 0
