@@ -1,6 +1,6 @@
 """What the answers cut at regenerate.max_tokens are, read from a restore bundle (issue #43): long answers, or loops.
 
-    python3 bench/gpu/cut_answers.py bench/gpu/results/2026-12-03-smollm2-135m-gpu-python/restore \
+    python3 bench/gpu/cut_answers.py bench/gpu/results/2026-12-07-smollm2-135m-gpu/restore \
         --tokenizer <run>/target/tokenizer.json --out cut_answers.json
 
 The bundle's conversations (regenerated.jsonl.xz) do not record a finish reason, so an answer counts as cut when

@@ -247,10 +247,15 @@ step_shm() {
   stamp "in /dev/shm (${SHM:-canary}): $(ls -l "$WORK/results/$RUN" "$WORK/results/$RUN/checks/canary_work" 2>/dev/null | grep -- '->' | sed 's/.* \([^ ]* -> [^ ]*\)$/\1/' | tr '\n' ' ')"
 }
 
+# The stdlib stubs (since 2026-12-07's bundle) are left out: the 8B-shape runs keep the 2026-12-06 run's mix, the
+# 306 shipped prompts then the Magpie turns in the same order (a stub's short prompt and answer would move the
+# per-conversation token count that bench/gpu/llama8b-shape-speed.yaml's data size was chosen by)
 step_data() {
   mkdir -p "$WORK/bench-data"
-  python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-    bench/gpu/results/2026-12-03-smollm2-135m-gpu-python/restore/regenerated.jsonl.xz "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" \
+  python3 -c 'import json, lzma, sys
+with lzma.open(sys.argv[1], "rt") as src, open(sys.argv[2], "w") as dst:
+    dst.writelines(line for line in src if not json.loads(line)["origin"].startswith("python311_stdlib_stubs"))' \
+    bench/gpu/results/2026-12-07-smollm2-135m-gpu/restore/regenerated.jsonl.xz "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" \
     && cmp -s "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" "$WORK/bench-data/smollm2-regenerated.jsonl" \
     && rm "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" \
     || mv "$WORK/bench-data/smollm2-regenerated.jsonl.tmp" "$WORK/bench-data/smollm2-regenerated.jsonl"
