@@ -19,6 +19,8 @@ regeneration runs again):
   recorded at pack time) equals the merged config's, but for the few that only bound time or memory
   (OPERATIONAL). Snakemake cannot check this itself: restored files carry no Snakemake metadata, so its params
   trigger does not see them; this check is that trigger;
+- the prompt files are the ones the data answered: each of `regenerate.prompt_files` has the sha256 recorded at
+  pack time (the config names them by path, and a file edited under the same path would otherwise pass);
 - every restored file has its recorded sha256 after decompression.
 
 Then the files are written atomically and their mtimes set after the target's (sanity first, then the data), so
@@ -37,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-BUNDLE_FORMAT = 1
+# 2 (2026-12-07): the prompt files' sha256 recorded and checked; a format-1 bundle is packed again
+BUNDLE_FORMAT = 2
 REPO = Path(__file__).resolve().parents[2]
 RECORD = "restore.json"
 # (path in the run folder, the bundle's stored name): the order is the order of their mtimes
@@ -153,6 +156,39 @@ def settings_differences(
     return differences
 
 
+def prompt_file_digests(settings: dict[str, Any], stats: dict[str, Any], repo: Path) -> dict[str, str]:
+    """The sha256 of each prompt file the regeneration read, as it is in `repo`; refused when a file here does not
+    hold the number of prompts the regeneration read from it (its stats' `prompts_read`): then it is not that file."""
+    sys.path.insert(0, str(repo / "workflow" / "scripts"))
+    from eagle3_workflow.regenerate.prompts import read_prompt_file
+
+    read = {Path(path).as_posix(): count for path, count in (stats.get("prompts_read") or {}).items()}
+    digests = {}
+    for name in (settings.get("regenerate") or {}).get("prompt_files") or []:
+        path = repo / name
+        counted = [count for read_path, count in read.items() if read_path.endswith("/" + Path(name).as_posix())]
+        here = len(read_prompt_file(path))
+        if counted != [here]:
+            raise RestoreRefused(
+                f"{path} holds {here} prompts, the regeneration read {counted or 'no file by that name'} "
+                f"(its stats' prompts_read: {sorted(read)}): pack with the tree the lease ran (git checkout that "
+                "commit), so that the bundle records the prompt files the data answered"
+            )
+        digests[name] = sha256_of(path)
+    return digests
+
+
+def prompt_file_differences(recorded: dict[str, str], repo: Path) -> list[str]:
+    """Each recorded prompt file whose bytes in `repo` are not those the data answered."""
+    differences = []
+    for name, digest in sorted(recorded.items()):
+        path = repo / name
+        found = sha256_of(path) if path.is_file() else "no such file"
+        if found != digest:
+            differences.append(f"{name}: the data answered sha256 {digest}, this tree's is {found}")
+    return differences
+
+
 def pack(run_dir: Path, bundle: Path, config_files: list[Path], repo: Path) -> dict[str, Any]:
     """The bundle of a finished regeneration: its outputs (the data as xz), their sha256, the target's fingerprint
     and the settings the regeneration ran with."""
@@ -165,6 +201,8 @@ def pack(run_dir: Path, bundle: Path, config_files: list[Path], repo: Path) -> d
             "the run's regeneration does not match these config files:\n  " + "\n  ".join(differences)
             + "\npack with the config files the lease ran (device_run.sh's CONFIG)"
         )  # fmt: skip
+    stats = json.loads((run_dir / "data" / "regenerated.stats.json").read_text())
+    prompt_files = prompt_file_digests(spec["settings"], stats, repo)
     bundle.mkdir(parents=True, exist_ok=True)
     files = []
     for relative, stored in RESTORED:
@@ -181,6 +219,7 @@ def pack(run_dir: Path, bundle: Path, config_files: list[Path], repo: Path) -> d
         "config_files": [str(p) for p in config_files],
         "target": target_fingerprint(run_dir / "target"),
         "regeneration_settings": spec["settings"],
+        "prompt_files": prompt_files,
         "files": files,
     }
     (bundle / RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -192,7 +231,9 @@ def check_bundle(bundle: Path, run_dir: Path, config: dict[str, Any], repo: Path
     record = json.loads((bundle / RECORD).read_text())
     if record.get("format") != BUNDLE_FORMAT:
         raise RestoreRefused(
-            f"{bundle / RECORD} has format {record.get('format')!r}, this script reads {BUNDLE_FORMAT}"
+            f"{bundle / RECORD} has format {record.get('format')!r}, this script reads {BUNDLE_FORMAT} (format 2 "
+            "records the prompt files' sha256): pack it again from that lease's results (restore_run.py pack), or "
+            "run without RESTORE"
         )
     target = run_dir / "target"
     if not target.is_dir():
@@ -215,6 +256,12 @@ def check_bundle(bundle: Path, run_dir: Path, config: dict[str, Any], repo: Path
             "the config asks for other data than the bundle holds:\n  " + "\n  ".join(differences)
             + "\nRun without RESTORE (the regeneration runs again with these settings), or restore with the config "
             "files the bundle names: " + " ".join(record.get("config_files", []))
+        )  # fmt: skip
+    changed = prompt_file_differences(record["prompt_files"], repo)
+    if changed:
+        raise RestoreRefused(
+            "a prompt file is not the one the bundle's data answered:\n  " + "\n  ".join(changed)
+            + "\nRun without RESTORE (the regeneration answers the files as they are now)"
         )  # fmt: skip
     return record
 

@@ -17,6 +17,8 @@ import pytest
 import yaml
 from conftest import REPO, load_script, run_workflow
 
+from eagle3_workflow.regenerate.prompts import read_prompt_file
+
 SCRIPT = REPO / "bench" / "gpu" / "restore_run.py"
 TINY = REPO / "config" / "presets" / "tiny.yaml"
 
@@ -49,7 +51,11 @@ def finished_regeneration(restore, run_dir: Path, config: dict) -> None:
     (run_dir / "data").mkdir(parents=True, exist_ok=True)
     (run_dir / "checks" / "target_sanity.json").write_text('{"passed": true}')
     (run_dir / "data" / "regenerated.jsonl").write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n' * 50)
-    (run_dir / "data" / "regenerated.stats.json").write_text('{"conversations_written": 50}')
+    # as the device writes it: each prompt file by its path there, with the number of prompts read from it
+    read = {f"/root/work/{name}": len(read_prompt_file(REPO / name)) for name in config["regenerate"]["prompt_files"]}
+    (run_dir / "data" / "regenerated.stats.json").write_text(
+        json.dumps({"conversations_written": 50, "prompts_read": read})
+    )
     settings = {"regenerate": config["regenerate"], "target": {"dtype": config["target"]["dtype"]},
                 "vllm": {"max_model_len": config["vllm"]["max_model_len"], "ready_timeout_s": 1}}  # fmt: skip
     (run_dir / restore.REGENERATION_SPEC).write_text(json.dumps({"settings": settings}))
@@ -127,6 +133,36 @@ def test_a_bundle_that_predates_a_regenerate_key_holds_data_made_as_its_default(
     with pytest.raises(restore.RestoreRefused, match=r"regenerate.magpie_steered: the data was made with \[\] \(the "
                                                      r"key's default: the data predates it\)"):  # fmt: skip
         restore.unpack(tmp_path / "bundle", run_dir, steered)
+
+
+def test_a_prompt_file_changed_under_the_same_path_is_refused_and_pack_refuses_a_tree_that_is_not_the_leases(
+    restore, tmp_path
+):
+    config, run_dir, record = packed_lease(restore, tmp_path)
+    name = "config/data/smollm2_prompts.txt"
+    assert record["prompt_files"] == {name: restore.sha256_of(REPO / name)}
+    # a tree whose prompt file was edited after the data was made: the config still names the same path
+    edited = tmp_path / "edited-repo"
+    shutil.copytree(REPO / "workflow" / "schemas", edited / "workflow" / "schemas")
+    (edited / name).parent.mkdir(parents=True)
+    (edited / name).write_text((REPO / name).read_text() + "One prompt the data never answered?\n")
+    with pytest.raises(restore.RestoreRefused, match=r"not the one the bundle's data answered:\n  "
+                                                     r"config/data/smollm2_prompts.txt: the data answered sha256"):  # fmt: skip
+        restore.check_bundle(tmp_path / "bundle", run_dir, config, edited)
+    (edited / name).unlink()
+    with pytest.raises(restore.RestoreRefused, match="this tree's is no such file"):
+        restore.check_bundle(tmp_path / "bundle", run_dir, config, edited)
+
+    # packing with that edited tree: its file holds one prompt more than the regeneration read
+    (edited / name).write_text((REPO / name).read_text() + "One prompt the data never answered?\n")
+    with pytest.raises(restore.RestoreRefused, match=r"holds \d+ prompts, the regeneration read \[\d+\]"):
+        restore.prompt_file_digests(record["regeneration_settings"],
+                                    json.loads((run_dir / "data" / "regenerated.stats.json").read_text()), edited)  # fmt: skip
+
+    record["format"] = 1
+    (tmp_path / "bundle" / restore.RECORD).write_text(json.dumps(record))
+    with pytest.raises(restore.RestoreRefused, match="pack it again from that lease's results"):
+        restore.check_bundle(tmp_path / "bundle", run_dir, config)
 
 
 def planned_rules(dry_run: str) -> set[str]:
