@@ -147,6 +147,7 @@ def write_synthetic_run(
     _dump(staged(out / "provenance.json"), Provenance(
         run=run, created_unix=1.7e9, host="testhost", platform="Linux", python="3.11", git_commit="abc123",
         git_dirty=False, packages={"vllm": "0.32.0", "torch": "2.13.0"}, accelerators=[], config={"run": run},
+        git_tree="9234bbbeae45000b95bf2d2fe12e20f2dc1de03f",
     ))  # fmt: skip
     prepared_dir = staged(out / "data" / "prepared")
     if prepared is not None:

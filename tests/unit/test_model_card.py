@@ -85,8 +85,9 @@ def test_card_says_what_a_user_needs_from_the_artefacts(run_dir):
     assert "| epochs, steps | 2, 4 |" in card  # as trained
     assert "| hidden states | offline: files extracted to disk once, read every epoch |" in card
     assert "16000 Magpie user turns" in card
-    # provenance: commit and every published file with its hash
+    # provenance: commit, the files' tree id and every published file with its hash
     assert "abc123" in card
+    assert "files: git tree `9234bbbeae45000b95bf2d2fe12e20f2dc1de03f`" in card
     assert f"`{sha256_of(run_dir / 'draft' / 'model.safetensors')}`" in card
     # the command serves the target with this draft, k = 3, as evaluate_draft's speculative config
     argv = serve_line(card)
@@ -130,6 +131,12 @@ def test_render_says_n_a_for_what_a_run_did_not_measure(run_dir):
     assert "| final loss train / validation | 2.500 / n/a |" in card  # no validation split
     assert "built from" not in card
     assert "self-distilled" not in card  # a target given by path, data as read
+    older = load(Provenance, run_dir / "provenance.json").model_copy(update={"git_tree": ""})  # before 2026-12-07
+    assert "git tree" not in render_model_card(
+        CardInputs(settings=view_of(PackageDraftStage, with_schema_defaults(run="r")), target=load(ApiCompatReport, run_dir / "checks" / "api_compat.json").target,
+                   manifest=load(DataManifest, run_dir / "data" / "manifest.json"), training=training,
+                   acceptance=load(AcceptanceReport, run_dir / "eval" / "acceptance.json"), provenance=older, draft_files={})
+    )  # fmt: skip
 
 
 def test_the_card_names_each_steered_magpie_set_and_its_system_prompt(run_dir):

@@ -331,3 +331,6 @@ class Provenance(Artefact):
     packages: dict[str, str]
     accelerators: list[str]
     config: dict[str, Any]
+    # the tree id of the files that ran (provenance.collect.working_tree_id): names them when the commit does not
+    # (uncommitted changes, or a copy whose .git is older than its files); "" in records from before 2026-12-07
+    git_tree: str = ""

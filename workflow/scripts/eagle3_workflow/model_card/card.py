@@ -173,11 +173,13 @@ def _acceptance_section(inputs: CardInputs) -> list[str]:
 def _provenance_section(inputs: CardInputs) -> list[str]:
     prov = inputs.provenance
     dirty = " (uncommitted changes)" if prov.git_dirty else ""
+    # the files that ran, by git tree id: `git log --format='%H %T' | grep <id>` finds the commit holding them
+    tree = f", files: git tree `{prov.git_tree}`" if prov.git_tree else ""
     files = [f"| `{name}` | `{digest}` |" for name, digest in sorted(inputs.draft_files.items())]
     return [
         "## Provenance",
         "",
-        f"- workflow commit `{prov.git_commit}`{dirty}, "
+        f"- workflow commit `{prov.git_commit}`{dirty}{tree}, "
         f"run `{inputs.settings.run}`, host {prov.host}, accelerators {prov.accelerators or 'none'}",
         f"- packages: {', '.join(f'{k} {v}' for k, v in sorted(prov.packages.items())) or 'n/a'}",
         f"- training command: `{' '.join(inputs.training.command) or 'n/a'}`",

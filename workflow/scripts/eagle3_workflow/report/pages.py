@@ -288,6 +288,7 @@ def provenance_page(provenance: Provenance) -> str:
         ("created", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created)) if created else ""),
         ("git commit", provenance.git_commit),
         ("uncommitted changes", "yes" if provenance.git_dirty else "no"),
+        ("files (git tree id; `git log --format='%H %T'` finds the commit)", provenance.git_tree or "not recorded"),
         ("host", provenance.host),
         ("platform", provenance.platform),
         ("python", provenance.python),
