@@ -41,24 +41,21 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
     return versions
 
 
-def git_state(workflow_root: str | Path) -> tuple[str, bool]:
-    """The commit of the workflow's own checkout. Runs git there, not in the job's working directory: a run
-    started with `-d /scratch/run` (or a deployed module) would otherwise record "unknown" or another repo."""
-    git = ["git", "-C", str(workflow_root)]
-    try:
-        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
-        ).stdout
-        return commit.strip(), bool(dirty.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return f"unknown ({workflow_root} is not a git checkout)", False
-
-
 def _git(root: str | Path, *args: str, stdin: str | None = None) -> str:
     return subprocess.run(
         ["git", "-C", str(root), *args], input=stdin, capture_output=True, text=True, check=True
     ).stdout
+
+
+def git_state(workflow_root: str | Path) -> tuple[str, bool]:
+    """The commit of the workflow's own checkout. Runs git there, not in the job's working directory: a run
+    started with `-d /scratch/run` (or a deployed module) would otherwise record "unknown" or another repo."""
+    try:
+        commit = _git(workflow_root, "rev-parse", "HEAD")
+        dirty = _git(workflow_root, "status", "--porcelain", "--untracked-files=no")
+        return commit.strip(), bool(dirty.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return f"unknown ({workflow_root} is not a git checkout)", False
 
 
 def _object_id(algorithm: str, kind: str, body: bytes) -> bytes:
