@@ -265,7 +265,7 @@ with lzma.open(sys.argv[1], "rt") as src, open(sys.argv[2], "w") as dst:
 step_collect() {
   [ -d "$WORK/results/$RUN" ] || return 0
   # what each stage wrote to disk (bytes, every file and folder three levels down), before anything is left out
-  du -ab --max-depth=3 -L "$WORK/results/$RUN" >"$OUT/du-$RUN.txt" 2>/dev/null
+  du -ab --count-links --max-depth=3 -L "$WORK/results/$RUN" >"$OUT/du-$RUN.txt" 2>/dev/null
   # -h: a run folder linked into /dev/shm (step_shm) is archived by its contents
   tar -h -czf "$OUT/results-$RUN.tar.gz" --exclude='hidden_states/files' --exclude='*.safetensors' \
     --exclude='train_work/checkpoints' --exclude='*.pt' --exclude='*.npy' --exclude='canary_work/model' \

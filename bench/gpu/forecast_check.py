@@ -8,6 +8,7 @@ Inputs, all from what `device_run.sh pipeline collect` brings back:
   trainer's metrics JSONL);
 - stage_peaks.json (bench/gpu/stage_peaks.py): each stage's wall and peak GPU memory, per attempt;
 - du-<run>.txt (`du -ab` of the run folder on the machine, before anything was left out): what each stage wrote;
+  --du again for each call's snapshot: each path at the largest size any of them shows (du_sizes_largest);
 - the forecast's JSON (`python -m eagle3_workflow.forecast --json`), made with the cost table as it stood before the
   run: the check is only a validation when the run's own figures are not in that table.
 
@@ -46,6 +47,18 @@ def du_sizes(du_text: str, run_root: str) -> dict[str, int]:
         if path.startswith(root):
             sizes[path[len(root) :]] = int(size)
     return sizes
+
+
+def du_sizes_largest(du_texts: list[str], run_root: str) -> dict[str, int]:
+    """Several `du -ab` snapshots of one run (one per device call) merged: each path at the largest size seen. du
+    counts a hard-linked file once, under the first path it meets, so a snapshot taken after package_draft had
+    hard-linked the draft's weights into published_draft/ showed draft/ at 0 bytes (2026-12-07); the snapshot
+    taken after train_draft holds its 1.90 GB. `device_run.sh collect` now runs du with --count-links."""
+    merged: dict[str, int] = {}
+    for text in du_texts:
+        for path, size in du_sizes(text, run_root).items():
+            merged[path] = max(size, merged.get(path, 0))
+    return merged
 
 
 def training_split(metrics_rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -134,7 +147,7 @@ def main() -> None:
     parser.add_argument("--run", type=Path, required=True, help="the run folder (results tarball unpacked)")
     parser.add_argument("--run-root", default=None, help="the run folder's path on the machine (du's paths)")
     parser.add_argument("--stage-peaks", type=Path, required=True)
-    parser.add_argument("--du", type=Path, required=True)
+    parser.add_argument("--du", type=Path, action="append", required=True, help="du -ab snapshot(s); repeatable")
     parser.add_argument("--forecast", type=Path, required=True)
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--out-stages", type=Path, required=True)
@@ -151,7 +164,9 @@ def main() -> None:
         artefacts["training_split"] = training_split(rows)
     peaks = json.loads(args.stage_peaks.read_text())
     peaks = peaks["stages"] if isinstance(peaks, dict) else peaks
-    stages = measured_stages(peaks, du_sizes(args.du.read_text(), run_root), artefacts, args.gpus)
+    stages = measured_stages(
+        peaks, du_sizes_largest([du.read_text() for du in args.du], run_root), artefacts, args.gpus
+    )
     forecast = json.loads(args.forecast.read_text())
     args.out_stages.write_text(json.dumps({"gpus": args.gpus, "stages": stages}, indent=1) + "\n")
     result = compare(forecast, stages, forecast.get("machine", ""))

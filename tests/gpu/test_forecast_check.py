@@ -90,3 +90,14 @@ def test_each_forecast_part_gets_its_verdict_and_an_unfinished_stage_none():
     verdicts = [(r["quantity"], r.get("within_25pct")) for r in rows]
     assert verdicts == [("start", False), ("per_token", True), ("disk", True), ("wall", None)]
     assert rows[0]["ratio"] == pytest.approx(57.1 / 107.75, abs=1e-3)
+
+
+def test_du_snapshots_merge_at_each_paths_largest_size():
+    """A snapshot taken after package_draft hard-linked the draft's weights into published_draft/ shows draft/ at
+    0 bytes (du counts a linked file once): the merged sizes keep the earlier snapshot's 1.90 GB."""
+    after_package = DU.replace(f"1900548048\t{ROOT}/draft", f"0\t{ROOT}/draft")
+    after_package += f"1900548048\t{ROOT}/published_draft\n"
+    merged = forecast_check.du_sizes_largest([DU, after_package], ROOT)
+    assert merged["draft"] == 1_900_548_048 and merged["published_draft"] == 1_900_548_048
+    assert merged["hidden_states"] == 13_809_816_058
+    assert forecast_check.du_sizes_largest([after_package], ROOT)["draft"] == 0

@@ -10,7 +10,15 @@ import yaml
 from conftest import REPO
 
 from eagle3_workflow.forecast.__main__ import main
-from eagle3_workflow.forecast.model import CostTable, MeasuredRate, RunShape, extraction_forecast, training_forecast
+from eagle3_workflow.forecast.model import (
+    CostTable,
+    MeasuredRate,
+    RunShape,
+    as_json,
+    cost_table,
+    extraction_forecast,
+    training_forecast,
+)
 from eagle3_workflow.forecast.shape import active_params_per_token, draft_params_per_token
 from eagle3_workflow.settings.errors import StageError
 from eagle3_workflow.trainer.checkpoint_size import draft_tensors
@@ -83,6 +91,29 @@ def test_a_start_measured_on_another_model_says_it_is_not_scaled():
     assert "(start measured on the 0.20B reference, not scaled" in training_forecast(run_shape(), COSTS).basis
 
 
+def test_several_fresh_nodes_starts_give_their_mean_and_their_range():
+    """Two H100 hosts of one kind started the 8B shape's extraction server in 107.75 and 74.82 s (the host's CPU:
+    imports and torch.compile): the forecast takes the mean, and its basis and JSON carry the range."""
+    raw = {
+        "machine": "test",
+        "extraction": {"tokens_per_s": 1000, "shape": "s", "starts_seen": [107.75, 74.82], "start_date": "d1 and d2",
+                       "eager_start_s": 40.0, "date": "d0", "source": "x"},
+        "training": {"tokens_per_s": 500, "shape": "s", "draft_vocab_size": 9, "start_s": 100.0, "date": "d0", "source": "y"},
+    }  # fmt: skip
+    costs = cost_table(raw, lambda shape, vocab: 10**9 if vocab is None else 2 * 10**8)
+    assert costs.extraction.start_s == pytest.approx((107.75 + 74.82) / 2) and costs.training.start_s == 100.0
+    same = run_shape(target_params_per_token=10**9, draft_params_per_token=2 * 10**8)
+    row = extraction_forecast(same, costs)
+    assert row.start_range == (74.82, 107.75)
+    assert row.basis.endswith("each starting in 91 s (start: the mean of 2 fresh nodes' 75-108 s, measured d1 and d2)")
+    assert extraction_forecast(run_shape(eager=True), costs).start_range is None  # the eager start is one figure
+    assert training_forecast(same, costs).start_range is None
+    stages = as_json([row], same, costs)["stages"]
+    assert [s.get("range") for s in stages if s["quantity"] == "start"] == [[74.82, 107.75]]
+    with pytest.raises(ValueError, match="both start_s and starts_seen"):
+        cost_table(raw | {"extraction": raw["extraction"] | {"start_s": 1.0}}, lambda shape, vocab: 1)
+
+
 def test_extraction_scales_the_measured_rate_by_parameters_and_spreads_it_over_every_gpu():
     row = extraction_forecast(run_shape(), COSTS)
     # 1e6 tokens at twice the reference's parameters: 2,000 GPU-seconds; 2 replicas x 2 GPUs share them
@@ -110,9 +141,11 @@ def test_the_plan_of_the_published_8b_preset(capsys, tmp_path, monkeypatch):
     # server's start with compilation and CUDA graphs (the preset serves with vllm.enforce_eager false)
     rate = yaml.safe_load((REPO / "config" / "costs" / "h200.yaml").read_text())["extraction"]
     per_token = 100_000 / rate["tokens_per_s"] / 8
+    start = sum(rate["starts_seen"]) / len(rate["starts_seen"])  # every fresh node's start measured: their mean
     assert stages["extract_hidden_states", "per_token"]["forecast"] == pytest.approx(per_token, rel=1e-3)
-    assert stages["extract_hidden_states", "start"]["forecast"] == rate["start_s"] != rate["eager_start_s"]
-    assert stages["extract_hidden_states", "wall"]["forecast"] == pytest.approx(rate["start_s"] + per_token, rel=1e-4)
+    assert stages["extract_hidden_states", "start"]["forecast"] == pytest.approx(start) != rate["eager_start_s"]
+    assert stages["extract_hidden_states", "start"]["range"] == [min(rate["starts_seen"]), max(rate["starts_seen"])]
+    assert stages["extract_hidden_states", "wall"]["forecast"] == pytest.approx(start + per_token, rel=1e-4)
     assert stages["extract_hidden_states", "disk"]["forecast"] == 100_000 * 4 * 4096 * 2
     assert "evaluate_draft" in capsys.readouterr().out  # listed, without a figure
 
@@ -181,7 +214,7 @@ def test_the_forecast_beside_speculators_published_llama_8b_run_is_the_one_commi
     args = ["--configfile", str(PRESET_8B), str(overlay), *SHAPE, "--samples", "5000", "--mean-tokens", "1024"]
     assert main([*args, "--json", str(out)]) == 0, capsys.readouterr().err
     committed = (
-        REPO / "bench" / "gpu" / "results" / "2026-12-06-llama8b-shape-speed" / "forecast_speculators_5k_2gpus.json"
+        REPO / "bench" / "gpu" / "results" / "2026-12-07-llama8b-shape-1200" / "forecast_speculators_5k_2gpus.json"
     )
     assert json.loads(out.read_text()) == json.loads(committed.read_text())
     stages = {(s["stage"], s["quantity"]): s["forecast"] for s in json.loads(out.read_text())["stages"]}

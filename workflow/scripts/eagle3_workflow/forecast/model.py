@@ -31,7 +31,9 @@ from typing import Any
 class MeasuredRate:
     """One rate measured on one GPU: `tokens_per_s` for a model of `params_per_token`, `start_s` paid once per
     process (server start, or a training run's fixed cost); `eager_start_s`, where measured, the server's start with
-    enforce_eager (no compilation, no graph capture)."""
+    enforce_eager (no compilation, no graph capture). `starts_seen`: every fresh node's start measured, where more
+    than one; `start_s` is then their mean (a start is mostly the host's CPU: imports, torch.compile; two H100 hosts
+    of one kind started the 8B shape's extraction server in 107.75 and 74.82 s)."""
 
     tokens_per_s: float
     params_per_token: int
@@ -39,6 +41,7 @@ class MeasuredRate:
     source: str  # what, where, when: the cost table's entry, for the printout
     eager_start_s: float | None = None
     start_date: str | None = None  # when the start-up costs were measured, where not with the rate
+    starts_seen: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,7 @@ class StageForecast:
     disk_bytes: int | None
     basis: str  # how the figures were made, or why there are none
     start_s: float | None = None  # the wall's part paid once
+    start_range: tuple[float, float] | None = None  # the fresh nodes' starts measured, lowest and highest
     per_token_s: float | None = None  # the wall's part that grows with the tokens
 
 
@@ -90,9 +94,17 @@ def start_when(rate: MeasuredRate, params_per_token: int) -> str:
     model's: a start (loading, compilation, the first step) is not scaled (the real-width Kimi stand-in's extraction
     server started in 2.4x the 8B shape's, its training in 0.68x: bench/gpu/results/2026-12-06-kimi-k25-real-width/)."""
     when = f" {rate.start_date}" if rate.start_date else ""
+    what = "start measured"
+    if len(rate.starts_seen) > 1:
+        seen = rate.starts_seen
+        what = f"start: the mean of {len(seen)} fresh nodes' {min(seen):.0f}-{max(seen):.0f} s, measured"
     if params_per_token == rate.params_per_token:
-        return f" (start measured{when})" if when else ""
-    return f" (start measured{when} on the {rate.params_per_token / 1e9:.2f}B reference, not scaled to this model)"
+        return f" ({what}{when})" if when or rate.starts_seen else ""
+    return f" ({what}{when} on the {rate.params_per_token / 1e9:.2f}B reference, not scaled to this model)"
+
+
+def start_range(rate: MeasuredRate) -> tuple[float, float] | None:
+    return (min(rate.starts_seen), max(rate.starts_seen)) if len(rate.starts_seen) > 1 else None
 
 
 def extraction_forecast(run: RunShape, costs: CostTable) -> StageForecast:
@@ -114,6 +126,7 @@ def extraction_forecast(run: RunShape, costs: CostTable) -> StageForecast:
         ),
         start_s=start,
         per_token_s=gpu_s / gpus,
+        start_range=start_range(rate) if start == rate.start_s else None,
     )
 
 
@@ -143,6 +156,7 @@ def training_forecast(run: RunShape, costs: CostTable) -> StageForecast:
         ),
         start_s=rate.start_s,
         per_token_s=gpu_s / run.train_gpus,
+        start_range=start_range(rate),
     )
 
 
@@ -168,6 +182,8 @@ def as_json(rows: list[StageForecast], run: RunShape, costs: CostTable) -> dict[
         ):
             if value is not None:
                 stages.append({"stage": row.stage, "quantity": quantity, "forecast": round(value, 4), "unit": unit})
+                if quantity == "start" and row.start_range:
+                    stages[-1]["range"] = [round(v, 4) for v in row.start_range]
     return {"machine": costs.machine, "run": dataclasses.asdict(run), "stages": stages}
 
 
@@ -177,10 +193,16 @@ def cost_table(raw: Mapping[str, Any], params_per_token: Callable[[str, int | No
 
     def rate(section: str, draft: bool) -> MeasuredRate:
         entry = raw[section]
+        seen = tuple(float(s) for s in entry.get("starts_seen") or ())
+        if seen and "start_s" in entry:
+            raise ValueError(
+                f"config/costs: {section} gives both start_s and starts_seen; keep starts_seen (start_s is their mean)"
+            )
         return MeasuredRate(
             tokens_per_s=float(entry["tokens_per_s"]),
             params_per_token=params_per_token(entry["shape"], int(entry["draft_vocab_size"]) if draft else None),
-            start_s=float(entry["start_s"]),
+            start_s=sum(seen) / len(seen) if seen else float(entry["start_s"]),
+            starts_seen=seen,
             source=f"{entry['date']}, {entry['source']}",
             eager_start_s=float(entry["eager_start_s"]) if entry.get("eager_start_s") is not None else None,
             start_date=str(entry["start_date"]) if entry.get("start_date") else None,
