@@ -342,6 +342,39 @@ def test_a_file_wait_left_behind_by_a_stopped_loop_ends_with_release_waits(tmp_p
     loop.close()
 
 
+def test_the_next_request_goes_out_while_a_finished_samples_file_is_checked():
+    """A sample's slot is given back when the server has written its file; the check and rename run in a thread
+    after it (on the 8B shape they cost 1.0% of extraction's wall inside the slot, 2026-12-07). At one slot, the
+    first sample's keep waits for the second request to start: kept inside the slot, it would wait forever (here
+    10 s, then the assertion fails); no timing of this machine is measured."""
+    import asyncio
+    import threading
+
+    from eagle3_workflow.serving.extraction_client import request_in_slot_then_keep
+
+    second_started = threading.Event()
+    kept: list[tuple[str, bool]] = []
+
+    async def request(name: str) -> str:
+        if name == "second":
+            second_started.set()
+        await asyncio.sleep(0)
+        return name
+
+    def keep(name: str) -> str:
+        kept.append((name, second_started.wait(10) if name == "first" else True))
+        return name.upper()
+
+    async def both() -> list[str]:
+        slot = asyncio.Semaphore(1)
+        return await asyncio.gather(
+            *(request_in_slot_then_keep(slot, lambda n=n: request(n), keep) for n in ("first", "second"))
+        )
+
+    assert asyncio.run(both()) == ["FIRST", "SECOND"]
+    assert sorted(kept) == [("first", True), ("second", True)]
+
+
 def test_a_foreign_server_on_the_port_is_never_taken_for_ours():
     """Another server answering on the port (another job's vLLM, with its own API key) is a taken port, not
     readiness: VLLMServer starts again elsewhere instead of sending this stage's work to someone else's server."""
