@@ -254,28 +254,31 @@ async def _extract_async(
     bytes_written = 0
     completed_this_run = 0
 
-    async def request(client: httpx.AsyncClient, sample: Sample) -> str:
+    async def request(client: httpx.AsyncClient, sample: Sample) -> tuple[str, float]:
+        """The sample's file written by the server, and when its request was sent (a sample's latency, which the
+        stall limit scales with, starts there: not while it waited for a slot)."""
         if settings.fail_after_samples is not None and completed_this_run >= settings.fail_after_samples:
             raise StageError(
                 f"fault injection: extraction.fail_after_samples={settings.fail_after_samples} "
                 "stopped this replica on purpose"
             )
+        sent = time.monotonic()
         tracker.in_flight += 1
         try:
             produced = await _request_one(client, server, sample, settings)
             await _wait_for_file(produced, settings.request_timeout_s)
         finally:
             tracker.in_flight -= 1
-        return produced
+        return produced, sent
 
     async def one(client: httpx.AsyncClient, sample: Sample) -> None:
         nonlocal bytes_written, completed_this_run
-        sent = time.monotonic()
-        final, size = await request_in_slot_then_keep(
-            semaphore,
-            lambda: request(client, sample),
-            lambda produced: _keep_sample_file(Path(produced), sample, files),
-        )
+
+        def keep(requested: tuple[str, float]) -> tuple[Path, int, float]:
+            produced, sent = requested
+            return (*_keep_sample_file(Path(produced), sample, files), sent)
+
+        final, size, sent = await request_in_slot_then_keep(semaphore, lambda: request(client, sample), keep)
         bytes_written += size
         completed_this_run += 1
         tracker.add(len(sample.input_ids), time.monotonic() - sent)
