@@ -343,17 +343,17 @@ def test_a_file_wait_left_behind_by_a_stopped_loop_ends_with_release_waits(tmp_p
 
 
 def test_the_next_request_goes_out_while_a_finished_samples_file_is_checked():
-    """A sample's slot is given back when the server has written its file; the check and rename run in a thread
-    after it (on the 8B shape they cost 1.0% of extraction's wall inside the slot, 2026-12-07). At one slot, the
-    first sample's keep waits for the second request to start: kept inside the slot, it would wait forever (here
-    10 s, then the assertion fails); no timing of this machine is measured."""
+    """A sample's slot is given back when the server has written its file; the file's check runs in a thread after
+    it (on the 8B shape the check and rename cost 1.0% of extraction's wall inside the slot, 2026-12-07). At one
+    slot, the first sample's check waits for the second request to start: inside the slot, it would wait forever
+    (here 10 s, then the assertion fails); no timing of this machine is measured."""
     import asyncio
     import threading
 
-    from eagle3_workflow.serving.extraction_client import request_in_slot_then_keep
+    from eagle3_workflow.serving.extraction_client import request_in_slot_then_check
 
     second_started = threading.Event()
-    kept: list[tuple[str, bool]] = []
+    checked: list[tuple[str, bool]] = []
 
     async def request(name: str) -> str:
         if name == "second":
@@ -361,18 +361,17 @@ def test_the_next_request_goes_out_while_a_finished_samples_file_is_checked():
         await asyncio.sleep(0)
         return name
 
-    def keep(name: str) -> str:
-        kept.append((name, second_started.wait(10) if name == "first" else True))
-        return name.upper()
+    def check(name: str) -> None:
+        checked.append((name, second_started.wait(10) if name == "first" else True))
 
     async def both() -> list[str]:
         slot = asyncio.Semaphore(1)
         return await asyncio.gather(
-            *(request_in_slot_then_keep(slot, lambda n=n: request(n), keep) for n in ("first", "second"))
+            *(request_in_slot_then_check(slot, lambda n=n: request(n), check) for n in ("first", "second"))
         )
 
-    assert asyncio.run(both()) == ["FIRST", "SECOND"]
-    assert sorted(kept) == [("first", True), ("second", True)]
+    assert asyncio.run(both()) == ["first", "second"]
+    assert sorted(checked) == [("first", True), ("second", True)]
 
 
 def test_a_foreign_server_on_the_port_is_never_taken_for_ours():

@@ -31,7 +31,6 @@ from eagle3_workflow.serving.server import ServerFailure, VLLMServer
 from eagle3_workflow.settings.errors import StageError
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 log = logging.getLogger("eagle3.extraction")
 
@@ -274,11 +273,12 @@ async def _extract_async(
     async def one(client: httpx.AsyncClient, sample: Sample) -> None:
         nonlocal bytes_written, completed_this_run
 
-        def keep(requested: tuple[str, float]) -> tuple[Path, int, float]:
-            produced, sent = requested
-            return (*_keep_sample_file(Path(produced), sample, files), sent)
-
-        final, size, sent = await request_in_slot_then_keep(semaphore, lambda: request(client, sample), keep)
+        produced, sent = await request_in_slot_then_check(
+            semaphore, lambda: request(client, sample), lambda done: _check_sample_file(Path(done[0]), sample, files)
+        )
+        # the rename and the count together, in the loop: a stop (a dead server cancels the tasks) never leaves a
+        # file under its final name that progress.json does not count
+        final, size = _keep_sample_file(Path(produced), files.path(sample.row))
         bytes_written += size
         completed_this_run += 1
         tracker.add(len(sample.input_ids), time.monotonic() - sent)
@@ -294,26 +294,29 @@ async def _extract_async(
     return bytes_written
 
 
-async def request_in_slot_then_keep(
-    slot: asyncio.Semaphore, request: Callable[[], Awaitable[T]], keep: Callable[[T], R]
-) -> R:
+async def request_in_slot_then_check(
+    slot: asyncio.Semaphore, request: Callable[[], Awaitable[T]], check: Callable[[T], object]
+) -> T:
     """`request()` holds one of the client's `concurrency` slots (the server's work: the prefill and the file's
-    write); `keep(result)`, blocking file work, runs in a thread after the slot is given back, so the server gets the
-    next request while a finished sample's file is checked and renamed, and the event loop is never blocked by it.
-    On the 8B shape (one H100, 2026-12-07) the check and rename inside the slot cost 1.0% of extraction's wall
-    against vLLM's connector alone: bench/gpu/results/2026-12-07-llama8b-shape-1200/."""
+    write); `check(result)`, blocking file reads without side effects, runs in a thread after the slot is given
+    back, so the server gets the next request while a finished sample's file is checked, and the event loop is not
+    blocked by it. On the 8B shape (one H100, 2026-12-07) the check and rename inside the slot cost 1.0% of
+    extraction's wall against vLLM's connector alone: bench/gpu/results/2026-12-07-llama8b-shape-1200/."""
     async with slot:
         result = await request()
-    return await asyncio.to_thread(keep, result)
+    await asyncio.to_thread(check, result)
+    return result
 
 
-def _keep_sample_file(produced: Path, sample: Sample, files: HiddenStateFiles) -> tuple[Path, int]:
-    """Check the file the server wrote for a sample, then move it to its final name (atomic); returns the final path
-    and its size."""
+def _check_sample_file(produced: Path, sample: Sample, files: HiddenStateFiles) -> None:
+    """Raise StageError unless the file the server wrote for a sample holds its states and token ids."""
     reason = files.check(produced, sample.input_ids, full=False)
     if reason is not None:
         raise StageError(f"row {sample.row}: the file the server wrote ({produced}) is invalid: {reason}")
-    final = files.path(sample.row)
+
+
+def _keep_sample_file(produced: Path, final: Path) -> tuple[Path, int]:
+    """Move a checked sample file to its final name (atomic); returns the final path and its size."""
     # vLLM's connector writes 0600: the group's jobs (training as another user) must read it
     os.chmod(produced, 0o666 & ~process_umask())
     os.replace(produced, final)  # atomic: a reader sees no file or the whole file
