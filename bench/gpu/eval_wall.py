@@ -37,12 +37,11 @@ def parse_attempt(text: str) -> dict[str, Any]:
     """One attempt's log: its window, and each measurement process it started (the one started ahead of its spec
     and stopped is not counted: it never measured). A process the attempt's cut killed has no wall: `cut_s` is from
     its start to the log's last line."""
-    lines = text.splitlines()
-    stamps = [t for t in map(_time, lines) if t]
     processes: list[dict[str, Any]] = []
-    last = None
-    for line in lines:
+    first = last = None
+    for line in text.splitlines():
         last = _time(line) or last
+        first = first or last
         if found := PROCESS.search(line):
             processes.append({"process": found.group(2), "label": found.group(1), "import_s": None, "wall_s": None,
                               "started": last})  # fmt: skip
@@ -58,9 +57,9 @@ def parse_attempt(text: str) -> dict[str, Any]:
                     p["wall_s"] = float(found.group(2))
     for p in processes:
         started = p.pop("started", None)
-        if p["wall_s"] is None and started and stamps:
-            p["cut_s"] = (stamps[-1] - started).total_seconds()
-    wall = (stamps[-1] - stamps[0]).total_seconds() if stamps else 0.0
+        if p["wall_s"] is None and started and last:
+            p["cut_s"] = (last - started).total_seconds()
+    wall = (last - first).total_seconds() if first and last else 0.0
     return {"wall_s": wall, "finished": "stage evaluate_draft: done" in text, "processes": processes}
 
 

@@ -95,9 +95,8 @@ def start_when(rate: MeasuredRate, params_per_token: int) -> str:
     server started in 2.4x the 8B shape's, its training in 0.68x: bench/gpu/results/2026-12-06-kimi-k25-real-width/)."""
     when = f" {rate.start_date}" if rate.start_date else ""
     what = "start measured"
-    if len(rate.starts_seen) > 1:
-        seen = rate.starts_seen
-        what = f"start: the mean of {len(seen)} fresh nodes' {min(seen):.0f}-{max(seen):.0f} s, measured"
+    if seen := start_range(rate):
+        what = f"start: the mean of {len(rate.starts_seen)} fresh nodes' {seen[0]:.0f}-{seen[1]:.0f} s, measured"
     if params_per_token == rate.params_per_token:
         return f" ({what}{when})" if when or rate.starts_seen else ""
     return f" ({what}{when} on the {rate.params_per_token / 1e9:.2f}B reference, not scaled to this model)"
