@@ -39,6 +39,9 @@ workflow->bare, ...). Each run is measured on its steady steps only (the trainer
 ratio, and the verdict against the 0.98 goal ("within noise" when the pair ratios straddle 1.0 or the goal). The
 per-phase medians of speculators' profile (fetch/queue/h2d/fwd/bwd/clip/opt/step ms) are side by side, and every
 run's per-step records are in the JSON.
+Each finished run is appended to --work/training-runs.jsonl; a later call with the same data, files and flags keeps
+those runs and goes on with the plan (a device call is cut at 10 minutes; seven 8B-shape runs take longer). A run
+in a resumed call pays a fresh process's compilation again, in its first steps, which --skip-steps leaves out.
 """
 
 from __future__ import annotations
@@ -396,6 +399,39 @@ def phase_profile(runs: list[dict], skip: int) -> dict:
     }
 
 
+def run_ledger_key(args: argparse.Namespace, files_dir: Path) -> dict:
+    """What a finished training run depends on: the same data, files and flags give the same run. A run recorded
+    under another key is never reused."""
+    names = ("samples", "seq_len", "seed", "train_epochs", "total_seq_len", "draft_vocab", "device")
+    return {name: getattr(args, name) for name in names} | {"target": str(args.target), "files": str(files_dir)}
+
+
+def finished_runs(ledger: Path, key: dict) -> dict[str, dict]:
+    """tag -> run, for the runs an earlier call of this lease finished under the same key (the ledger is one JSON
+    line per finished run). A device call is cut at 10 minutes and seven runs of the 8B shape take longer (~100 s
+    each, 2026-11-29): each call goes on where the last stopped. A torn last line (a call cut while writing) is
+    skipped; the run it was is redone."""
+    runs: dict[str, dict] = {}
+    if not ledger.is_file():
+        return runs
+    for line in ledger.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("key") == key:
+            runs[record["run"]["tag"]] = record["run"]
+    return runs
+
+
+def record_run(ledger: Path, key: dict, run: dict) -> None:
+    """Append one finished run to the ledger, flushed to disk before the next run starts."""
+    with ledger.open("a") as out:
+        out.write(json.dumps({"key": key, "run": run}, default=str) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
 def trainer_steps(metrics_jsonl: Path) -> list[dict]:
     """The train steps a trainer logged, in order: global_step, loss, tokens_per_s and the profile phases."""
     import pandas as pd
@@ -580,6 +616,26 @@ def run_workflow(ctx: dict, tag: str) -> dict:
     return {"command": summary.command, "wall_s": round(wall_s, 1), "steps": steps, "final_train_loss": final_loss}
 
 
+def training_runs(ctx: dict, args: argparse.Namespace, files_dir: Path) -> list[dict]:
+    """The plan's runs in order (run_plan), each run once: a run an earlier call finished under the same key is
+    taken from the ledger (ctx["work"]/training-runs.jsonl), every new one is recorded there as it finishes."""
+    runners = {"bare": run_bare, "workflow": run_workflow}
+    ledger, key = ctx["work"] / "training-runs.jsonl", run_ledger_key(args, files_dir)
+    done = finished_runs(ledger, key)
+    runs = []
+    for item in run_plan(args.train_pairs):
+        if item["tag"] in done:
+            log(f"[{item['tag']}] finished by an earlier call ({ledger}): kept, not rerun")
+            runs.append(done[item["tag"]])
+            continue
+        run = item | runners[item["side"]](ctx, item["tag"])
+        run["step_ms"] = [s["step_ms"] for s in run["steps"]]
+        log(f"[{item['tag']}] wall {run['wall_s']} s, {len(run['step_ms'])} steps logged")
+        record_run(ledger, key, run)
+        runs.append(run)
+    return runs
+
+
 def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int) -> dict:
     """A warm-up run, then --train-pairs pairs in alternating order; steady steps/s compared (compare_training)."""
     from eagle3_workflow.settings.sections import TrainSettings
@@ -615,13 +671,7 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
                        device=TrainDevice(args.device, 1))  # fmt: skip
     ctx = {"work": work, "device": args.device, "target": args.target, "data_dir": data_dir, "files_dir": files_dir}
     ctx |= {"bare_args": bare_args, "settings": settings} | inputs
-    runners = {"bare": run_bare, "workflow": run_workflow}
-    runs = []
-    for item in run_plan(args.train_pairs):
-        run = item | runners[item["side"]](ctx, item["tag"])
-        run["step_ms"] = [s["step_ms"] for s in run["steps"]]
-        log(f"[{item['tag']}] wall {run['wall_s']} s, {len(run['step_ms'])} steps logged")
-        runs.append(run)
+    runs = training_runs(ctx, args, files_dir)
     measured = [r for r in runs if r["measured"]]
     return {
         "train_rows": train_rows,
