@@ -424,6 +424,38 @@ def finished_runs(ledger: Path, key: dict) -> dict[str, dict]:
     return runs
 
 
+def complete_pairs(runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The measured runs of pairs that have both sides, and the measured runs whose partner never ran (a lease
+    that ended inside a pair): only the first go into compare_training."""
+    sides: dict[int, set[str]] = {}
+    for run in runs:
+        if run["measured"]:
+            sides.setdefault(run["pair"], set()).add(run["side"])
+    whole = {pair for pair, seen in sides.items() if seen == set(SIDES)}
+    measured = [run for run in runs if run["measured"]]
+    return [r for r in measured if r["pair"] in whole], [r for r in measured if r["pair"] not in whole]
+
+
+def training_result(runs: list[dict], skip: int) -> dict:
+    """compare_training and phase_profile over the complete pairs, each run's wall and steady steps/s, and the
+    runs left without a partner (named, never compared)."""
+    paired, unpaired = complete_pairs(runs)
+    return {
+        "comparison": compare_training(paired, skip),
+        "phase_medians_ms": phase_profile(paired, skip),
+        "wall_s": {side: [r["wall_s"] for r in paired if r["side"] == side] for side in SIDES},
+        "per_run": [
+            {
+                "tag": r["tag"],
+                "wall_s": r["wall_s"],
+                "steady_steps_per_s": round(steps_per_s(steady_steps(r["step_ms"], skip)), 4),
+            }
+            for r in runs
+        ],
+        "unpaired": [r["tag"] for r in unpaired],
+    }
+
+
 def record_run(ledger: Path, key: dict, run: dict) -> None:
     """Append one finished run to the ledger, flushed to disk before the next run starts."""
     with ledger.open("a") as out:
@@ -672,16 +704,13 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
     ctx = {"work": work, "device": args.device, "target": args.target, "data_dir": data_dir, "files_dir": files_dir}
     ctx |= {"bare_args": bare_args, "settings": settings} | inputs
     runs = training_runs(ctx, args, files_dir)
-    measured = [r for r in runs if r["measured"]]
     return {
         "train_rows": train_rows,
         "trained_tokens": train_rows * args.seq_len * args.train_epochs,
         "settings": common,
         "extra_args": extra,
         "bare_flags_checked": "equal to the workflow's trainer flags except " + ", ".join(sorted(PATH_FLAGS)),
-        "comparison": compare_training(measured, args.skip_steps),
-        "phase_medians_ms": phase_profile(measured, args.skip_steps),
-        "wall_s": {side: [r["wall_s"] for r in measured if r["side"] == side] for side in SIDES},
+        **training_result(runs, args.skip_steps),
         "runs": runs,
     }
 

@@ -74,3 +74,55 @@ def test_a_second_call_runs_only_what_the_first_left(tmp_path, monkeypatch):
     assert ran == ["warmup", "pair1-bare", "pair1-workflow", "pair2-workflow", "pair2-bare"]
     assert [r["tag"] for r in runs] == ["warmup", "pair1-bare", "pair1-workflow", "pair2-workflow", "pair2-bare"]
     assert all(len(r["step_ms"]) == 6 for r in runs)
+
+
+def steps(ms: float) -> dict:
+    return {"step_ms": [ms] * 8, "steps": [{"step_ms": ms, "fwd_ms": ms / 2}] * 8, "wall_s": 100.0}
+
+
+def test_a_pair_missing_a_side_is_named_and_left_out_of_the_comparison(tmp_path):
+    bench = load_script(GPU / "bench_gpu.py")
+    plan = bench.run_plan(3)
+    ms = {"bare": 150.0, "workflow": 140.0}
+    runs = [item | steps(ms[item["side"]]) for item in plan[:-1]]  # the lease ended before pair3-workflow
+    paired, unpaired = bench.complete_pairs(runs)
+    assert [r["tag"] for r in unpaired] == ["pair3-bare"]
+    assert {r["pair"] for r in paired} == {1, 2}
+    result = bench.training_result(runs, skip=2)
+    assert result["unpaired"] == ["pair3-bare"]
+    assert result["comparison"]["pair_ratios"] == [round(150 / 140, 4)] * 2
+    assert result["comparison"]["verdict"].startswith("no verdict: 2 pair(s)")
+    assert [r["tag"] for r in result["per_run"]] == [r["tag"] for r in runs]
+    # with the last run the verdict follows from three pairs
+    whole = bench.training_result(runs + [plan[-1] | steps(140.0)], skip=2)
+    assert whole["unpaired"] == [] and whole["comparison"]["verdict"] == "meets the goal"
+
+
+def test_the_pairs_script_reads_a_gzipped_ledger_and_refuses_mixed_keys(tmp_path):
+    import gzip
+    import subprocess
+    import sys
+
+    bench = load_script(GPU / "bench_gpu.py")
+    key = bench.run_ledger_key(bench_args(tmp_path), tmp_path / "files")
+    plan = bench.run_plan(3)
+    lines = [json.dumps({"key": key, "run": item | steps(150.0 if item["side"] == "bare" else 160.0)}) for item in plan]
+    ledger = tmp_path / "training-runs.jsonl.gz"
+    ledger.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    out = tmp_path / "pairs.json"
+    script = [sys.executable, str(GPU / "training_pairs.py")]
+    done = subprocess.run(
+        [*script, str(ledger), "--skip-steps", "2", "--out", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert (
+        result["key"] == json.loads(json.dumps(key))
+        and result["comparison"]["pair_ratios"] == [round(150 / 160, 4)] * 3
+    )
+    assert result["comparison"]["verdict"] == "below the goal"
+    other = bench.run_ledger_key(bench_args(tmp_path, samples=16), tmp_path / "files")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(lines[0] + "\n" + json.dumps({"key": other, "run": plan[1] | steps(1.0)}) + "\n")
+    refused = subprocess.run([*script, str(mixed), "--out", str(out)], capture_output=True, text=True)
+    assert refused.returncode != 0 and "2 keys" in refused.stderr
