@@ -3,7 +3,7 @@ against bare `speculators train`, on the same data.
 
 usage: python bench/gpu/bench_gpu.py --target DIR --work DIR [--samples 128] [--seq-len 2048] [--concurrency 64]
                                      [--repeats 3] [--eager] [--train-epochs 2] [--train-pairs 3] [--skip-steps 5]
-                                     [--skip-train | --train-only] [--out FILE.json]
+                                     [--skip-train | --train-only] [--split-method] [--out FILE.json]
 
 Data: --samples synthetic prompts of --seq-len random token ids of the target's tokenizer (all positions trained),
 written in prepare_data's layout (a HF dataset saved to disk + token_freq.pt), so every stage function reads it as
@@ -19,6 +19,9 @@ Extraction (tokens/s = prompt tokens / seconds; a server's start-up is never ins
                 what vLLM + its connector cost, without the workflow's client
   workflow      the same server (warm), eagle3_workflow.serving.extraction_client.extract_samples: the stage's client (waits for
                 each file's lock, checks its header and token ids, renames it atomically)
+  method        (only with --split-method: one more server start) the extraction server's spec without its KV
+                connector: vLLM's extract_hidden_states method stores the layers' hidden states every step, nothing
+                leaves the GPU; between plain and connector it splits the gap into the method's and the connector's
   stage         eagle3_workflow.extraction.replica.extract_replica: the whole stage function as the rule runs it (disk
                 preflight, resume scan, own server, client, manifest); its manifest's tokens_per_s (cold)
                 (only with --stage: one more server start)
@@ -158,6 +161,32 @@ async def raw_pass(server: VLLMServer, prompts: list[list[int]], concurrency: in
     return {"seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1), "bytes": size}
 
 
+def method_only_spec(extraction_spec):
+    """The extraction server's spec with vLLM's `extract_hidden_states` method but no KV connector: the target's
+    forward returns the chosen layers' hidden states and the method's cache-only layer stores them every step, but
+    nothing is copied to the host or written. Between plain prefill and the extraction server, it tells the method's
+    share of the gap from the connector's (the copy to the host and the file writes)."""
+    import dataclasses
+
+    return dataclasses.replace(extraction_spec, kv_transfer_config=None)
+
+
+def method_only_passes(extraction_spec, prompts: list[list[int]], args: argparse.Namespace, work: Path) -> dict:
+    """--split-method: a warm-up pass and --repeats warm passes on a method-only server. A server that does not
+    start (vLLM may refuse the method without a connector) is recorded with its error, and the bench goes on."""
+    log("method only: the extraction server's spec without its connector (extract_hidden_states, no files)")
+    try:
+        with VLLMServer(method_only_spec(extraction_spec), work / "method-server.log") as server:
+            ready_s = round(server.ready_s, 1)
+            asyncio.run(raw_pass(server, prompts[: min(8, len(prompts))], args.concurrency, wait_files=False))
+            warm = [asyncio.run(raw_pass(server, prompts, args.concurrency, False)) for _ in range(args.repeats)]
+    except Exception as error:  # noqa: BLE001 - a refused variant is a result, not the end of the bench
+        log(f"method only: no server: {error!r} (log: {work / 'method-server.log'})")
+        return {"error": repr(error)}
+    log(f"method only: ready {ready_s} s, warm {[p['tok_per_s'] for p in warm]} tok/s")
+    return {"ready_s": ready_s, "warm": warm}
+
+
 def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_dir: Path, work: Path) -> dict:
     config = read_target_config(args.target)
     layers = resolve_layer_ids(config.num_layers, None)
@@ -211,6 +240,9 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
         f"{[p['tok_per_s'] for p in warm_passes]}"
     )
 
+    if args.split_method:
+        result["method"] = method_only_passes(spec(str(work / "unused")), prompts, args, work)
+
     storage = work / "connector-scratch"
     shutil.rmtree(storage, ignore_errors=True)
     storage.mkdir(parents=True)
@@ -248,6 +280,10 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
         "connector_vs_plain_warm": round(best["connector_warm"] / best["plain_warm"], 3),
         "workflow_vs_connector": round(best["workflow_warm"] / best["connector_warm"], 3),
     }
+    if result.get("method", {}).get("warm"):
+        method_best = max(p["tok_per_s"] for p in result["method"]["warm"])
+        result["ratios"]["method_vs_plain_warm"] = round(method_best / best["plain_warm"], 3)
+        result["ratios"]["connector_vs_method_warm"] = round(best["connector_warm"] / method_best, 3)
     result["verdict"] = extraction_verdict([p["tok_per_s"] for p in warm_passes], [p["tok_per_s"] for p in workflow])
     bytes_per_run = workflow[-1]["bytes"]
     result["bytes_per_run"] = bytes_per_run
@@ -770,6 +806,10 @@ def extraction_lines(e: dict, args: argparse.Namespace) -> list[str]:
     ]
     if "stage" in e:
         lines.insert(-1, f"  stage (cold)            {e['stage']['tok_per_s']:>10.1f} tok/s")
+    if e.get("method", {}).get("warm"):
+        lines.insert(2, f"  method, no files   warm {max(p['tok_per_s'] for p in e['method']['warm']):>10.1f} tok/s")
+    elif "method" in e:
+        lines.insert(2, f"  method, no files   no server: {e['method']['error']}")
     return lines
 
 
@@ -808,6 +848,11 @@ def main() -> None:
     parser.add_argument("--train-pairs", type=int, default=3, help="measured pairs after the warm-up run")
     parser.add_argument("--skip-steps", type=int, default=5, help="logged steps dropped at the start of each run")
     parser.add_argument("--stage", action="store_true", help="also time extract_replica with its own (cold) server")
+    parser.add_argument(
+        "--split-method",
+        action="store_true",
+        help="also time a server with the extract_hidden_states method but no connector (one more server start)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

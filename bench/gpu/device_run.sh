@@ -263,7 +263,10 @@ with lzma.open(sys.argv[1], "rt") as src, open(sys.argv[2], "w") as dst:
 }
 
 step_collect() {
-  [ -d "$WORK/results/$RUN" ] || return 0
+  # the bench's own logs (its servers', the trainers'), with or without a pipeline run in this lease
+  [ -d /root/bench-work ] && tar -czf "$OUT/bench-logs.tar.gz" -C /root/bench-work --exclude='*.safetensors' \
+    --exclude='*.pt' --exclude='*.npy' --exclude='*files*' --exclude='data' --exclude='*checkpoints*' . 2>/dev/null
+  [ -d "$WORK/results/$RUN" ] || { ls -la "$OUT"; return 0; }
   # what each stage wrote to disk (bytes, every file and folder three levels down), before anything is left out
   du -ab --count-links --max-depth=3 -L "$WORK/results/$RUN" >"$OUT/du-$RUN.txt" 2>/dev/null
   # -h: a run folder linked into /dev/shm (step_shm) is archived by its contents
@@ -274,8 +277,6 @@ step_collect() {
   # ~50 MB for 3M tokens, and prepare_data remakes them from regenerated.jsonl)
   [ "$(stat -c %s "$OUT/results-$RUN.tar.gz")" -le $((16 * 1024 * 1024)) ] \
     || stamp "WARNING: results-$RUN.tar.gz is over 16 MiB and will not come back; leave more out"
-  [ -d /root/bench-work ] && tar -czf "$OUT/bench-logs.tar.gz" -C /root/bench-work --exclude='*.safetensors' \
-    --exclude='*.pt' --exclude='*.npy' --exclude='*files*' --exclude='data' --exclude='*checkpoints*' . 2>/dev/null
   ls -la "$OUT"
 }
 
