@@ -476,6 +476,8 @@ def training_result(runs: list[dict], skip: int) -> dict:
     """compare_training and phase_profile over the complete pairs, each run's wall and steady steps/s, and the
     runs left without a partner (named, never compared)."""
     paired, unpaired = complete_pairs(runs)
+    if not paired:
+        raise ValueError(f"no complete pair among the runs {[r['tag'] for r in runs]}: nothing to compare yet")
     return {
         "comparison": compare_training(paired, skip),
         "phase_medians_ms": phase_profile(paired, skip),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 from conftest import REPO, load_script
 
 GPU = REPO / "bench" / "gpu"
@@ -93,6 +94,8 @@ def test_a_pair_missing_a_side_is_named_and_left_out_of_the_comparison(tmp_path)
     assert result["comparison"]["pair_ratios"] == [round(150 / 140, 4)] * 2
     assert result["comparison"]["verdict"].startswith("no verdict: 2 pair(s)")
     assert [r["tag"] for r in result["per_run"]] == [r["tag"] for r in runs]
+    with pytest.raises(ValueError, match="no complete pair"):
+        bench.training_result(runs[:2], skip=2)  # the warm-up and pair1-bare
     # with the last run the verdict follows from three pairs
     whole = bench.training_result(runs + [plan[-1] | steps(140.0)], skip=2)
     assert whole["unpaired"] == [] and whole["comparison"]["verdict"] == "meets the goal"
