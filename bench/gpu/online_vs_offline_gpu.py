@@ -15,16 +15,19 @@ mark; online the high-water mark of the server's output folder plus train_work's
 Also runs on CPU (a finished tiny run) to try it out.
 
 Online runs once at the config's train.online.requests_in_flight (mode ``online``, folder ``online/``) and once more
-at each other value of --requests-in-flight (mode ``online-rif<N>``, run before it; 1 = speculators' own serial
+at each other value of --requests-in-flight (mode ``online-rif<N>``, run after it; 1 = speculators' own serial
 fetch, one request per DataLoader worker): ``by_requests_in_flight`` holds each one's steps/s against offline's.
 --num-workers overrides train.num_workers for every mode. With EAGLE3_PROBE_REQUESTS_IN_FLIGHT=<dir> and
 EAGLE3_PROBE_REQUESTS_IN_FLIGHT_NO_WAIT=1 in the environment and tests/fault_plugins on PYTHONPATH, each online
 mode also reports the requests its trainer processes had in flight at once (``in_flight``: the probe's files).
+--out is written before each online mode too (``finished``: false): a call cut inside a later mode keeps the
+finished ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -167,25 +170,45 @@ def main() -> None:
         "files_dir": run / "hidden_states" / "files",
     }
     files_bytes = sum(hs_file(inputs["files_dir"], row).stat().st_size for row in range(rows))
+    head = {"run_dir": str(run), "rows": rows, "epochs": args.epochs, "num_workers": config["train"]["num_workers"]}
     offline = run_mode("offline", {**config, "train": {**config["train"], "hidden_states": "offline"}}, inputs, work)
     offline["hidden_states_peak_bytes"] = files_bytes
+    counts = mode_order(configured, args.requests_in_flight)
     online_modes = []
-    for count in [*(n for n in dict.fromkeys(args.requests_in_flight) if n != configured), configured]:
+    for count in counts:
+        # the report so far on disk before each mode: a call cut inside a later mode keeps the finished ones
+        emit_quietly(report_of(head, offline, online_modes, configured, finished=False), args.out)
         train = {**config["train"], "hidden_states": "online"}
         train["online"] = {**train["online"], "requests_in_flight": count}
         mode = "online" if count == configured else f"online-rif{count}"
         online_modes.append(run_mode(mode, {**config, "train": train}, inputs, work))
-    online = online_modes[-1]
+    emit(report_of(head, offline, online_modes, configured, finished=True), args.out)
+
+
+def mode_order(configured: int, others: list[int]) -> list[int]:
+    """The requests-in-flight counts to run online at: the configured one first (the figure the goal is about), then
+    each other one asked for, once."""
+    return [configured, *(n for n in dict.fromkeys(others) if n != configured)]
+
+
+def report_of(head: dict, offline: dict, online_modes: list[dict], configured: int, finished: bool) -> dict:
+    """The report from the modes run so far: online / offline at the configured count (once it ran) and at each
+    count that ran. `finished` is false while modes are still to run (a cut call's file says so)."""
     for row in (offline, *online_modes):
         row["peak_disk_bytes"] = row["hidden_states_peak_bytes"] + row["train_work_peak_bytes"]
-    ratios = online_over_offline(
-        offline, online, ("wall_s", "trainer_s", "steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
-    )
+    at_configured = [row for row in online_modes if row["requests_in_flight"] == configured]
+    keys = ("wall_s", "trainer_s", "steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
+    ratios = online_over_offline(offline, at_configured[0], keys) if at_configured else {}
     by_count = {str(row["requests_in_flight"]): online_over_offline(offline, row, ("steps_per_s", "trainer_s"))
                 for row in online_modes}  # fmt: skip
-    report = {"run_dir": str(run), "rows": rows, "epochs": args.epochs, "num_workers": config["train"]["num_workers"],
-              "modes": [offline, *online_modes], "online_over_offline": ratios, "by_requests_in_flight": by_count}  # fmt: skip
-    emit(report, args.out)
+    return {**head, "finished": finished, "modes": [offline, *online_modes], "online_over_offline": ratios,
+            "by_requests_in_flight": by_count}  # fmt: skip
+
+
+def emit_quietly(report: dict, out: Path | None) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
