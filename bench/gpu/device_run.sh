@@ -14,9 +14,11 @@
 #   bash bench/gpu/device_run.sh faultcheck the lossless check on this GPU against EAGLE3_FAULT=accept_any_draft
 #   bash bench/gpu/device_run.sh online     train_draft online against offline on the finished run's data
 #                                           (bench/gpu/online_vs_offline_gpu.py; ROWS=2000 EPOCHS=1 by default;
-#                                           RIF="1" also runs online at 1 request in flight per worker, before
-#                                           train.online.requests_in_flight: before/after side by side; the 2,000-row
-#                                           serial run took ~200 s on the H200: raise ONLINE_TIMEOUT, 540 s by default)
+#                                           online at train.online.requests_in_flight first, then at each count in
+#                                           RIF (default 1: speculators' serial fetch, the before; RIF=8, the
+#                                           configured count, runs that one only); the report is written after each
+#                                           mode; the 2,000-row serial run took ~200 s on the H200: ONLINE_TIMEOUT,
+#                                           540 s by default)
 #   bash bench/gpu/device_run.sh restore    RESTORE=<bundle folder>: build the target in $WORK, then put an earlier
 #                                           lease's check_target and regenerate_responses outputs into the run
 #                                           (bench/gpu/restore_run.py checks target, settings and sha256 first)
