@@ -202,8 +202,16 @@ step_bench() {
 
 step_online() {
   use_site
+  sync_work  # this call's code: the bench runs from $WORK, where the pipeline call left its own
   cd "$WORK" || return 1
   export PYTHONPATH="$WORK/workflow/scripts${PYTHONPATH:+:$PYTHONPATH}"
+  # the bench reads the run's resolved config from provenance.json, a rule with no inputs that a run cut by
+  # `--until validate_hidden_states` never reaches (2026-12-07, on CPU): written here first (the target first, as
+  # --configfile takes every word after it)
+  if [ ! -f "results/$RUN/provenance.json" ]; then
+    snakemake "results/$RUN/provenance.json" --cores 1 --configfile $CONFIG >"$OUT/provenance.log" 2>&1 \
+      || { tail -20 "$OUT/provenance.log"; stamp "online: results/$RUN/provenance.json could not be written"; cd - >/dev/null; return 1; }
+  fi
   stamp "online_vs_offline_gpu.py on results/$RUN (${ROWS:-2000} rows, ${EPOCHS:-1} epoch(s))"
   timeout "${ONLINE_TIMEOUT:-540}" python3 bench/gpu/online_vs_offline_gpu.py "results/$RUN" --rows "${ROWS:-2000}" \
     --epochs "${EPOCHS:-1}" ${RIF:+--requests-in-flight $RIF} --work /root/online-bench --out "$OUT/online_vs_offline.json" 2>&1 \
