@@ -3,7 +3,8 @@ against bare `speculators train`, on the same data.
 
 usage: python bench/gpu/bench_gpu.py --target DIR --work DIR [--samples 128] [--seq-len 2048] [--concurrency 64]
                                      [--repeats 3] [--eager] [--train-epochs 2] [--train-pairs 3] [--skip-steps 5]
-                                     [--skip-train | --train-only] [--split-method] [--out FILE.json]
+                                     [--skip-train | --train-only | --train-on RUN_DIR] [--split-method]
+                                     [--out FILE.json]
 
 Data: --samples synthetic prompts of --seq-len random token ids of the target's tokenizer (all positions trained),
 written in prepare_data's layout (a HF dataset saved to disk + token_freq.pt), so every stage function reads it as
@@ -42,6 +43,8 @@ workflow->bare, ...). Each run is measured on its steady steps only (the trainer
 ratio, and the verdict against the 0.98 goal ("within noise" when the pair ratios straddle 1.0 or the goal). The
 per-phase medians of speculators' profile (fetch/queue/h2d/fwd/bwd/clip/opt/step ms) are side by side, and every
 run's per-step records are in the JSON.
+--train-on results/<run>: the pairs on a finished pipeline run's rows (data/prepared, token_freq.pt) and hidden-state
+files instead (made from --target; every file validated against its row), no extraction pass of the bench's own.
 Each finished run is appended to --work/training-runs.jsonl; a later call with the same data, files and flags keeps
 those runs and goes on with the plan (a device call is cut at 10 minutes; seven 8B-shape runs take longer). A run
 in a resumed call pays a fresh process's compilation again, in its first steps, which --skip-steps leaves out.
@@ -439,7 +442,9 @@ def run_ledger_key(args: argparse.Namespace, files_dir: Path) -> dict:
     """What a finished training run depends on: the same data, files and flags give the same run. A run recorded
     under another key is never reused."""
     names = ("samples", "seq_len", "seed", "train_epochs", "total_seq_len", "draft_vocab", "device")
-    return {name: getattr(args, name) for name in names} | {"target": str(args.target), "files": str(files_dir)}
+    key = {name: getattr(args, name) for name in names} | {"target": str(args.target), "files": str(files_dir)}
+    train_on = getattr(args, "train_on", None)
+    return key | ({"train_on": str(train_on)} if train_on else {})
 
 
 def finished_runs(ledger: Path, key: dict) -> dict[str, dict]:
@@ -706,7 +711,9 @@ def training_runs(ctx: dict, args: argparse.Namespace, files_dir: Path) -> list[
     return runs
 
 
-def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int) -> dict:
+def bench_training(
+    args: argparse.Namespace, data_dir: Path, files_dir: Path, work: Path, rows: int, *, data_tokens: int
+) -> dict:
     """A warm-up run, then --train-pairs pairs in alternating order; steady steps/s compared (compare_training)."""
     from eagle3_workflow.settings.sections import TrainSettings
     from eagle3_workflow.settings.views import with_schema_defaults
@@ -744,7 +751,13 @@ def bench_training(args: argparse.Namespace, data_dir: Path, files_dir: Path, wo
     runs = training_runs(ctx, args, files_dir)
     return {
         "train_rows": train_rows,
-        "trained_tokens": train_rows * args.seq_len * args.train_epochs,
+        # the synthetic rows are all --seq-len long; a run's (--train-on) differ, and which of them the trainer's
+        # split keeps is speculators' choice: its data's tokens, all rows, are what is known
+        **(
+            {"data_tokens": data_tokens}
+            if args.train_on
+            else {"trained_tokens": train_rows * args.seq_len * args.train_epochs}
+        ),
         "settings": common,
         "extra_args": extra,
         "bare_flags_checked": "equal to the workflow's trainer flags except " + ", ".join(sorted(PATH_FLAGS)),
@@ -776,6 +789,31 @@ def gpu_name() -> str:
         ).stdout.strip()  # fmt: skip
     except OSError:
         return "none"
+
+
+def run_training_data(run: Path, target: Path) -> tuple[Path, Path, int, int]:
+    """--train-on: a finished pipeline run's data (data/prepared, data/token_freq.pt) and hidden-state files
+    (hidden_states/files), for the training pairs without an extraction pass of the bench's own: (data dir, files
+    dir, rows, tokens). The run must have been made from --target (its check_api record names the target): other
+    files would not fit the trainer's target. training_inputs then validates every file against the rows."""
+    from eagle3_workflow.files.prepared import read_input_ids
+
+    data_dir, files_dir, api = run / "data", run / "hidden_states" / "files", run / "checks" / "api_compat.json"
+    missing = [str(p) for p in (data_dir / "prepared", data_dir / "token_freq.pt", files_dir, api) if not p.exists()]
+    if missing:
+        raise SystemExit(
+            f"--train-on {run}: no {', '.join(missing)}. Fix: run the pipeline through validate_hidden_states "
+            "first (snakemake --until validate_hidden_states --configfile ...), or give the run's results/<run> folder"
+        )
+    recorded = Path(load(ApiCompatReport, api).target.path)
+    recorded = recorded if recorded.is_absolute() else run.parent.parent / recorded
+    if recorded.resolve() != target.resolve():
+        raise SystemExit(
+            f"--train-on {run} was made from the target {recorded}, not --target {target}: its hidden states are "
+            "another model's. Fix: pass that run's target as --target, or a run made from this one"
+        )
+    input_ids = read_input_ids(data_dir / "prepared")
+    return data_dir, files_dir, len(input_ids), sum(len(ids) for ids in input_ids)
 
 
 def earlier_extraction_files(args: argparse.Namespace) -> Path:
@@ -817,7 +855,10 @@ def extraction_lines(e: dict, args: argparse.Namespace) -> list[str]:
 
 def training_lines(training: dict) -> list[str]:
     c = training["comparison"]
-    lines = [f"TRAINING {training['trained_tokens']} tokens a run, steady steps/s (first {c['skip_steps']} dropped)"]
+    size = (f"{training['trained_tokens']} tokens a run" if "trained_tokens" in training
+            else f"{training['data_tokens']} data tokens x {training['settings']['train_data_ratio']} x "
+                 f"{training['settings']['epochs']} epoch(s) a run")  # fmt: skip
+    lines = [f"TRAINING {size}, steady steps/s (first {c['skip_steps']} dropped)"]
     for side in SIDES:
         s = c["steps_per_s"][side]
         lines.append(f"  {side:<9} median {s['median']:.3f}  min-max {s['min']:.3f}-{s['max']:.3f}  IQR {s.get('iqr')}")
@@ -847,6 +888,13 @@ def main() -> None:
     parser.add_argument(
         "--train-only", action="store_true", help="reuse the hidden-state files an earlier call wrote into --work"
     )
+    parser.add_argument(
+        "--train-on",
+        type=Path,
+        default=None,
+        help="train on a finished pipeline run's data and hidden-state files (results/<run>, made from --target) "
+        "instead of the bench's own: the training pairs only, no extraction",
+    )
     parser.add_argument("--train-pairs", type=int, default=3, help="measured pairs after the warm-up run")
     parser.add_argument("--skip-steps", type=int, default=5, help="logged steps dropped at the start of each run")
     parser.add_argument("--stage", action="store_true", help="also time extract_replica with its own (cold) server")
@@ -861,8 +909,8 @@ def main() -> None:
     args.target = args.target.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    data_dir = args.work / "data"
-    prompts = write_synthetic_prepared(args.target, data_dir, args.samples, args.seq_len, args.seed)
+    if args.train_on and args.skip_train:
+        raise SystemExit("--train-on is the training pairs only; --skip-train leaves nothing to run")
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host": platform.node(),
@@ -871,15 +919,22 @@ def main() -> None:
         "target": str(args.target),
         "command": " ".join([sys.executable, *sys.argv]),
     }
-    if args.train_only:
-        files_dir = earlier_extraction_files(args)
+    if args.train_on:
+        data_dir, files_dir, rows, tokens = run_training_data(args.train_on.resolve(), args.target)
+        result["train_on"] = str(args.train_on.resolve())
     else:
-        result["extraction"] = bench_extraction(args, prompts, data_dir, args.work)
-        files_dir = Path(result["extraction"]["files_dir"])
-        if args.out:
-            write_text_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
+        data_dir = args.work / "data"
+        prompts = write_synthetic_prepared(args.target, data_dir, args.samples, args.seq_len, args.seed)
+        rows, tokens = len(prompts), len(prompts) * args.seq_len
+        if args.train_only:
+            files_dir = earlier_extraction_files(args)
+        else:
+            result["extraction"] = bench_extraction(args, prompts, data_dir, args.work)
+            files_dir = Path(result["extraction"]["files_dir"])
+            if args.out:
+                write_text_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
     if not args.skip_train:
-        result["training"] = bench_training(args, data_dir, files_dir, args.work, len(prompts))
+        result["training"] = bench_training(args, data_dir, files_dir, args.work, rows, data_tokens=tokens)
     result["bench_wall_s"] = round(time.monotonic() - started, 1)
     if args.out:
         write_text_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
