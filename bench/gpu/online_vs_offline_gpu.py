@@ -42,6 +42,7 @@ from eagle3_workflow.files.artefacts import load  # noqa: E402
 from eagle3_workflow.files.draft_artefacts import Provenance  # noqa: E402
 from eagle3_workflow.files.hidden_states import hs_file  # noqa: E402
 from eagle3_workflow.files.target_artefacts import ApiCompatReport  # noqa: E402
+from eagle3_workflow.files.writing import write_text_atomic  # noqa: E402
 from eagle3_workflow.settings.schema import validate_config  # noqa: E402
 from eagle3_workflow.settings.sections import TrainSettings  # noqa: E402
 from eagle3_workflow.settings.stages import TrainDraftOnlineStage  # noqa: E402
@@ -177,7 +178,7 @@ def main() -> None:
     online_modes = []
     for count in counts:
         # the report so far on disk before each mode: a call cut inside a later mode keeps the finished ones
-        emit_quietly(report_of(head, offline, online_modes, configured, finished=False), args.out)
+        write_partial(report_of(head, offline, online_modes, configured, finished=False), args.out)
         train = {**config["train"], "hidden_states": "online"}
         train["online"] = {**train["online"], "requests_in_flight": count}
         mode = "online" if count == configured else f"online-rif{count}"
@@ -205,10 +206,12 @@ def report_of(head: dict, offline: dict, online_modes: list[dict], configured: i
             "by_requests_in_flight": by_count}  # fmt: skip
 
 
-def emit_quietly(report: dict, out: Path | None) -> None:
+def write_partial(report: dict, out: Path | None) -> None:
+    """The report so far into `out` (not on stdout, where only the finished one goes), atomically: a call cut while
+    writing leaves the previous report, never a torn file."""
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+        write_text_atomic(out, json.dumps(report, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

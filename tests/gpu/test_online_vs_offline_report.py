@@ -36,7 +36,7 @@ def test_a_report_cut_after_the_configured_mode_holds_its_ratio_and_says_unfinis
     assert cut["online_over_offline"]["peak_disk_bytes"] == round(510 / 1500, 3)
     assert cut["by_requests_in_flight"] == {"8": {"steps_per_s": 0.8, "trainer_s": 1.25}}
     out = tmp_path / "report.json"
-    bench.emit_quietly(cut, out)
+    bench.write_partial(cut, out)
     assert json.loads(out.read_text())["finished"] is False
     done = bench.report_of(head, offline, [online, row("online-rif1", 200.0, rif=1)], 8, finished=True)
     assert done["finished"] and done["online_over_offline"] == cut["online_over_offline"]
