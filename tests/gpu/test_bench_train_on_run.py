@@ -25,7 +25,7 @@ def test_the_pairs_train_on_the_runs_rows_and_files(tiny_pipeline, tmp_path, mon
     bench = load_script(GPU / "bench_gpu.py")
     workdir, config, _ = tiny_pipeline
     run = workdir / "results" / config["run"]
-    target = (workdir / "results" / config["run"] / "target").resolve()
+    target = (run / "target").resolve()
     data_dir, files_dir, rows, tokens = bench.run_training_data(run, target)
     assert (data_dir, files_dir) == (run / "data", run / "hidden_states" / "files")
     assert rows > 0 and tokens > rows
