@@ -66,6 +66,17 @@ def median(values: list[float]) -> float | None:
     return values[len(values) // 2] if values else None
 
 
+STEADY_SKIP = 5  # the first logged steps hold compilation and the DataLoader's (or the server's) first fetches
+
+
+def steady_steps_per_s(step_ms: list[float], skip: int = STEADY_SKIP) -> float | None:
+    """Steps per second over the logged steps after the first `skip` (the trainer's own step_ms, which holds the
+    step's wait for data): the rate a longer run settles at, without the fixed costs (imports, compilation,
+    validation) that a wall-clock rate of a few dozen steps is mostly made of. None under 3 steps."""
+    kept = [ms for ms in step_ms[skip:] if ms == ms]  # NaN: a row without the column
+    return round(len(kept) / (sum(kept) / 1000.0), 3) if len(kept) >= 3 else None
+
+
 def profile(draft: Path) -> dict:
     import pandas as pd
 
@@ -75,6 +86,10 @@ def profile(draft: Path) -> dict:
     for column in ("profile/step_ms", "profile/fetch_ms", "profile/tokens_per_s", "step_ms", "fetch_ms"):
         if column in train.columns:
             found[column.split("/")[-1] + "_median"] = median(list(train[column].astype(float))[3:])
+    for column in ("profile/step_ms", "step_ms"):
+        if column in train.columns:
+            found["steady_steps_per_s"] = steady_steps_per_s(list(train[column].astype(float)))
+            break
     return found
 
 
@@ -192,15 +207,18 @@ def mode_order(configured: int, others: list[int]) -> list[int]:
     return [configured, *(n for n in dict.fromkeys(others) if n != configured)]
 
 
+RATE_KEYS = ("steps_per_s", "steady_steps_per_s", "trainer_s")
+
+
 def report_of(head: dict, offline: dict, online_modes: list[dict], configured: int, finished: bool) -> dict:
     """The report from the modes run so far: online / offline at the configured count (once it ran) and at each
     count that ran. `finished` is false while modes are still to run (a cut call's file says so)."""
     for row in (offline, *online_modes):
         row["peak_disk_bytes"] = row["hidden_states_peak_bytes"] + row["train_work_peak_bytes"]
     at_configured = [row for row in online_modes if row["requests_in_flight"] == configured]
-    keys = ("wall_s", "trainer_s", "steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
+    keys = ("wall_s", "trainer_s", "steps_per_s", "steady_steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
     ratios = online_over_offline(offline, at_configured[0], keys) if at_configured else {}
-    by_count = {str(row["requests_in_flight"]): online_over_offline(offline, row, ("steps_per_s", "trainer_s"))
+    by_count = {str(row["requests_in_flight"]): online_over_offline(offline, row, RATE_KEYS)
                 for row in online_modes}  # fmt: skip
     return {**head, "finished": finished, "modes": [offline, *online_modes], "online_over_offline": ratios,
             "by_requests_in_flight": by_count}  # fmt: skip

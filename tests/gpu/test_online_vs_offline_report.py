@@ -42,3 +42,24 @@ def test_a_report_cut_after_the_configured_mode_holds_its_ratio_and_says_unfinis
     assert done["finished"] and done["online_over_offline"] == cut["online_over_offline"]
     assert done["by_requests_in_flight"]["1"] == {"steps_per_s": 0.4, "trainer_s": 2.5}
     assert [m["mode"] for m in done["modes"]] == ["offline", "online", "online-rif1"]
+
+
+def test_the_steady_rate_leaves_out_the_first_steps_and_needs_three():
+    bench = load_script(SCRIPT)
+    # five slow first steps (compilation, first fetches), then 200 ms steps: 5 steps/s, whatever came first
+    assert bench.steady_steps_per_s([30_000.0] * 5 + [200.0] * 10) == 5.0
+    assert bench.steady_steps_per_s([30_000.0] * 5 + [200.0, float("nan"), 200.0, 200.0]) == 5.0
+    assert bench.steady_steps_per_s([200.0] * 7) is None  # two steady steps say nothing
+
+
+def test_the_steady_ratio_stands_beside_the_wall_clock_one_and_a_side_without_it_is_left_out():
+    bench = load_script(SCRIPT)
+    head = {"run_dir": "r", "rows": 600, "epochs": 1, "num_workers": 4}
+    offline = row("offline", 80.0) | {"steady_steps_per_s": 6.0}
+    online = row("online", 100.0, rif=8) | {"steady_steps_per_s": 5.4}
+    report = bench.report_of(head, offline, [online], 8, finished=True)
+    assert report["online_over_offline"]["steady_steps_per_s"] == 0.9
+    assert report["by_requests_in_flight"]["8"]["steady_steps_per_s"] == 0.9
+    unlogged = row("online-rif1", 200.0, rif=1) | {"steady_steps_per_s": None}
+    report = bench.report_of(head, offline, [online, unlogged], 8, finished=True)
+    assert "steady_steps_per_s" not in report["by_requests_in_flight"]["1"]
