@@ -18,7 +18,8 @@
 #                                           RIF (default 1: speculators' serial fetch, the before; RIF=8, the
 #                                           configured count, runs that one only); the report is written after each
 #                                           mode; the 2,000-row serial run took ~200 s on the H200: ONLINE_TIMEOUT,
-#                                           540 s by default)
+#                                           540 s by default; ONLINE_ARGS=--online-first: online before offline,
+#                                           for a machine whose kernel cache is cold)
 #   bash bench/gpu/device_run.sh restore    RESTORE=<bundle folder>: build the target in $WORK, then put an earlier
 #                                           lease's check_target and regenerate_responses outputs into the run
 #                                           (bench/gpu/restore_run.py checks target, settings and sha256 first)
@@ -214,7 +215,7 @@ step_online() {
   fi
   stamp "online_vs_offline_gpu.py on results/$RUN (${ROWS:-2000} rows, ${EPOCHS:-1} epoch(s))"
   timeout "${ONLINE_TIMEOUT:-540}" python3 bench/gpu/online_vs_offline_gpu.py "results/$RUN" --rows "${ROWS:-2000}" \
-    --epochs "${EPOCHS:-1}" ${RIF:+--requests-in-flight $RIF} --work /root/online-bench --out "$OUT/online_vs_offline.json" 2>&1 \
+    --epochs "${EPOCHS:-1}" ${RIF:+--requests-in-flight $RIF} ${ONLINE_ARGS:-} --work /root/online-bench --out "$OUT/online_vs_offline.json" 2>&1 \
     | tee "$OUT/online_vs_offline.log" | grep -E "^\[device_run|online training|attempt|draft trained|Error|error|^\{|^  \"" | tail -60
   local rc=${PIPESTATUS[0]}
   cp /root/online-bench/online/train_work/online/vllm_server.log "$OUT/online_vllm_server.log" 2>/dev/null

@@ -5,7 +5,7 @@ hidden-state files (offline), once generating every sample from its own vLLM ser
 
 usage: python bench/gpu/online_vs_offline_gpu.py RUN_DIR [--rows 2000] [--epochs 1] [--server-memory 0.35]
                                                  [--requests-in-flight 1 [N ...]] [--num-workers W]
-                                                 [--work DIR] [--out FILE.json]
+                                                 [--work DIR] [--out FILE.json] [--online-first]
 
 RUN_DIR: results/<run> of a run that got through validate_hidden_states (its provenance.json holds the resolved
 config). Per mode: the stage's wall time, the trainer's time (wall minus the online server's start), steps and
@@ -20,8 +20,12 @@ fetch, one request per DataLoader worker): ``by_requests_in_flight`` holds each 
 --num-workers overrides train.num_workers for every mode. With EAGLE3_PROBE_REQUESTS_IN_FLIGHT=<dir> and
 EAGLE3_PROBE_REQUESTS_IN_FLIGHT_NO_WAIT=1 in the environment and tests/fault_plugins on PYTHONPATH, each online
 mode also reports the requests its trainer processes had in flight at once (``in_flight``: the probe's files).
---out is written before each online mode too (``finished``: false): a call cut inside a later mode keeps the
-finished ones.
+--out is written before each mode too (``finished``: false): a call cut inside a later mode keeps the finished
+ones. Offline runs first; --online-first runs the configured online mode before it (on a machine whose kernel
+cache is cold, the first run's compilation then slows online, not offline: the ratio errs against online).
+Rates: ``steps_per_s`` is steps over the trainer's wall (imports, compilation and validation included: at a few
+dozen steps mostly fixed costs), ``steady_steps_per_s`` over the trainer's own step times after the first 5 steps
+(each step's wait for data included): the rate a longer run settles at.
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=None)
     parser.add_argument("--work", type=Path, default=Path("/tmp/online_vs_offline"))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--online-first", action="store_true")
     args = parser.parse_args()
     run = args.run_dir.resolve()
     config = load(Provenance, run / "provenance.json").config
@@ -186,14 +191,18 @@ def main() -> None:
         "files_dir": run / "hidden_states" / "files",
     }
     files_bytes = sum(hs_file(inputs["files_dir"], row).stat().st_size for row in range(rows))
-    head = {"run_dir": str(run), "rows": rows, "epochs": args.epochs, "num_workers": config["train"]["num_workers"]}
-    offline = run_mode("offline", {**config, "train": {**config["train"], "hidden_states": "offline"}}, inputs, work)
-    offline["hidden_states_peak_bytes"] = files_bytes
-    counts = mode_order(configured, args.requests_in_flight)
-    online_modes = []
-    for count in counts:
+    head = {"run_dir": str(run), "rows": rows, "epochs": args.epochs, "num_workers": config["train"]["num_workers"],
+            "online_first": args.online_first}  # fmt: skip
+    offline, online_modes = None, []
+    for count in mode_plan(configured, args.requests_in_flight, args.online_first):
         # the report so far on disk before each mode: a call cut inside a later mode keeps the finished ones
         write_partial(report_of(head, offline, online_modes, configured, finished=False), args.out)
+        if count is None:
+            offline = run_mode(
+                "offline", {**config, "train": {**config["train"], "hidden_states": "offline"}}, inputs, work
+            )
+            offline["hidden_states_peak_bytes"] = files_bytes
+            continue
         train = {**config["train"], "hidden_states": "online"}
         train["online"] = {**train["online"], "requests_in_flight": count}
         mode = "online" if count == configured else f"online-rif{count}"
@@ -210,17 +219,28 @@ def mode_order(configured: int, others: list[int]) -> list[int]:
 RATE_KEYS = ("steps_per_s", "steady_steps_per_s", "trainer_s")
 
 
-def report_of(head: dict, offline: dict, online_modes: list[dict], configured: int, finished: bool) -> dict:
-    """The report from the modes run so far: online / offline at the configured count (once it ran) and at each
-    count that ran. `finished` is false while modes are still to run (a cut call's file says so)."""
-    for row in (offline, *online_modes):
+def mode_plan(configured: int, others: list[int], online_first: bool = False) -> list[int | None]:
+    """The order the modes run in: None for offline, a requests-in-flight count for online. Offline first by
+    default (a cut call keeps a ratio for each online mode that finished); with online_first the configured online
+    mode runs before offline, so that the process tree's cold kernel compilation (on a fresh machine, the first
+    training run's steady steps were 13% slower: 2026-12-07-llama8b-shape-pairs) falls on online's side and the
+    ratio errs against online, never for it."""
+    counts = mode_order(configured, others)
+    return [counts[0], None, *counts[1:]] if online_first else [None, *counts]
+
+
+def report_of(head: dict, offline: dict | None, online_modes: list[dict], configured: int, finished: bool) -> dict:
+    """The report from the modes run so far: online / offline at the configured count and at each count that ran,
+    once offline ran too. `finished` is false while modes are still to run (a cut call's file says so)."""
+    ran = [row for row in (offline, *online_modes) if row is not None]
+    for row in ran:
         row["peak_disk_bytes"] = row["hidden_states_peak_bytes"] + row["train_work_peak_bytes"]
     at_configured = [row for row in online_modes if row["requests_in_flight"] == configured]
     keys = ("wall_s", "trainer_s", "steps_per_s", "steady_steps_per_s", "peak_disk_bytes", "hidden_states_peak_bytes")
-    ratios = online_over_offline(offline, at_configured[0], keys) if at_configured else {}
+    ratios = online_over_offline(offline, at_configured[0], keys) if at_configured and offline else {}
     by_count = {str(row["requests_in_flight"]): online_over_offline(offline, row, RATE_KEYS)
-                for row in online_modes}  # fmt: skip
-    return {**head, "finished": finished, "modes": [offline, *online_modes], "online_over_offline": ratios,
+                for row in online_modes if offline}  # fmt: skip
+    return {**head, "finished": finished, "modes": ran, "online_over_offline": ratios,
             "by_requests_in_flight": by_count}  # fmt: skip
 
 

@@ -63,3 +63,17 @@ def test_the_steady_ratio_stands_beside_the_wall_clock_one_and_a_side_without_it
     unlogged = row("online-rif1", 200.0, rif=1) | {"steady_steps_per_s": None}
     report = bench.report_of(head, offline, [online, unlogged], 8, finished=True)
     assert "steady_steps_per_s" not in report["by_requests_in_flight"]["1"]
+
+
+def test_online_first_runs_the_configured_online_mode_before_offline_and_reports_no_ratio_until_offline_ran():
+    bench = load_script(SCRIPT)
+    assert bench.mode_plan(8, [1]) == [None, 8, 1]
+    assert bench.mode_plan(8, [1], online_first=True) == [8, None, 1]
+    assert bench.mode_plan(8, [8], online_first=True) == [8, None]
+    head = {"run_dir": "r", "rows": 600, "epochs": 1, "num_workers": 4}
+    online = row("online", 100.0, rif=8)
+    cut = bench.report_of(head, None, [online], 8, finished=False)
+    assert cut["online_over_offline"] == {} and cut["by_requests_in_flight"] == {}
+    assert [m["mode"] for m in cut["modes"]] == ["online"]
+    done = bench.report_of(head, row("offline", 80.0), [online], 8, finished=True)
+    assert done["online_over_offline"]["steps_per_s"] == 0.8
