@@ -94,7 +94,9 @@ def run_mode(mode: str, work: Path, configs: list[Path], cores: int) -> dict:
 
 def online_over_offline(offline: dict, online: dict, keys: tuple[str, ...]) -> dict[str, float]:
     """online / offline for each key both measured (both benches' ratio column)."""
-    return {key: round(online[key] / offline[key], 3) for key in keys if offline.get(key) and online.get(key)}
+    return {
+        key: round(online[key] / offline[key], 3) for key in keys if offline.get(key) and online.get(key) is not None
+    }
 
 
 def emit(report: dict, out: Path | None) -> None:

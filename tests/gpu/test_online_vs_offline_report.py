@@ -77,3 +77,11 @@ def test_online_first_runs_the_configured_online_mode_before_offline_and_reports
     assert [m["mode"] for m in cut["modes"]] == ["online"]
     done = bench.report_of(head, row("offline", 80.0), [online], 8, finished=True)
     assert done["online_over_offline"]["steps_per_s"] == 0.8
+
+
+def test_a_ratio_of_zero_is_kept_and_a_missing_side_is_left_out():
+    bench = load_script(SCRIPT)
+    offline = {"hidden_states_peak_bytes": 1000, "steady_steps_per_s": 6.0, "wall_s": 0}
+    online = {"hidden_states_peak_bytes": 0, "steady_steps_per_s": None, "wall_s": 5}
+    keys = ("hidden_states_peak_bytes", "steady_steps_per_s", "wall_s")
+    assert bench.online_over_offline(offline, online, keys) == {"hidden_states_peak_bytes": 0.0}
