@@ -332,6 +332,7 @@ PHASES = ("fetch_ms", "queue_ms", "h2d_ms", "fwd_ms", "bwd_ms", "clip_ms", "opt_
 TRAIN_GOAL = 0.98  # workflow steps/s over bare steps/s (issue 15)
 EXTRACTION_GOAL = 0.98  # workflow tokens/s over plain prefill's, CUDA graphs on (issue 42)
 MIN_PAIRS = 3  # fewer pairs give no spread worth a verdict
+SKIP_STEPS = 5  # --skip-steps' default: logged steps holding compilation and the first fetches
 
 
 def run_plan(pairs: int, warmup_side: str = "bare") -> list[dict]:
@@ -896,7 +897,9 @@ def main() -> None:
         "instead of the bench's own: the training pairs only, no extraction",
     )
     parser.add_argument("--train-pairs", type=int, default=3, help="measured pairs after the warm-up run")
-    parser.add_argument("--skip-steps", type=int, default=5, help="logged steps dropped at the start of each run")
+    parser.add_argument(
+        "--skip-steps", type=int, default=SKIP_STEPS, help="logged steps dropped at the start of each run"
+    )
     parser.add_argument("--stage", action="store_true", help="also time extract_replica with its own (cold) server")
     parser.add_argument(
         "--split-method",

@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "workflow" / "scripts"), str(REPO / "bench" / "online"), str(REPO / "bench" / "gpu")]
 
-from bench_gpu import steady_steps, steps_per_s  # noqa: E402
+from bench_gpu import SKIP_STEPS, steady_steps, steps_per_s  # noqa: E402
 from online_vs_offline import HighWater, emit, online_over_offline  # noqa: E402
 
 from eagle3_workflow.files.artefacts import load  # noqa: E402
@@ -71,10 +71,7 @@ def median(values: list[float]) -> float | None:
     return values[len(values) // 2] if values else None
 
 
-STEADY_SKIP = 5  # as bench_gpu.py's --skip-steps: compilation and the first fetches (the server's, online)
-
-
-def steady_steps_per_s(step_ms: list[float], skip: int = STEADY_SKIP) -> float | None:
+def steady_steps_per_s(step_ms: list[float], skip: int = SKIP_STEPS) -> float | None:
     """Steps per second over the logged steps after the first `skip` (the trainer's own step_ms, which holds the
     step's wait for data), as the training pairs measure a run: the rate a longer run settles at, without the fixed
     costs (imports, compilation, validation) that a wall-clock rate of a few dozen steps is mostly made of. None
