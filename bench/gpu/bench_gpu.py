@@ -4,7 +4,7 @@ against bare `speculators train`, on the same data.
 usage: python bench/gpu/bench_gpu.py --target DIR --work DIR [--samples 128] [--seq-len 2048] [--concurrency 64]
                                      [--repeats 3] [--eager] [--train-epochs 2] [--train-pairs 3] [--skip-steps 5]
                                      [--skip-train | --train-only | --train-on RUN_DIR] [--split-method]
-                                     [--out FILE.json]
+                                     [--files-only] [--first-pair N] [--out FILE.json]
 
 Data: --samples synthetic prompts of --seq-len random token ids of the target's tokenizer (all positions trained),
 written in prepare_data's layout (a HF dataset saved to disk + token_freq.pt), so every stage function reads it as
@@ -48,12 +48,18 @@ files instead (made from --target; every file validated against its row), no ext
 Each finished run is appended to --work/training-runs.jsonl; a later call with the same data, files and flags keeps
 those runs and goes on with the plan (a device call is cut at 10 minutes; seven 8B-shape runs take longer). A run
 in a resumed call pays a fresh process's compilation again, in its first steps, which --skip-steps leaves out.
+Pairs across leases: each pair is measured within one lease (its two runs back to back on one machine), so pairs of
+one key from several leases compare together (`training_pairs.py LEDGER LEDGER ...`). --files-only makes the files
+with the workflow's server and client alone (one server start, no extraction figures), into the folder the full
+bench's last pass uses, so the key is the same; --first-pair N numbers a lease's pairs from N (pair N runs bare first
+when N is odd), after an earlier lease's pairs 1 ... N-1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import fcntl
 import json
 import os
@@ -64,7 +70,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow" / "scripts"))
@@ -169,8 +177,6 @@ def method_only_spec(extraction_spec):
     forward returns the chosen layers' hidden states and the method's cache-only layer stores them every step, but
     nothing is copied to the host or written. Between plain prefill and the extraction server, it tells the method's
     share of the gap from the connector's (the copy to the host and the file writes)."""
-    import dataclasses
-
     return dataclasses.replace(extraction_spec, kv_transfer_config=None)
 
 
@@ -190,7 +196,18 @@ def method_only_passes(extraction_spec, prompts: list[list[int]], args: argparse
     return {"ready_s": ready_s, "warm": warm}
 
 
-def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_dir: Path, work: Path) -> dict:
+class ExtractionSetup(NamedTuple):
+    """What every extraction server of the bench shares: the layers and width of the target, the vLLM settings, the
+    extraction stage's settings, and `spec(storage)`: the workflow's extraction server writing into `storage`."""
+
+    layers: list[int]
+    hidden: int
+    vllm_settings: dict
+    stage: ExtractHiddenStatesStage
+    spec: Callable[[str], Any]
+
+
+def extraction_setup(args: argparse.Namespace) -> ExtractionSetup:
     config = read_target_config(args.target)
     layers = resolve_layer_ids(config.num_layers, None)
     hidden = config.hidden_size
@@ -223,6 +240,44 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
             enable_render_endpoint=False,
         )
 
+    return ExtractionSetup(layers, hidden, vllm_settings, stage, spec)
+
+
+def workflow_files_dir(args: argparse.Namespace) -> Path:
+    """Where the workflow client's last pass leaves its hidden-state files, which the training runs read: the same
+    folder (and so the same training ledger key) whether a full extraction bench or --files-only made them."""
+    return args.work / f"workflow-files-{args.repeats - 1}"
+
+
+def extract_files_only(args: argparse.Namespace, prompts: list[list[int]], work: Path) -> dict:
+    """--files-only: the workflow's extraction server and one pass of its client into workflow_files_dir, nothing
+    measured beside it: the hidden-state files a later lease's training pairs need, for ~1 server start instead of
+    the full bench's 2-3 (so that pair joins an earlier lease's pairs under the same ledger key)."""
+    setup = extraction_setup(args)
+    storage, files = work / "connector-scratch", workflow_files_dir(args)
+    for folder in (storage, files):
+        shutil.rmtree(folder, ignore_errors=True)
+    storage.mkdir(parents=True)
+    samples = [Sample(i, ids) for i, ids in enumerate(prompts)]
+    log("files only: the workflow's extraction server and one pass of its client")
+    with VLLMServer(setup.spec(str(storage.resolve())), work / "extract-server.log") as server:
+        start = time.monotonic()
+        written = extract_samples(server, samples, HiddenStateFiles(files, len(setup.layers), setup.hidden),
+                                  settings=client_settings(setup.stage.extraction),
+                                  tracker=ProgressTracker(None, 0, len(samples), 0))  # fmt: skip
+        seconds = time.monotonic() - start
+        ready_s = round(server.ready_s, 1)
+    tokens = sum(map(len, prompts))
+    result = {"extract_ready_s": ready_s, "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1),
+              "bytes": written, "files_dir": str(files)}  # fmt: skip
+    log(f"files only: ready {ready_s} s, {result['tok_per_s']} tok/s, {written} bytes -> {files}")
+    return result
+
+
+def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_dir: Path, work: Path) -> dict:
+    setup = extraction_setup(args)
+    layers, hidden, stage, spec = setup.layers, setup.hidden, setup.stage, setup.spec
+    vllm_settings = setup.vllm_settings
     tokens = sum(map(len, prompts))
     warm = prompts[: min(8, len(prompts))]
     result: dict = {"layers": layers, "hidden_size": hidden, "samples": len(prompts), "tokens": tokens}
@@ -257,7 +312,7 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
         connector = [asyncio.run(raw_pass(server, prompts, args.concurrency, True)) for _ in range(args.repeats)]
         workflow = []
         for repeat in range(args.repeats):
-            files = work / f"workflow-files-{repeat}"
+            files = work / f"workflow-files-{repeat}"  # the last: workflow_files_dir
             shutil.rmtree(files, ignore_errors=True)
             settings = client_settings(stage.extraction)
             start = time.monotonic()
@@ -292,7 +347,7 @@ def bench_extraction(args: argparse.Namespace, prompts: list[list[int]], data_di
     result["bytes_per_run"] = bytes_per_run
     result["workflow_bytes_per_s"] = round(bytes_per_run * best["workflow_warm"] / tokens, 1)
     result["connector_bytes_per_s"] = round(connector[-1]["bytes"] * best["connector_warm"] / tokens, 1)
-    result["files_dir"] = str(work / f"workflow-files-{args.repeats - 1}")
+    result["files_dir"] = str(workflow_files_dir(args))
     if not args.stage:
         return result
     log("stage: extract_replica (own server, cold, as the rule runs it)")
@@ -335,13 +390,17 @@ MIN_PAIRS = 3  # fewer pairs give no spread worth a verdict
 SKIP_STEPS = 5  # --skip-steps' default: logged steps holding compilation and the first fetches
 
 
-def run_plan(pairs: int, warmup_side: str = "bare") -> list[dict]:
+def run_plan(pairs: int, warmup_side: str = "bare", first_pair: int = 1) -> list[dict]:
     """One unmeasured warm-up run (it pays the cold kernel compilation and fills the page cache), then `pairs`
-    pairs in alternating order (bare→workflow, workflow→bare, …) so neither side always runs second."""
+    pairs in alternating order (bare→workflow, workflow→bare, …) so neither side always runs second. `first_pair`:
+    the number of the first (--first-pair), for a lease that adds pairs to an earlier lease's ledger: the numbers
+    stay unique across the two and the order keeps alternating (pair N runs bare first when N is odd)."""
     if pairs < 1:
         raise ValueError(f"--train-pairs must be >= 1, got {pairs}")
+    if first_pair < 1:
+        raise ValueError(f"--first-pair must be >= 1, got {first_pair}")
     plan = [{"tag": "warmup", "side": warmup_side, "pair": None, "measured": False}]
-    for pair in range(1, pairs + 1):
+    for pair in range(first_pair, first_pair + pairs):
         order = SIDES if pair % 2 else SIDES[::-1]
         plan += [{"tag": f"pair{pair}-{side}", "side": side, "pair": pair, "measured": True} for side in order]
     return plan
@@ -699,12 +758,14 @@ def training_runs(ctx: dict, args: argparse.Namespace, files_dir: Path) -> list[
     ledger, key = ctx["work"] / "training-runs.jsonl", run_ledger_key(args, files_dir)
     done = finished_runs(ledger, key)
     runs = []
-    for item in run_plan(args.train_pairs):
+    for item in run_plan(args.train_pairs, first_pair=getattr(args, "first_pair", 1)):
         if item["tag"] in done:
             log(f"[{item['tag']}] finished by an earlier call ({ledger}): kept, not rerun")
             runs.append(done[item["tag"]])
             continue
         run = item | runners[item["side"]](ctx, item["tag"])
+        # the machine it ran on: pairs of one key from several leases are compared together (training_pairs.py)
+        run |= {"host": platform.node(), "gpu": gpu_name()}
         run["step_ms"] = [s["step_ms"] for s in run["steps"]]
         log(f"[{item['tag']}] wall {run['wall_s']} s, {len(run['step_ms'])} steps logged")
         record_run(ledger, key, run)
@@ -898,6 +959,17 @@ def main() -> None:
     )
     parser.add_argument("--train-pairs", type=int, default=3, help="measured pairs after the warm-up run")
     parser.add_argument(
+        "--first-pair",
+        type=int,
+        default=1,
+        help="the first pair's number: a later lease's pairs join an earlier lease's ledger (training_pairs.py)",
+    )
+    parser.add_argument(
+        "--files-only",
+        action="store_true",
+        help="instead of the extraction bench, the workflow's server and client once: the files the pairs train on",
+    )
+    parser.add_argument(
         "--skip-steps", type=int, default=SKIP_STEPS, help="logged steps dropped at the start of each run"
     )
     parser.add_argument("--stage", action="store_true", help="also time extract_replica with its own (cold) server")
@@ -914,6 +986,8 @@ def main() -> None:
     started = time.monotonic()
     if args.train_on and args.skip_train:
         raise SystemExit("--train-on is the training pairs only; --skip-train leaves nothing to run")
+    if args.files_only and (args.train_on or args.train_only):
+        raise SystemExit("--files-only makes the bench's own files; --train-on and --train-only read existing ones")
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host": platform.node(),
@@ -932,8 +1006,10 @@ def main() -> None:
         if args.train_only:
             files_dir = earlier_extraction_files(args)
         else:
-            result["extraction"] = bench_extraction(args, prompts, data_dir, args.work)
-            files_dir = Path(result["extraction"]["files_dir"])
+            part = "extraction_files" if args.files_only else "extraction"
+            result[part] = (extract_files_only(args, prompts, args.work) if args.files_only
+                            else bench_extraction(args, prompts, data_dir, args.work))  # fmt: skip
+            files_dir = Path(result[part]["files_dir"])
             if args.out:
                 write_text_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
     if not args.skip_train:

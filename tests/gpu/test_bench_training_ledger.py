@@ -129,3 +129,112 @@ def test_the_pairs_script_reads_a_gzipped_ledger_and_refuses_mixed_keys(tmp_path
     mixed.write_text(lines[0] + "\n" + json.dumps({"key": other, "run": plan[1] | steps(1.0)}) + "\n")
     refused = subprocess.run([*script, str(mixed), "--out", str(out)], capture_output=True, text=True)
     assert refused.returncode != 0 and "2 keys" in refused.stderr
+
+
+def test_a_later_lease_numbers_its_pairs_after_the_earlier_ones_and_keeps_the_order_alternating():
+    bench = load_script(GPU / "bench_gpu.py")
+    plan = bench.run_plan(2, first_pair=3)
+    assert [r["tag"] for r in plan] == ["warmup", "pair3-bare", "pair3-workflow", "pair4-workflow", "pair4-bare"]
+    assert bench.run_plan(1)[1:] == [r | {"pair": 1, "tag": r["tag"].replace("3", "1")} for r in plan[1:3]]
+    with pytest.raises(ValueError, match="--first-pair must be >= 1"):
+        bench.run_plan(1, first_pair=0)
+
+
+def test_a_run_records_the_machine_it_ran_on_and_the_first_pair_is_honoured(tmp_path, monkeypatch):
+    bench = load_script(GPU / "bench_gpu.py")
+    args = bench_args(tmp_path, train_pairs=1, first_pair=3)
+
+    def run(ctx, tag):
+        return {"wall_s": 1.0, "steps": [{"step_ms": 10.0}] * 4}
+
+    monkeypatch.setattr(bench, "run_bare", run)
+    monkeypatch.setattr(bench, "run_workflow", run)
+    monkeypatch.setattr(bench, "gpu_name", lambda: "NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04")
+    runs = bench.training_runs({"work": tmp_path}, args, tmp_path / "files")
+    assert [r["tag"] for r in runs] == ["warmup", "pair3-bare", "pair3-workflow"]
+    assert {r["gpu"] for r in runs} == {"NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04"}
+    assert all(r["host"] for r in runs)
+
+
+def ledger_lines(key: dict, items: list[dict], ms: dict[str, float], flags: tuple[str, ...] = ("--lr", "3e-4")) -> str:
+    lines = []
+    for item in items:
+        command = ["python", "-m", "entry", "--save-path", f"/w/{item['tag']}", *flags]
+        lines.append(json.dumps({"key": key, "run": item | steps(ms[item["side"]]) | {"command": command}}))
+    return "\n".join(lines) + "\n"
+
+
+def run_pairs_script(*ledgers, out):
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable,
+        str(GPU / "training_pairs.py"),
+        *map(str, ledgers),
+        "--skip-steps",
+        "2",
+        "--out",
+        str(out),
+    ]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_pairs_of_one_key_from_two_leases_give_the_verdict_together(tmp_path):
+    """The 2026-12-07 lease finished pairs 1 and 2 and the bare run of pair 3; a later lease (its own warm-up,
+    --first-pair 3) finishes pair 3: three pairs, each inside one lease, and the verdict."""
+    import gzip
+
+    bench = load_script(GPU / "bench_gpu.py")
+    key = bench.run_ledger_key(bench_args(tmp_path), tmp_path / "workflow-files-2")
+    (tmp_path / "lease-a").mkdir()
+    (tmp_path / "lease-b").mkdir()
+    earlier = tmp_path / "lease-a" / "training-runs.jsonl.gz"
+    earlier.write_bytes(
+        gzip.compress(ledger_lines(key, bench.run_plan(3)[:-1], {"bare": 150.0, "workflow": 140.0}).encode())
+    )
+    later = tmp_path / "lease-b" / "training-runs.jsonl"
+    later.write_text(ledger_lines(key, bench.run_plan(1, first_pair=3), {"bare": 160.0, "workflow": 150.0}))
+    out = tmp_path / "pairs.json"
+    done = run_pairs_script(earlier, later, out=out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["comparison"]["pair_ratios"] == [round(150 / 140, 4)] * 2 + [round(160 / 150, 4)]
+    assert result["comparison"]["verdict"] == "meets the goal"
+    # the earlier lease's pair3-bare never met the later lease's pair3-workflow: it stays unpaired
+    assert result["unpaired"] == ["lease-a:pair3-bare"]
+    assert result["pairs_by_ledger"] == {"lease-a": [1, 2], "lease-b": [3]}
+    assert result["machines"] == ["lease-a: not recorded", "lease-b: not recorded"]
+    # each ledger alone: no verdict from either
+    alone = run_pairs_script(later, out=tmp_path / "alone.json")
+    assert alone.returncode == 0 and "no verdict: 1 pair(s)" in alone.stdout
+
+
+def test_ledgers_of_other_settings_or_with_one_pair_number_twice_are_refused(tmp_path):
+    bench = load_script(GPU / "bench_gpu.py")
+    key = bench.run_ledger_key(bench_args(tmp_path), tmp_path / "files")
+    ms = {"bare": 150.0, "workflow": 140.0}
+
+    def ledger(name: str, text: str):
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "training-runs.jsonl"
+        path.write_text(text)
+        return path
+
+    first = ledger("a", ledger_lines(key, bench.run_plan(2), ms))
+    again = ledger("b", ledger_lines(key, bench.run_plan(1, first_pair=2), ms))
+    other_key = ledger("c", ledger_lines(bench.run_ledger_key(bench_args(tmp_path, samples=16), tmp_path / "files"),
+                                         bench.run_plan(1, first_pair=3), ms))  # fmt: skip
+    other_flags = ledger("d", ledger_lines(key, bench.run_plan(1, first_pair=3), ms, flags=("--lr", "1e-3")))
+    out = tmp_path / "pairs.json"
+    twice = run_pairs_script(first, again, out=out)
+    assert (
+        twice.returncode != 0
+        and "pair 2 is complete in both a and b" in twice.stderr
+        and "--first-pair" in twice.stderr
+    )
+    keys = run_pairs_script(first, other_key, out=out)
+    assert keys.returncode != 0 and "2 keys" in keys.stderr
+    flags = run_pairs_script(first, other_flags, out=out)
+    assert flags.returncode != 0 and "other flags" in flags.stderr
+    assert not out.exists()
