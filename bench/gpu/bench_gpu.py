@@ -758,7 +758,7 @@ def training_runs(ctx: dict, args: argparse.Namespace, files_dir: Path) -> list[
     ledger, key = ctx["work"] / "training-runs.jsonl", run_ledger_key(args, files_dir)
     done = finished_runs(ledger, key)
     runs = []
-    for item in run_plan(args.train_pairs, first_pair=getattr(args, "first_pair", 1)):
+    for item in run_plan(args.train_pairs, first_pair=args.first_pair):
         if item["tag"] in done:
             log(f"[{item['tag']}] finished by an earlier call ({ledger}): kept, not rerun")
             runs.append(done[item["tag"]])

@@ -17,7 +17,8 @@ GPU = REPO / "bench" / "gpu"
 
 def args_for(run, target, work, **changes) -> argparse.Namespace:
     values = {"samples": 128, "seq_len": 2048, "seed": 0, "train_epochs": 1, "total_seq_len": 256, "draft_vocab": 64,
-              "device": "cpu", "target": target, "train_pairs": 1, "skip_steps": 1, "train_on": run, "work": work}  # fmt: skip
+              "device": "cpu", "target": target, "train_pairs": 1, "first_pair": 1, "skip_steps": 1, "train_on": run,
+              "work": work}  # fmt: skip
     return argparse.Namespace(**(values | changes))
 
 

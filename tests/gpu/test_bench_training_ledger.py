@@ -15,7 +15,7 @@ GPU = REPO / "bench" / "gpu"
 
 def bench_args(tmp_path, **changes) -> argparse.Namespace:
     values = {"samples": 8, "seq_len": 64, "seed": 0, "train_epochs": 1, "total_seq_len": 256, "draft_vocab": 2048,
-              "device": "cpu", "target": tmp_path / "target", "train_pairs": 3}  # fmt: skip
+              "device": "cpu", "target": tmp_path / "target", "train_pairs": 3, "first_pair": 1}  # fmt: skip
     return argparse.Namespace(**(values | changes))
 
 
