@@ -92,13 +92,13 @@ def main() -> None:
     parser.add_argument("--skip-steps", type=int, default=5)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if len({ledger_label(path) for path in args.ledgers}) != len(args.ledgers):
+    labels = [ledger_label(path) for path in args.ledgers]
+    if len(set(labels)) != len(labels):
         raise SystemExit(f"two ledgers in one folder: {[str(p) for p in args.ledgers]}; one ledger per lease folder")
-    key, runs = combine_ledgers([(ledger_label(path), *read_ledger(path)) for path in args.ledgers])
+    key, runs = combine_ledgers([(label, *read_ledger(path)) for label, path in zip(labels, args.ledgers, strict=True)])
     result = {"key": key, "skip_steps": args.skip_steps} | training_result(runs, args.skip_steps)
-    if len(args.ledgers) > 1:
+    if len(labels) > 1:
         paired = complete_pairs(runs)[0]
-        labels = [ledger_label(path) for path in args.ledgers]
         result["pairs_by_ledger"] = {
             label: sorted({r["pair"] for r in paired if r["ledger"] == label}) for label in labels
         }
