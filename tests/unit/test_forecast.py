@@ -150,6 +150,15 @@ def test_the_plan_of_the_published_8b_preset(capsys, tmp_path, monkeypatch):
     assert "evaluate_draft" in capsys.readouterr().out  # listed, without a figure
 
 
+def test_the_plan_prints_terabytes_where_the_hidden_states_pass_a_thousand_gigabytes(capsys, tmp_path, monkeypatch):
+    """500k samples of 1,024 tokens, 4 layers of 4,096 in bf16: 16.8 TB, not '16777.2 GB'."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--configfile", str(PRESET_8B), *SHAPE, "--samples", "500000", "--mean-tokens", "1024"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
+    assert "16.8 TB" in rows["extract_hidden_states"]  # 512,000,000 tokens x 32,768 bytes
+    assert "32.7 GB" in rows["train_draft"]  # below 1,000 GB: gigabytes as before
+
+
 def test_an_eager_run_pays_the_eager_start_and_each_forecast_keeps_its_two_parts():
     costs = CostTable(
         machine="test",

@@ -124,6 +124,11 @@ def human(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
+def disk_size(n_bytes: float) -> str:
+    """Decimal units, as disks are sold; terabytes from 1,000 GB on (a 500k-sample run's hidden states)."""
+    return f"{n_bytes / 1e12:,.1f} TB" if n_bytes >= 1e12 else f"{n_bytes / 1e9:.1f} GB"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3_workflow.forecast", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configfile", type=Path, nargs="+", required=True)
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         gpu_h = f"{row.gpu_hours:.2f}" if row.gpu_hours is not None else "-"
         wall = human(row.wall_s) if row.wall_s is not None else "-"
-        disk = f"{row.disk_bytes / 1e9:.1f} GB" if row.disk_bytes is not None else "-"
+        disk = disk_size(row.disk_bytes) if row.disk_bytes is not None else "-"
         print(f"{row.stage:24s} {gpu_h:>10s} {wall:>10s} {disk:>10s}  {row.basis}")
     if args.json:
         args.json.write_text(json.dumps(as_json(rows, run, costs), indent=1) + "\n")
